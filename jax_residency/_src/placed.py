@@ -1,0 +1,295 @@
+"""``place``: put a Flax model's weights where a policy says, and run it.
+
+``place(model, policy)`` splits the model into static parameters and a unit
+stack (:mod:`.model`), checks the budgets before anything moves (:mod:`.plan`),
+places the leaves (:mod:`.placement`) and returns a :class:`PlacedModel` that is
+called like the original. Fully-resident and layerwise-host forwards are one
+jitted program each (compiled once per input shape); a dense disk stream runs
+through :mod:`.stream`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from . import placement as pl
+from .errors import ClosedError, PlacementError
+from .model import SplitModel, split_model
+from .plan import ModelMetadata, check_budgets
+from .policy import (
+  DenseDiskStream,
+  ExecutionResidency,
+  FullyResident,
+  LayerWeightResidency,
+  LayerwiseHost,
+)
+from .telemetry import PassCounters, Report, Telemetry
+from .unit_loop import LoopContext
+
+
+class PlacedModel:
+  """A model whose unit weights live where its policy says.
+
+  Call it like the original model. Use it as a context manager, or call
+  :meth:`close`, to release what it holds (device and host copies, open stores,
+  background threads).
+
+  Attributes:
+    metadata: sizes and placement decided at load time (:class:`ModelMetadata`).
+    policy: the weight-residency policy.
+    mesh: the mesh parameters are placed on.
+  """
+
+  def __init__(
+    self,
+    split: SplitModel,
+    policy: LayerWeightResidency,
+    mesh: Mesh,
+    metadata: ModelMetadata,
+    runner: Callable[..., Any],
+    closers: list[Callable[[], None]],
+    lowerer: Callable[..., Any] | None = None,
+    *,
+    telemetry: Telemetry,
+  ) -> None:
+    self._split = split
+    self.policy = policy
+    self.mesh = mesh
+    self.metadata = metadata
+    self._runner = runner
+    self._closers = closers
+    self._lowerer = lowerer
+    self._telemetry = telemetry
+    self._closed = False
+    self._lock = threading.Lock()
+
+  @property
+  def unit_count(self) -> int:
+    return self.metadata.layer_count
+
+  @property
+  def unit_prefix(self) -> tuple[str, ...]:
+    """Path of the stacked layer module inside the model."""
+    return self._split.unit_prefix
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if self._closed:
+      raise ClosedError("this placed model was closed; place the model again to run it")
+    return self._runner(*args, **kwargs)
+
+  def report(self) -> Report:
+    """What the passes so far moved and cost (an immutable :class:`Report`)."""
+    return self._telemetry.report()
+
+  def lower(self, *args: Any, platforms: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
+    """Lowers the jitted forward (``FullyResident``/``LayerwiseHost``) for inspection.
+
+    ``platforms=("cuda",)`` or ``("tpu",)`` lowers for an accelerator even on a
+    CPU-only machine, which shows where parameters live and where they move.
+    """
+    if self._lowerer is None:
+      raise PlacementError(
+        f"{self.policy.name} does not run as one jitted program; there is nothing to lower"
+      )
+    return self._lowerer(*args, platforms=platforms, **kwargs)
+
+  def close(self) -> None:
+    """Releases every buffer, store handle and thread this placement holds."""
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+      closers, self._closers = self._closers, []
+    for close in reversed(closers):
+      close()
+
+  def __enter__(self) -> PlacedModel:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+  def __repr__(self) -> str:
+    state = "closed" if self._closed else "open"
+    return (
+      f"PlacedModel({self.policy!r}, layers={self.metadata.layer_count}, "
+      f"units={'.'.join(self.unit_prefix)!r}, {state})"
+    )
+
+
+def place(
+  model: Any,
+  policy: Any = None,
+  *,
+  params: Any = None,
+  mesh: Mesh | None = None,
+  units: str | tuple[str, ...] | None = None,
+  rules: pl.Rules | None = None,
+  store: str | None = None,
+) -> PlacedModel:
+  """Places a Flax model's weights as ``policy`` says.
+
+  Args:
+    model: an ``nnx.Module``, or a Linen module (then pass ``params``). Its layers
+      must run through :func:`jax_residency.scan_units` (NNX) or
+      :func:`jax_residency.linen.scan` (Linen).
+    policy: a :class:`LayerWeightResidency` or options convertible by
+      ``LayerWeightResidency.of``; default :class:`FullyResident`.
+    params: a Linen model's variables (``model.init(...)``).
+    mesh: the mesh to place on; default all local devices, replicated.
+    units: path of the stacked layer module (``"layers"``); default: the first
+      of the common names that is a layer stack, else the only candidate.
+    rules: logical-to-mesh axis rules for models with logical partitioning.
+    store: for ``DenseDiskStream``, the unit store written by
+      :func:`jax_residency.save` (a directory or TensorStore kvstore URL).
+
+  Returns:
+    A :class:`PlacedModel`, called like ``model``.
+
+  Raises:
+    UnitSelectionError: the layer stack cannot be found.
+    DeviceBudgetTooSmallError, HostBudgetTooSmallError: the budgets cannot
+      hold the model's windows (raised before anything is placed).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> class Net(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.layers = nnx.vmap(lambda k: nnx.Linear(8, 8, rngs=nnx.Rngs(k)))(
+    ...         jax.random.split(rngs.params(), 4))
+    ...   def __call__(self, x):
+    ...     return jr.scan_units(lambda h, layer: jnp.tanh(layer(h)), x, self.layers)
+    >>> net = Net(nnx.Rngs(0))
+    >>> x = jnp.ones((2, 8))
+    >>> with jr.place(net, jr.LayerwiseHost(jr.LayerwiseLoadOptions())) as placed:
+    ...   bool((placed(x) == net(x)).all())
+    True
+  """
+  policy = LayerWeightResidency.default() if policy is None else LayerWeightResidency.of(policy)
+  split = split_model(model, params=params, units=units)
+  mesh = pl.default_mesh() if mesh is None else mesh
+  match policy:
+    case DenseDiskStream():
+      from .stream import place_dense  # noqa: PLC0415 - only dense placements need stores
+
+      if store is None:
+        raise PlacementError(
+          "DenseDiskStream streams units from a store: pass store=<path> written by "
+          "jax_residency.save(model, path)"
+        )
+      return place_dense(split, policy, mesh=mesh, rules=rules, store=store)
+    case FullyResident() | LayerwiseHost():
+      return _place_jitted(split, policy, mesh=mesh, rules=rules)
+  raise PlacementError(f"unsupported policy {policy!r}")
+
+
+def _place_jitted(
+  split: SplitModel, policy: LayerWeightResidency, *, mesh: Mesh, rules: pl.Rules | None
+) -> PlacedModel:
+  layerwise = policy.execution_residency is ExecutionResidency.LAYERWISE_HOST
+  unit_kind = pl.PINNED_HOST if layerwise else pl.DEVICE
+  if layerwise:
+    pl.require_memory_kind(mesh, pl.PINNED_HOST)
+  specs = pl.resolve_specs(split.leaves, mesh, rules)
+  shardings = [pl.sharding(mesh, s, pl.DEVICE) for s in specs]
+  slice_shardings: list[jax.sharding.Sharding] = []
+  for i in split.unit_index:
+    leaf = split.leaves[i]
+    slice_spec = pl.unit_slice_spec(leaf, specs[i])
+    shardings[i] = pl.sharding(mesh, specs[i], unit_kind)
+    slice_shardings.append(pl.sharding(mesh, slice_spec, pl.DEVICE))
+
+  metadata = metadata_for(
+    split, policy, [shardings[i] for i in split.static_index], slice_shardings
+  )
+
+  static_sh = [shardings[i] for i in split.static_index]
+  unit_sh = [shardings[i] for i in split.unit_index]
+  static = pl.put([split.values[i] for i in split.static_index], static_sh)
+  unit_values = pl.put([split.values[i] for i in split.unit_index], unit_sh)
+  depth = policy.device_depth(split.unit_count)
+
+  def forward(static_leaves: list[Any], unit_leaves: list[Any], *args: Any, **kwargs: Any) -> Any:
+    loop = LoopContext(
+      kind=policy.execution_residency, depth=depth, unit_shardings=tuple(slice_shardings)
+    )
+    out = split.forward(split.join(static_leaves, unit_leaves), loop, *args, **kwargs)
+    if loop.loops_run == 0:
+      raise PlacementError(
+        f"the model's forward never ran its layer stack {'.'.join(split.unit_prefix)!r} "
+        "through jax_residency.scan_units (NNX) or jax_residency.linen.scan (Linen); replace "
+        "its nnx.scan / nn.scan with that call so the policy can place the layers"
+      )
+    return out
+
+  jitted = jax.jit(forward)
+  held: dict[str, list[Any]] = {"static": static, "units": unit_values}
+  telemetry = Telemetry(policy=policy, metadata=metadata)
+  moved = metadata.total_unit_bytes if layerwise else 0
+
+  def run(*args: Any, **kwargs: Any) -> Any:
+    start = time.perf_counter()
+    out = jax.block_until_ready(jitted(held["static"], held["units"], *args, **kwargs))
+    telemetry.commit_pass(
+      args=args,
+      seconds=time.perf_counter() - start,
+      counters=PassCounters(host_to_device_bytes=moved),
+      peak_device_units=metadata.device_window_units,
+      peak_device_bytes=metadata.device_window_bytes,
+    )
+    return out
+
+  def lowerer(*args: Any, platforms: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
+    traced = jitted.trace(held["static"], held["units"], *args, **kwargs)
+    return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+
+  def release() -> None:
+    # Dropping the references frees the copies; deleting them outright could free
+    # buffers shared with the caller's model (device_put to an equal sharding aliases).
+    held["static"], held["units"] = [], []
+
+  return PlacedModel(split, policy, mesh, metadata, run, [release], lowerer, telemetry=telemetry)
+
+
+def metadata_for(
+  split: SplitModel,
+  policy: LayerWeightResidency,
+  static_shardings: Sequence[jax.sharding.Sharding],
+  slice_shardings: Sequence[jax.sharding.Sharding],
+) -> ModelMetadata:
+  static_bytes = sum(
+    pl.per_device_bytes(leaf.shape, leaf.dtype, s)
+    for leaf, s in zip(split.static_leaves(), static_shardings, strict=True)
+  )
+  unit_leaves = split.unit_leaves()
+  one_unit = [(leaf.shape[1:], leaf.dtype) for leaf in unit_leaves]
+  unit_total = sum(leaf.nbytes for leaf in unit_leaves) // max(split.unit_count, 1)
+  device_unit = sum(
+    pl.per_device_bytes(shape, dtype, s)
+    for (shape, dtype), s in zip(one_unit, slice_shardings, strict=True)
+  )
+  if policy.execution_residency is ExecutionResidency.LAYERWISE_HOST:
+    host_unit = sum(
+      pl.per_process_bytes(shape, dtype, s)
+      for (shape, dtype), s in zip(one_unit, slice_shardings, strict=True)
+    )
+  elif policy.execution_residency is ExecutionResidency.DENSE_DISK_STREAM:
+    host_unit = unit_total
+  else:
+    host_unit = 0
+  n = split.unit_count
+  return check_budgets(
+    policy,
+    static_device_bytes=static_bytes,
+    unit_bytes=[unit_total] * n,
+    device_unit_bytes=[device_unit] * n,
+    host_unit_bytes=[host_unit] * n,
+  )

@@ -1,0 +1,343 @@
+"""The dense disk stream: units cold on disk, through bounded host and device caches.
+
+:class:`DenseStreamEngine` runs a staged forward (:mod:`.staged`) and answers
+its ``fetch(i)`` calls:
+
+* the **device tier** of the :class:`~.ledger.ResidencyLedger` holds at most
+  the window of ``DENSE_TRANSFER_WINDOW`` units (current + next) within
+  ``device_budget_bytes`` minus the static bytes; after unit *i* is dispatched,
+  unit *i + 1* is moved in while *i* computes;
+* the **host tier** holds numpy copies within ``host_budget_bytes``, filled
+  ahead by the :class:`~.prefetch.PrefetchWorker` (``host_lookahead`` units
+  protected ahead of the current one);
+* with ``host_budget_bytes == 0`` there is no host tier and no thread: units go
+  straight from the store to the device.
+
+Counters are per pass and committed only when the pass succeeds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from . import placement as pl
+from .errors import AdmissionError, PlacementError, StoreError
+from .ledger import Eviction, ResidencyLedger, Tier
+from .model import SplitModel
+from .plan import ModelMetadata
+from .policy import DenseDiskStream
+from .prefetch import CancelToken, PrefetchWorker
+from .staged import StagedForward, run_staged, trace
+from .telemetry import PassCounters, Telemetry
+from .typing import ParamPath
+
+
+class UnitSource(Protocol):
+  """What the engine needs from a unit store."""
+
+  @property
+  def unit_count(self) -> int: ...
+
+  def read_unit(self, index: int) -> Mapping[ParamPath, np.ndarray]: ...
+
+
+class DenseStreamEngine:
+  """Feeds a staged forward's unit loop from a store through the ledger."""
+
+  def __init__(
+    self,
+    *,
+    split: SplitModel,
+    policy: DenseDiskStream,
+    source: UnitSource,
+    static: list[jax.Array],
+    unit_shardings: Sequence[jax.sharding.Sharding],
+    metadata: ModelMetadata,
+    telemetry: Telemetry,
+  ) -> None:
+    opts = policy.options
+    self._split = split
+    self._policy = policy
+    self._source = source
+    self._static = static
+    self._unit_shardings = list(unit_shardings)
+    self._metadata = metadata
+    self._telemetry = telemetry
+    self._rel_paths = [split.unit_rel_path(leaf) for leaf in split.unit_leaves()]
+    self._host_unit_bytes = metadata.unit_bytes[0] if metadata.unit_bytes else 0
+    self._device_unit_bytes = metadata.largest_device_unit_bytes
+    self._unit_count = metadata.layer_count
+    self._lookahead = opts.host_lookahead
+    self._host_enabled = opts.host_budget_bytes != 0
+    # The device tier holds the window (current + next unit), within the budget
+    # left after the static parameters (the load-time check made sure it fits).
+    unit_device_budget = metadata.device_window_bytes
+    self.ledger = ResidencyLedger(
+      host_budget_bytes=opts.host_budget_bytes if self._host_enabled else 0,
+      device_budget_bytes=unit_device_budget,
+      eviction_policy=opts.eviction_policy,
+      on_evict=self._on_evict,
+    )
+    self.worker: PrefetchWorker | None = None
+    if self._host_enabled:
+      self.worker = PrefetchWorker(self._prefetch, capacity=opts.background_queue_capacity)
+    self._counters = PassCounters()
+    self._counters_lock = threading.Lock()
+    self._staged: dict[Any, StagedForward] = {}
+    self._run_lock = threading.Lock()
+
+  # --- a pass ----------------------------------------------------------------
+
+  def run(self, *args: Any, **kwargs: Any) -> Any:
+    """One forward pass; counters are committed only if it succeeds."""
+    with self._run_lock:
+      staged = self._stage(args, kwargs)
+      self._begin_pass()
+      start = time.perf_counter()
+      ok = False
+      try:
+        out = run_staged(
+          staged,
+          self._static,
+          (args, kwargs),
+          unit_count=self._unit_count,
+          fetch=self._fetch,
+          after_step=self._after_step,
+        )
+        out = jax.block_until_ready(out)
+        ok = True
+        return out
+      finally:
+        self._end_pass(ok, args, time.perf_counter() - start)
+
+  def _stage(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StagedForward:
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    key = (tree, tuple((np.shape(x), jax.dtypes.result_type(x)) for x in leaves))
+    staged = self._staged.get(key)
+    if staged is None:
+      unit_specs = [
+        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self._split.unit_leaves()
+      ]
+      staged = trace(self._forward, self._static, unit_specs, (args, kwargs))
+      if staged.unit_loop_count == 0:
+        raise PlacementError(
+          f"the model's forward never ran its layer stack "
+          f"{'.'.join(self._split.unit_prefix)!r} through jax_residency.scan_units (NNX) or "
+          "jax_residency.linen.scan (Linen); replace its nnx.scan / nn.scan with that call"
+        )
+      self._staged[key] = staged
+    return staged
+
+  def _forward(self, static: list[Any], units: list[Any], args: Any, kwargs: Any) -> Any:
+    from .unit_loop import LoopContext  # noqa: PLC0415 - avoid an import cycle at load
+
+    loop = LoopContext(
+      kind=self._policy.execution_residency, depth=2, unit_shardings=tuple(self._unit_shardings)
+    )
+    return self._split.forward(self._split.join(static, units), loop, *args, **kwargs)
+
+  def _begin_pass(self) -> None:
+    self.ledger.begin_pass()
+    if self.worker is not None:
+      self.worker.begin_pass()
+    with self._counters_lock:
+      self._counters = PassCounters()
+
+  def _end_pass(self, ok: bool, args: tuple[Any, ...], seconds: float) -> None:
+    if not ok and self.worker is not None:
+      self.worker.cancel(wait=True)
+    # A failed pass leaves no leases behind; clear the windows either way.
+    self.ledger.protect(Tier.DEVICE, ())
+    self.ledger.protect(Tier.HOST, ())
+    ledger_metrics = self.ledger.end_pass(commit=ok)
+    worker_metrics = self.worker.end_pass(commit=ok) if self.worker is not None else None
+    with self._counters_lock:
+      counters = self._counters
+    if ok:
+      self._telemetry.commit_pass(
+        args=args,
+        seconds=seconds,
+        ledger=ledger_metrics,
+        worker=worker_metrics,
+        counters=counters,
+      )
+
+  # --- the unit loop's callbacks --------------------------------------------
+
+  def _fetch(self, i: int) -> list[jax.Array]:
+    self.ledger.protect(Tier.DEVICE, self._device_window(i))
+    arrays = self.ledger.get(Tier.DEVICE, i)
+    if arrays is None:
+      arrays = self._load_device(i)
+    return arrays
+
+  def _after_step(self, i: int) -> None:
+    ahead = range(i + 1, min(i + 1 + self._lookahead, self._unit_count))
+    if self.worker is not None:
+      self.ledger.protect(Tier.HOST, ahead)
+      for j in ahead:
+        if not (self.ledger.contains(Tier.HOST, j) or self.ledger.is_pending(Tier.HOST, j)):
+          self.worker.submit(j)
+    nxt = i + 1
+    if nxt < self._unit_count and not self.ledger.contains(Tier.DEVICE, nxt):
+      self.ledger.protect(Tier.DEVICE, (i, nxt))
+      self._load_device(nxt)
+
+  def _device_window(self, i: int) -> tuple[int, ...]:
+    return tuple(j for j in (i, i + 1) if j < self._unit_count)
+
+  # --- moving units ------------------------------------------------------------
+
+  def _load_device(self, i: int) -> list[jax.Array]:
+    """Reads (or takes from the host tier) unit ``i`` and moves it to the device tier."""
+    if self._host_enabled:
+      host = self._host_unit(i)
+      source = "host"
+    else:
+      host = self._read_blocking(i)
+      source = "disk"
+    with self.ledger.reserve(Tier.DEVICE, i, self._device_unit_bytes) as reservation:
+      arrays = [
+        jax.device_put(np.asarray(host[p]), s)
+        for p, s in zip(self._rel_paths, self._unit_shardings, strict=True)
+      ]
+      reservation.commit(arrays)
+    with self._counters_lock:
+      if source == "host":
+        self._counters.host_to_device_bytes += self._host_unit_bytes
+      else:
+        self._counters.disk_to_device_bytes += self._host_unit_bytes
+    return arrays
+
+  def _host_unit(self, i: int) -> Mapping[ParamPath, np.ndarray]:
+    assert self.worker is not None
+    if self.worker.is_pending(i):
+      start = time.perf_counter()
+      self.worker.wait(i)  # raises PrefetchError if the read failed
+      self._note_stall(time.perf_counter() - start)
+    host = self.ledger.get(Tier.HOST, i)
+    if host is not None:
+      return host
+    try:
+      reservation = self.ledger.reserve(Tier.HOST, i, self._host_unit_bytes)
+    except AdmissionError:
+      # Everything cached is pinned; read this unit without caching it.
+      return self._read_blocking(i)
+    with reservation:
+      data = self._read_blocking(i, count_as="disk_to_host")
+      reservation.commit(data)
+    return data
+
+  def _read_blocking(
+    self, i: int, *, count_as: str = "disk_to_device"
+  ) -> Mapping[ParamPath, np.ndarray]:
+    start = time.perf_counter()
+    data = self._read(i)
+    self._note_stall(time.perf_counter() - start)
+    with self._counters_lock:
+      if count_as == "disk_to_host":
+        self._counters.disk_to_host_bytes += self._host_unit_bytes
+    return data
+
+  def _read(self, i: int) -> Mapping[ParamPath, np.ndarray]:
+    try:
+      return self._source.read_unit(i)
+    except StoreError:
+      raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the unit named
+      raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e
+
+  def _prefetch(self, i: int, token: CancelToken) -> None:
+    """Runs on the worker thread: reads unit ``i`` into the host tier."""
+    if (
+      token.cancelled or self.ledger.contains(Tier.HOST, i) or self.ledger.is_pending(Tier.HOST, i)
+    ):
+      return
+    try:
+      reservation = self.ledger.reserve(Tier.HOST, i, self._host_unit_bytes)
+    except AdmissionError:
+      return  # no room right now; demand will read it
+    with reservation:
+      data = self._read(i)
+      if token.cancelled:
+        return
+      reservation.commit(data, prefetched=True)
+    with self._counters_lock:
+      self._counters.disk_to_host_bytes += self._host_unit_bytes
+
+  def _note_stall(self, seconds: float) -> None:
+    with self._counters_lock:
+      self._counters.stalls += 1
+      self._counters.stall_seconds += seconds
+
+  def _on_evict(self, eviction: Eviction) -> None:
+    if eviction.tier is Tier.HOST and not eviction.used and self.worker is not None:
+      self.worker.note_evicted_before_use()
+
+  def close(self) -> None:
+    if self.worker is not None:
+      self.worker.close()
+    self.ledger.close()
+    self._static = []
+    self._staged.clear()
+
+
+def place_dense(
+  split: SplitModel,
+  policy: DenseDiskStream,
+  *,
+  mesh: Mesh,
+  rules: pl.Rules | None,
+  store: str,
+  telemetry_factory: Callable[..., Telemetry] | None = None,
+) -> Any:
+  """Opens ``store`` and builds a placed model that streams its units."""
+  from .placed import PlacedModel, metadata_for  # noqa: PLC0415 - placed imports us lazily
+  from .store import UnitStore  # noqa: PLC0415
+
+  specs = pl.resolve_specs(split.leaves, mesh, rules)
+  static_shardings = [pl.sharding(mesh, specs[i], pl.DEVICE) for i in split.static_index]
+  unit_shardings = [
+    pl.sharding(mesh, pl.unit_slice_spec(split.leaves[i], specs[i]), pl.DEVICE)
+    for i in split.unit_index
+  ]
+  metadata = metadata_for(split, policy, static_shardings, unit_shardings)
+  opened = UnitStore.open(
+    store, unit_prefix=split.unit_path_prefix, max_cached_shards=policy.max_cached_shards
+  )
+  try:
+    opened.check_against(
+      {split.unit_rel_path(leaf): (leaf.shape[1:], leaf.dtype) for leaf in split.unit_leaves()},
+      {leaf.path: (leaf.shape, leaf.dtype) for leaf in split.static_leaves()},
+      strict=policy.strict_loading,
+    )
+    if opened.unit_count != split.unit_count:
+      raise StoreError(
+        f"the store at {store!r} holds {opened.unit_count} units but the model has "
+        f"{split.unit_count}; save this model again with jax_residency.save"
+      )
+    stored_static = opened.read_static()
+    static = pl.put([stored_static[leaf.path] for leaf in split.static_leaves()], static_shardings)
+    telemetry = (telemetry_factory or Telemetry)(policy=policy, metadata=metadata)
+    engine = DenseStreamEngine(
+      split=split,
+      policy=policy,
+      source=opened,
+      static=static,
+      unit_shardings=unit_shardings,
+      metadata=metadata,
+      telemetry=telemetry,
+    )
+  except BaseException:
+    opened.close()
+    raise
+  return PlacedModel(
+    split, policy, mesh, metadata, engine.run, [opened.close, engine.close], telemetry=telemetry
+  )

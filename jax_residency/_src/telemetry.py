@@ -1,0 +1,327 @@
+"""Per-pass telemetry: what moved, when, and what it cost (SPEC §3).
+
+A placed model owns one :class:`Telemetry`. Each forward pass that succeeds is
+committed as a :class:`PassReport` (a failed pass commits nothing, so totals
+stay as they were). ``placed.report()`` returns an immutable :class:`Report`
+with the recent passes and cumulative prefill / decode / overall totals.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .ledger import LedgerMetrics, TierMetrics
+from .plan import ModelMetadata
+from .policy import LayerWeightResidency
+from .prefetch import WorkerMetrics
+from .sizes import format_bytes
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+#: How many recent passes a report keeps individually (totals cover all).
+DEFAULT_PASS_HISTORY = 256
+
+
+@dataclasses.dataclass
+class PassCounters:
+  """Byte and stall counters an engine accumulates during one pass."""
+
+  disk_to_host_bytes: int = 0
+  disk_to_device_bytes: int = 0
+  host_to_device_bytes: int = 0
+  stalls: int = 0
+  stall_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PassReport:
+  """One successful forward pass.
+
+  Attributes:
+    index: 0-based pass number over the placed model's life.
+    phase: ``"prefill"`` (more than one token along the sequence axis) or ``"decode"``.
+    tokens: tokens along the sequence axis of the first array argument.
+    seconds: wall time of the pass, outputs ready.
+    host, device: cache metrics per tier (``None`` where the policy has no
+      such cache).
+    disk_to_host_bytes, disk_to_device_bytes, host_to_device_bytes: bytes moved.
+    stalls, stall_seconds: times the pass waited for a unit, and for how long.
+    peak_device_units, peak_device_bytes: most unit copies / bytes on a device.
+    peak_host_units, peak_host_bytes: most unit copies / bytes in host memory.
+    worker: background prefetch counters (dense stream with a host cache).
+    process: process memory sample (``sample_process_memory``), else ``None``.
+    backend: backend memory sample (``sample_backend_memory``), else ``None``.
+  """
+
+  index: int
+  phase: str
+  tokens: int
+  seconds: float
+  host: TierMetrics | None
+  device: TierMetrics | None
+  disk_to_host_bytes: int
+  disk_to_device_bytes: int
+  host_to_device_bytes: int
+  stalls: int
+  stall_seconds: float
+  peak_device_units: int
+  peak_device_bytes: int
+  peak_host_units: int
+  peak_host_bytes: int
+  worker: WorkerMetrics | None = None
+  process: dict[str, int] | None = None
+  backend: dict[str, Any] | None = None
+
+  def to_dict(self) -> dict[str, Any]:
+    return _plain(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Totals:
+  """Counters summed (peaks maxed) over a set of passes."""
+
+  passes: int = 0
+  seconds: float = 0.0
+  host: TierMetrics | None = None
+  device: TierMetrics | None = None
+  disk_to_host_bytes: int = 0
+  disk_to_device_bytes: int = 0
+  host_to_device_bytes: int = 0
+  stalls: int = 0
+  stall_seconds: float = 0.0
+  peak_device_units: int = 0
+  peak_device_bytes: int = 0
+  peak_host_units: int = 0
+  peak_host_bytes: int = 0
+  worker: WorkerMetrics | None = None
+
+  @classmethod
+  def of(cls, p: PassReport) -> Totals:
+    """The totals of the single pass ``p``."""
+    fields = {f.name for f in dataclasses.fields(cls)} - {"passes"}
+    return cls(passes=1, **{name: getattr(p, name) for name in fields})
+
+  def __add__(self, other: Totals) -> Totals:
+    return Totals(
+      passes=self.passes + other.passes,
+      seconds=self.seconds + other.seconds,
+      host=_merge(self.host, other.host),
+      device=_merge(self.device, other.device),
+      disk_to_host_bytes=self.disk_to_host_bytes + other.disk_to_host_bytes,
+      disk_to_device_bytes=self.disk_to_device_bytes + other.disk_to_device_bytes,
+      host_to_device_bytes=self.host_to_device_bytes + other.host_to_device_bytes,
+      stalls=self.stalls + other.stalls,
+      stall_seconds=self.stall_seconds + other.stall_seconds,
+      peak_device_units=max(self.peak_device_units, other.peak_device_units),
+      peak_device_bytes=max(self.peak_device_bytes, other.peak_device_bytes),
+      peak_host_units=max(self.peak_host_units, other.peak_host_units),
+      peak_host_bytes=max(self.peak_host_bytes, other.peak_host_bytes),
+      worker=_merge(self.worker, other.worker),
+    )
+
+  @property
+  def bytes_read(self) -> int:
+    """Bytes read from disk (into host memory or straight to a device)."""
+    return self.disk_to_host_bytes + self.disk_to_device_bytes
+
+  def to_dict(self) -> dict[str, Any]:
+    d = _plain(dataclasses.asdict(self))
+    d["bytes_read"] = self.bytes_read
+    return d
+
+
+def _merge(a: Any, b: Any) -> Any:
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return a.merged(b)
+
+
+def _plain(x: Any) -> Any:
+  if isinstance(x, dict):
+    return {k: _plain(v) for k, v in x.items()}
+  if isinstance(x, list | tuple):
+    return [_plain(v) for v in x]
+  if isinstance(x, np.integer):
+    return int(x)
+  if isinstance(x, np.floating):
+    return float(x)
+  return x
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Report:
+  """What a placed model did: recent passes and cumulative totals.
+
+  Attributes:
+    policy: the policy's ``to_dict()``.
+    metadata: the placed model's metadata ``to_dict()``.
+    passes: the most recent passes (up to the history length), oldest first.
+    prefill, decode, total: cumulative totals over every committed pass.
+  """
+
+  policy: dict[str, Any]
+  metadata: dict[str, Any]
+  passes: tuple[PassReport, ...]
+  prefill: Totals
+  decode: Totals
+  total: Totals
+
+  @property
+  def last(self) -> PassReport | None:
+    return self.passes[-1] if self.passes else None
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-serialisable dictionary."""
+    return {
+      "policy": self.policy,
+      "metadata": self.metadata,
+      "passes": [p.to_dict() for p in self.passes],
+      "prefill": self.prefill.to_dict(),
+      "decode": self.decode.to_dict(),
+      "total": self.total.to_dict(),
+    }
+
+  def __str__(self) -> str:
+    cols = ("", "passes", "seconds", "read", "host→dev", "stalls", "dev hit", "host hit")
+    rows = []
+    for name, t in (("prefill", self.prefill), ("decode", self.decode), ("total", self.total)):
+      rows.append(
+        (
+          name,
+          str(t.passes),
+          f"{t.seconds:.3f}",
+          format_bytes(t.bytes_read),
+          format_bytes(t.host_to_device_bytes),
+          str(t.stalls),
+          _rate(t.device),
+          _rate(t.host),
+        )
+      )
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = [f"policy: {self.policy.get('kind')}"]
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    t = self.total
+    lines.append(
+      f"peak device: {t.peak_device_units} units, {format_bytes(t.peak_device_bytes)}; "
+      f"peak host: {t.peak_host_units} units, {format_bytes(t.peak_host_bytes)}"
+    )
+    return "\n".join(lines)
+
+
+def _rate(m: TierMetrics | None) -> str:
+  if m is None or m.hit_rate is None:
+    return "-"
+  return f"{100 * m.hit_rate:.0f}%"
+
+
+def count_tokens(args: Sequence[Any], sequence_axis: int) -> int:
+  """Tokens along ``sequence_axis`` of the first array argument (1 if none)."""
+  for a in args:
+    shape = getattr(a, "shape", None)
+    if shape is not None and len(shape) > sequence_axis:
+      return int(shape[sequence_axis])
+  return 1
+
+
+class Telemetry:
+  """Collects committed passes for one placed model. Thread-safe.
+
+  Args:
+    policy: the placed model's policy.
+    metadata: the placed model's metadata.
+    sequence_axis: the axis of the first array argument that counts tokens.
+    history: how many recent passes to keep individually.
+    samplers: callables returning extra per-pass fields (``process``, ``backend``).
+  """
+
+  def __init__(
+    self,
+    *,
+    policy: LayerWeightResidency,
+    metadata: ModelMetadata,
+    sequence_axis: int = 1,
+    history: int = DEFAULT_PASS_HISTORY,
+    samplers: dict[str, Callable[[], Any]] | None = None,
+  ) -> None:
+    self._policy = policy
+    self._metadata = metadata
+    self._sequence_axis = sequence_axis
+    self._passes: collections.deque[PassReport] = collections.deque(maxlen=history)
+    self._count = 0
+    self._totals = {PREFILL: Totals(), DECODE: Totals()}
+    self._lock = threading.Lock()
+    self._samplers = dict(samplers or {})
+
+  def commit_pass(
+    self,
+    *,
+    args: Sequence[Any],
+    seconds: float,
+    ledger: LedgerMetrics | None = None,
+    worker: WorkerMetrics | None = None,
+    counters: PassCounters | None = None,
+    peak_device_units: int | None = None,
+    peak_device_bytes: int | None = None,
+  ) -> PassReport:
+    """Records one successful pass and returns its report."""
+    counters = counters or PassCounters()
+    tokens = count_tokens(args, self._sequence_axis)
+    extra = {name: sample() for name, sample in self._samplers.items()}
+    with self._lock:
+      report = PassReport(
+        index=self._count,
+        phase=PREFILL if tokens > 1 else DECODE,
+        tokens=tokens,
+        seconds=seconds,
+        host=None if ledger is None else ledger.host,
+        device=None if ledger is None else ledger.device,
+        disk_to_host_bytes=counters.disk_to_host_bytes,
+        disk_to_device_bytes=counters.disk_to_device_bytes,
+        host_to_device_bytes=counters.host_to_device_bytes,
+        stalls=counters.stalls,
+        stall_seconds=counters.stall_seconds,
+        peak_device_units=(
+          peak_device_units if peak_device_units is not None else _peak(ledger, "device", "units")
+        ),
+        peak_device_bytes=(
+          peak_device_bytes if peak_device_bytes is not None else _peak(ledger, "device", "bytes")
+        ),
+        peak_host_units=_peak(ledger, "host", "units"),
+        peak_host_bytes=_peak(ledger, "host", "bytes"),
+        worker=worker,
+        process=extra.get("process"),
+        backend=extra.get("backend"),
+      )
+      self._passes.append(report)
+      self._count += 1
+      self._totals[report.phase] = self._totals[report.phase] + Totals.of(report)
+      return report
+
+  def report(self) -> Report:
+    with self._lock:
+      prefill, decode = self._totals[PREFILL], self._totals[DECODE]
+      return Report(
+        policy=self._policy.to_dict(),
+        metadata=self._metadata.to_dict(),
+        passes=tuple(self._passes),
+        prefill=prefill,
+        decode=decode,
+        total=prefill + decode,
+      )
+
+
+def _peak(ledger: LedgerMetrics | None, tier: str, what: str) -> int:
+  if ledger is None:
+    return 0
+  m = getattr(ledger, tier)
+  return int(m.peak_units if what == "units" else m.peak_bytes)

@@ -1,0 +1,224 @@
+"""The one layer-loop primitive every policy runs through.
+
+Model code runs its stacked layers with :func:`scan_units` (NNX) or the Linen
+transform in :mod:`jax_residency._src.linen` instead of ``nnx.scan`` /
+``nn.scan``. Outside a placed model these are exactly the Flax transforms. While
+a placed model traces its forward, a :class:`LoopContext` is active and the loop
+takes the shape the policy asks for:
+
+* ``FULLY_RESIDENT``: a plain ``lax.scan`` over the stacked unit parameters.
+* ``LAYERWISE_HOST``: the stacked parameters are ``pinned_host`` arguments; the
+  scan body moves unit *i* to ``device`` memory with ``jax.device_put``. With a
+  prefetch depth ``k >= 2`` the loop carries ``k - 1`` units already moved and
+  issues the move of unit ``i + k - 1`` while unit ``i`` computes (a software
+  pipeline: ``k - 1`` moves before the loop, one per step, and ``k - 1`` steps
+  after it that only compute).
+* ``DENSE_DISK_STREAM``: the forward is traced to a jaxpr with abstract unit
+  parameters; the loop appears as a ``scan`` over them, which the streaming
+  engine runs step by step with units read from disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from .errors import PlacementError
+from .policy import ExecutionResidency
+
+Step = Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+@dataclasses.dataclass
+class LoopContext:
+  """What a placed forward tells the layer loop while it traces.
+
+  Attributes:
+    kind: how units are resident.
+    depth: device window in units (the prefetch depth for ``LAYERWISE_HOST``).
+    unit_shardings: the ``device`` sharding each leaf of one unit is moved to,
+      in the leaf order of the unit stack's pytree.
+    units_ref: the unit stack this placement streams: the rebuilt NNX module,
+      or for Linen the scope path of the stack. Set by the model's forward.
+    loops_run: how many unit loops ran while tracing (a placed forward checks
+      the model really ran its layers through the loop).
+  """
+
+  kind: ExecutionResidency
+  depth: int
+  unit_shardings: tuple[jax.sharding.Sharding, ...]
+  units_ref: Any = None
+  loops_run: int = 0
+
+  def claims(self, units: Any) -> bool:
+    """Whether ``units`` (a module or a Linen scope path) is the placed stack."""
+    if isinstance(units, tuple):
+      return units == self.units_ref
+    return units is self.units_ref
+
+  def run(self, step: Step, carry: Any, units: Any, xs: Any) -> tuple[Any, Any]:
+    """Runs ``step`` over the stacked ``units`` (and ``xs``) as the policy asks."""
+    self.loops_run += 1
+    length = _leading_dim(units)
+    if self.kind is ExecutionResidency.LAYERWISE_HOST:
+      return _pipelined_host_scan(
+        step, carry, units, xs, depth=self.depth, shardings=self.unit_shardings, length=length
+      )
+    # FULLY_RESIDENT runs the plain scan; DENSE_DISK_STREAM traces it so the
+    # streaming engine can find it in the jaxpr and run it unit by unit.
+    return lax.scan(lambda c, ux: step(c, *ux), carry, (units, xs))
+
+
+_ACTIVE: contextvars.ContextVar[LoopContext | None] = contextvars.ContextVar(
+  "jax_residency_loop", default=None
+)
+
+
+@contextlib.contextmanager
+def active_loop(ctx: LoopContext) -> Iterator[LoopContext]:
+  """Makes ``ctx`` the loop context while a placed forward traces."""
+  token = _ACTIVE.set(ctx)
+  try:
+    yield ctx
+  finally:
+    _ACTIVE.reset(token)
+
+
+def current_loop() -> LoopContext | None:
+  """The loop context of the placed forward being traced, if any."""
+  return _ACTIVE.get()
+
+
+def _leading_dim(tree: Any) -> int:
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    raise PlacementError("the unit stack has no parameters; nothing to loop over")
+  return int(leaves[0].shape[0])
+
+
+def _fetch(units: Any, i: Any, shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
+  """Moves unit ``i`` of the host-resident stack to device memory."""
+  leaves, treedef = jax.tree.flatten(units)
+  if len(leaves) != len(shardings):
+    raise PlacementError(
+      f"the unit stack has {len(leaves)} parameters but was placed with {len(shardings)}; "
+      "the model's layer module changed after place() — place it again"
+    )
+  moved = [
+    jax.device_put(lax.dynamic_index_in_dim(a, i, 0, keepdims=False), s)
+    for a, s in zip(leaves, shardings, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, moved)
+
+
+def _pipelined_host_scan(
+  step: Step,
+  carry: Any,
+  units: Any,
+  xs: Any,
+  *,
+  depth: int,
+  shardings: tuple[jax.sharding.Sharding, ...],
+  length: int,
+) -> tuple[Any, Any]:
+  k = max(1, min(depth, length))
+  if k == 1:
+
+    def body1(c: Any, ix: tuple[Any, Any]) -> tuple[Any, Any]:
+      i, x = ix
+      return step(c, _fetch(units, i, shardings), x)
+
+    return lax.scan(body1, carry, (jnp.arange(length), xs))
+
+  # Prologue: units 0 .. k-2 start moving before the loop.
+  window = tuple(_fetch(units, j, shardings) for j in range(k - 1))
+  n_main = length - (k - 1)
+
+  def body(state: tuple[Any, tuple[Any, ...]], ix: tuple[Any, Any]) -> tuple[Any, Any]:
+    c, buf = state
+    i, x = ix
+    incoming = _fetch(units, i + (k - 1), shardings)  # issued before unit i computes
+    c, y = step(c, buf[0], x)
+    return (c, buf[1:] + (incoming,)), y
+
+  xs_main = jax.tree.map(lambda a: a[:n_main], xs)
+  (carry, window), ys_main = lax.scan(body, (carry, window), (jnp.arange(n_main), xs_main))
+  # Epilogue: the k-1 carried units compute; nothing more moves.
+  ys_tail = []
+  for j, unit in enumerate(window):
+    x = jax.tree.map(lambda a, j=j: a[n_main + j], xs)
+    carry, y = step(carry, unit, x)
+    ys_tail.append(y)
+  ys = jax.tree.map(lambda main, *tail: jnp.concatenate([main, jnp.stack(tail)]), ys_main, *ys_tail)
+  return carry, ys
+
+
+def scan_units(
+  body: Callable[..., Any],
+  carry: Any,
+  units: nnx.Module,
+  xs: Any = None,
+  *,
+  outputs: bool = False,
+) -> Any:
+  """Runs ``body`` over the layers of a stacked NNX module.
+
+  A drop-in for the usual ``nnx.scan`` over a layer stack built with
+  ``nnx.vmap``: ``body(carry, layer)`` (or ``body(carry, layer, x)`` when ``xs``
+  is given) sees one layer and returns the new carry, or ``(carry, y)`` when
+  ``outputs=True``. Outside :func:`jax_residency.place` this is ``nnx.scan``;
+  inside, the policy decides where each layer's weights come from.
+
+  Args:
+    body: the per-layer function.
+    carry: the loop carry (e.g. the hidden state).
+    units: the stacked layer module (leading axis = layer index).
+    xs: optional per-layer inputs stacked on axis 0 (e.g. a KV cache).
+    outputs: whether ``body`` returns ``(carry, y)``; then the per-layer ``y``
+      are stacked and returned with the carry.
+
+  Returns:
+    The final carry, or ``(carry, ys)`` when ``outputs=True``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> @nnx.vmap
+    ... def make(key):
+    ...   return nnx.Linear(4, 4, rngs=nnx.Rngs(key))
+    >>> layers = make(jax.random.split(jax.random.key(0), 3))
+    >>> y = jr.scan_units(lambda h, layer: jnp.tanh(layer(h)), jnp.ones((2, 4)), layers)
+    >>> y.shape
+    (2, 4)
+  """
+
+  def call(c: Any, layer: Any, x: Any) -> tuple[Any, Any]:
+    out = body(c, layer) if xs is None else body(c, layer, x)
+    return out if outputs else (out, None)
+
+  ctx = current_loop()
+  if ctx is None or not ctx.claims(units):
+    if xs is None:
+      c, ys = nnx.scan(
+        lambda c, layer: call(c, layer, None), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0)
+      )(carry, units)
+    else:
+      c, ys = nnx.scan(call, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))(carry, units, xs)
+    return (c, ys) if outputs else c
+
+  graphdef, state = nnx.split(units)
+
+  def step(c: Any, unit_state: Any, x: Any) -> tuple[Any, Any]:
+    return call(c, nnx.merge(graphdef, unit_state), x)
+
+  c, ys = ctx.run(step, carry, state, xs)
+  return (c, ys) if outputs else c

@@ -48,6 +48,7 @@ from ._src.policy import LayerwiseHost as LayerwiseHost
 from ._src.policy import LayerwiseLoadOptions as LayerwiseLoadOptions
 from ._src.policy import OffloadConfig as OffloadConfig
 from ._src.policy import OrdinaryWeightResidency as OrdinaryWeightResidency
+from ._src.save import save as save
 from ._src.sizes import format_bytes as format_bytes
 from ._src.sizes import parse_bytes as parse_bytes
 from ._src.unit_loop import scan_units as scan_units
@@ -99,5 +100,6 @@ __all__ = [
   "linen",
   "parse_bytes",
   "place",
+  "save",
   "scan_units",
 ]

@@ -57,6 +57,7 @@ class PlacedModel:
     lowerer: Callable[..., Any] | None = None,
     *,
     telemetry: Telemetry,
+    clear_caches: Callable[[], None] | None = None,
   ) -> None:
     self._split = split
     self.policy = policy
@@ -66,8 +67,10 @@ class PlacedModel:
     self._closers = closers
     self._lowerer = lowerer
     self._telemetry = telemetry
+    self._clear_caches = clear_caches
     self._closed = False
     self._lock = threading.Lock()
+    telemetry.start()  # background samplers (sample_process_memory) run until close()
 
   @property
   def unit_count(self) -> int:
@@ -87,12 +90,23 @@ class PlacedModel:
     """What the passes so far moved and cost (an immutable :class:`Report`)."""
     return self._telemetry.report()
 
+  def clear_caches(self) -> None:
+    """Drops cached unit copies (a dense stream's host and device tiers).
+
+    The next pass reads every unit from the store again. A no-op for policies
+    that keep every unit placed.
+    """
+    if self._clear_caches is not None:
+      self._clear_caches()
+
   def lower(self, *args: Any, platforms: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
     """Lowers the jitted forward (``FullyResident``/``LayerwiseHost``) for inspection.
 
     ``platforms=("cuda",)`` or ``("tpu",)`` lowers for an accelerator even on a
     CPU-only machine, which shows where parameters live and where they move.
     """
+    if self._closed:
+      raise ClosedError("this placed model was closed; place the model again to lower it")
     if self._lowerer is None:
       raise PlacementError(
         f"{self.policy.name} does not run as one jitted program; there is nothing to lower"
@@ -106,8 +120,11 @@ class PlacedModel:
         return
       self._closed = True
       closers, self._closers = self._closers, []
-    for close in reversed(closers):
-      close()
+    try:
+      for close in reversed(closers):
+        close()
+    finally:
+      self._telemetry.close()
 
   def __enter__(self) -> PlacedModel:
     return self
@@ -132,6 +149,7 @@ def place(
   units: str | tuple[str, ...] | None = None,
   rules: pl.Rules | None = None,
   store: str | None = None,
+  sequence_axis: int = 1,
 ) -> PlacedModel:
   """Places a Flax model's weights as ``policy`` says.
 
@@ -148,6 +166,8 @@ def place(
     rules: logical-to-mesh axis rules for models with logical partitioning.
     store: for ``DenseDiskStream``, the unit store written by
       :func:`jax_residency.save` (a directory or TensorStore kvstore URL).
+    sequence_axis: the axis of the first array argument that counts tokens; a
+      pass with more than one token along it is reported as prefill, else decode.
 
   Returns:
     A :class:`PlacedModel`, called like ``model``.
@@ -174,6 +194,8 @@ def place(
     True
   """
   policy = LayerWeightResidency.default() if policy is None else LayerWeightResidency.of(policy)
+  if isinstance(sequence_axis, bool) or not isinstance(sequence_axis, int):
+    raise PlacementError(f"sequence_axis={sequence_axis!r}: pass an int axis (default 1)")
   split = split_model(model, params=params, units=units)
   mesh = pl.default_mesh() if mesh is None else mesh
   match policy:
@@ -185,14 +207,21 @@ def place(
           "DenseDiskStream streams units from a store: pass store=<path> written by "
           "jax_residency.save(model, path)"
         )
-      return place_dense(split, policy, mesh=mesh, rules=rules, store=store)
+      return place_dense(
+        split, policy, mesh=mesh, rules=rules, store=store, sequence_axis=sequence_axis
+      )
     case FullyResident() | LayerwiseHost():
-      return _place_jitted(split, policy, mesh=mesh, rules=rules)
+      return _place_jitted(split, policy, mesh=mesh, rules=rules, sequence_axis=sequence_axis)
   raise PlacementError(f"unsupported policy {policy!r}")
 
 
 def _place_jitted(
-  split: SplitModel, policy: LayerWeightResidency, *, mesh: Mesh, rules: pl.Rules | None
+  split: SplitModel,
+  policy: LayerWeightResidency,
+  *,
+  mesh: Mesh,
+  rules: pl.Rules | None,
+  sequence_axis: int = 1,
 ) -> PlacedModel:
   layerwise = policy.execution_residency is ExecutionResidency.LAYERWISE_HOST
   unit_kind = pl.PINNED_HOST if layerwise else pl.DEVICE
@@ -215,24 +244,26 @@ def _place_jitted(
   unit_sh = [shardings[i] for i in split.unit_index]
   static = pl.put([split.values[i] for i in split.static_index], static_sh)
   unit_values = pl.put([split.values[i] for i in split.unit_index], unit_sh)
+  split.values = []  # the placement holds its own copies, not the caller's arrays
   depth = policy.device_depth(split.unit_count)
 
   def forward(static_leaves: list[Any], unit_leaves: list[Any], *args: Any, **kwargs: Any) -> Any:
     loop = LoopContext(
       kind=policy.execution_residency, depth=depth, unit_shardings=tuple(slice_shardings)
     )
-    out = split.forward(split.join(static_leaves, unit_leaves), loop, *args, **kwargs)
+    try:
+      out = split.forward(split.join(static_leaves, unit_leaves), loop, *args, **kwargs)
+    except Exception as e:
+      if loop.loops_run == 0:  # the layers ran outside the loop and failed there
+        raise _not_looped(split) from e
+      raise
     if loop.loops_run == 0:
-      raise PlacementError(
-        f"the model's forward never ran its layer stack {'.'.join(split.unit_prefix)!r} "
-        "through jax_residency.scan_units (NNX) or jax_residency.linen.scan (Linen); replace "
-        "its nnx.scan / nn.scan with that call so the policy can place the layers"
-      )
+      raise _not_looped(split)
     return out
 
   jitted = jax.jit(forward)
   held: dict[str, list[Any]] = {"static": static, "units": unit_values}
-  telemetry = Telemetry(policy=policy, metadata=metadata)
+  telemetry = Telemetry.for_policy(policy=policy, metadata=metadata, sequence_axis=sequence_axis)
   moved = metadata.total_unit_bytes if layerwise else 0
 
   def run(*args: Any, **kwargs: Any) -> Any:
@@ -244,6 +275,8 @@ def _place_jitted(
       counters=PassCounters(host_to_device_bytes=moved),
       peak_device_units=metadata.device_window_units,
       peak_device_bytes=metadata.device_window_bytes,
+      peak_host_units=metadata.layer_count if layerwise else 0,
+      peak_host_bytes=metadata.largest_host_unit_bytes * metadata.layer_count if layerwise else 0,
     )
     return out
 
@@ -257,6 +290,14 @@ def _place_jitted(
     held["static"], held["units"] = [], []
 
   return PlacedModel(split, policy, mesh, metadata, run, [release], lowerer, telemetry=telemetry)
+
+
+def _not_looped(split: SplitModel) -> PlacementError:
+  return PlacementError(
+    f"the model's forward never ran its layer stack {'.'.join(split.unit_prefix)!r} "
+    "through jax_residency.scan_units (NNX) or jax_residency.linen.scan (Linen); replace "
+    "its nnx.scan / nn.scan with that call so the policy can place the layers"
+  )
 
 
 def metadata_for(

@@ -125,7 +125,9 @@ def check_budgets(
     )
   host_budget = offload.host_budget_bytes
   dense = policy.dense
-  if host_budget is not None and host_budget > 0:
+  # For a dense stream a zero host budget means direct disk-to-device loading;
+  # for LayerwiseHost it means nothing fits in host memory.
+  if host_budget is not None and (host_budget > 0 or isinstance(policy, LayerwiseHost)):
     if isinstance(policy, DenseDiskStream) and dense is not None:
       host_depth = dense.host_lookahead
       host_window = largest_window(host_unit_bytes, host_depth)

@@ -38,6 +38,8 @@ class StagedForward:
     n_static: number of static leaf inputs.
     n_units: number of unit leaf inputs.
     out_tree: the pytree structure of the outputs.
+    in_loop: compile each step inside a run-time-bounded while loop, so its
+      math is the plain model's scanned loop bit for bit (used on CPU).
     bodies: compiled loop bodies, one per unit-loop equation.
   """
 
@@ -45,6 +47,7 @@ class StagedForward:
   n_static: int
   n_units: int
   out_tree: Any
+  in_loop: bool = True
   bodies: dict[int, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
   @property
@@ -164,6 +167,33 @@ def run_staged(
   return jax.tree.unflatten(staged.out_tree, [read(v) for v in jaxpr.outvars])
 
 
+def _compile_step(closed: jcore.ClosedJaxpr, num_carry: int, *, in_loop: bool) -> Any:
+  """Compiles one step of the unit loop: ``(consts, carry, xs) -> carry + ys``.
+
+  With ``in_loop``, the step runs inside a ``while_loop`` whose trip count (1)
+  is only known at run time. XLA then compiles the body exactly as it does in
+  the plain model's scanned loop (a trip count known to be 1 would be inlined
+  and compiled differently), so results are bit-identical to the plain model.
+  """
+  fun = jcore.jaxpr_as_fun(closed)
+  if not in_loop:
+    return jax.jit(lambda consts, carry, xs: fun(*consts, *carry, *xs))
+  y_avals = closed.out_avals[num_carry:]
+
+  def looped(consts: list[Any], carry: list[Any], xs: list[Any], trips: Any) -> list[Any]:
+    def body(state: tuple[Any, list[Any], list[Any]]) -> tuple[Any, list[Any], list[Any]]:
+      i, c, _ = state
+      outs = fun(*consts, *c, *xs)
+      return i + 1, list(outs[:num_carry]), list(outs[num_carry:])
+
+    ys0 = [jnp.zeros(a.shape, a.dtype) for a in y_avals]
+    _, c, ys = jax.lax.while_loop(lambda s: s[0] < trips, body, (jnp.int32(0), list(carry), ys0))
+    return c + ys
+
+  compiled = jax.jit(looped)
+  return lambda consts, carry, xs: compiled(consts, carry, xs, jnp.int32(1))
+
+
 def _last_uses(jaxpr: jcore.Jaxpr) -> dict[jcore.Var, int]:
   """For each variable, the index of the last equation that reads it.
 
@@ -196,7 +226,7 @@ def _run_unit_loop(
     raise PlacementError(f"the unit loop runs {length} steps but the store has {unit_count} units")
   body = staged.bodies.get(k)
   if body is None:
-    body = jax.jit(jcore.jaxpr_as_fun(p["jaxpr"]))
+    body = _compile_step(p["jaxpr"], num_carry, in_loop=staged.in_loop)
     staged.bodies[k] = body
   invals: list[Any] = [None if pos in operands else read(v) for pos, v in enumerate(eqn.invars)]
   consts = invals[:num_consts]
@@ -210,7 +240,7 @@ def _run_unit_loop(
     x_i = [
       unit[operands[first_x + j]] if (first_x + j) in operands else x[i] for j, x in enumerate(xs)
     ]
-    outs = body(*consts, *carry, *x_i)
+    outs = body(consts, carry, x_i)
     carry, y = list(outs[:num_carry]), list(outs[num_carry:])
     ys.append(y)
     after_step(i)

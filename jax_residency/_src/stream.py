@@ -68,6 +68,7 @@ class DenseStreamEngine:
     self._source = source
     self._static = static
     self._unit_shardings = list(unit_shardings)
+    self._platform = next(iter(self._unit_shardings[0].device_set)).platform
     self._metadata = metadata
     self._telemetry = telemetry
     self._rel_paths = [split.unit_rel_path(leaf) for leaf in split.unit_leaves()]
@@ -126,6 +127,9 @@ class DenseStreamEngine:
         jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self._split.unit_leaves()
       ]
       staged = trace(self._forward, self._static, unit_specs, (args, kwargs))
+      # On CPU, run each step inside a while loop so it is the plain model's math
+      # bit for bit; on accelerators a plain per-step program avoids loop control.
+      staged.in_loop = self._platform == "cpu"
       if staged.unit_loop_count == 0:
         raise PlacementError(
           f"the model's forward never ran its layer stack "
@@ -204,8 +208,10 @@ class DenseStreamEngine:
       host = self._read_blocking(i)
       source = "disk"
     with self.ledger.reserve(Tier.DEVICE, i, self._device_unit_bytes) as reservation:
+      # On a CPU backend, page-aligned host buffers become device arrays without a
+      # copy (may_alias); accelerators copy host→device as usual.
       arrays = [
-        jax.device_put(np.asarray(host[p]), s)
+        jax.device_put(np.asarray(host[p]), s, may_alias=True)
         for p, s in zip(self._rel_paths, self._unit_shardings, strict=True)
       ]
       reservation.commit(arrays)
@@ -281,6 +287,13 @@ class DenseStreamEngine:
     if eviction.tier is Tier.HOST and not eviction.used and self.worker is not None:
       self.worker.note_evicted_before_use()
 
+  def clear_caches(self) -> None:
+    """Drops every cached unit copy (host and device); counters are kept."""
+    with self._run_lock:
+      if self.worker is not None:
+        self.worker.cancel(wait=True)
+      self.ledger.discard_all()
+
   def close(self) -> None:
     if self.worker is not None:
       self.worker.close()
@@ -297,6 +310,7 @@ def place_dense(
   rules: pl.Rules | None,
   store: str,
   telemetry_factory: Callable[..., Telemetry] | None = None,
+  sequence_axis: int = 1,
 ) -> Any:
   """Opens ``store`` and builds a placed model that streams its units."""
   from .placed import PlacedModel, metadata_for  # noqa: PLC0415 - placed imports us lazily
@@ -309,6 +323,7 @@ def place_dense(
     for i in split.unit_index
   ]
   metadata = metadata_for(split, policy, static_shardings, unit_shardings)
+  split.values = []  # weights come from the store; never keep the caller's arrays
   opened = UnitStore.open(
     store, unit_prefix=split.unit_path_prefix, max_cached_shards=policy.max_cached_shards
   )
@@ -325,7 +340,12 @@ def place_dense(
       )
     stored_static = opened.read_static()
     static = pl.put([stored_static[leaf.path] for leaf in split.static_leaves()], static_shardings)
-    telemetry = (telemetry_factory or Telemetry)(policy=policy, metadata=metadata)
+    if telemetry_factory is None:
+      telemetry = Telemetry.for_policy(
+        policy=policy, metadata=metadata, sequence_axis=sequence_axis
+      )
+    else:
+      telemetry = telemetry_factory(policy=policy, metadata=metadata)
     engine = DenseStreamEngine(
       split=split,
       policy=policy,
@@ -339,5 +359,12 @@ def place_dense(
     opened.close()
     raise
   return PlacedModel(
-    split, policy, mesh, metadata, engine.run, [opened.close, engine.close], telemetry=telemetry
+    split,
+    policy,
+    mesh,
+    metadata,
+    engine.run,
+    [opened.close, engine.close],
+    telemetry=telemetry,
+    clear_caches=engine.clear_caches,
   )

@@ -4,14 +4,22 @@ A placed model owns one :class:`Telemetry`. Each forward pass that succeeds is
 committed as a :class:`PassReport` (a failed pass commits nothing, so totals
 stay as they were). ``placed.report()`` returns an immutable :class:`Report`
 with the recent passes and cumulative prefill / decode / overall totals.
+
+With the policy's ``sample_process_memory`` / ``sample_backend_memory`` flags,
+:meth:`Telemetry.for_policy` adds the samplers of :mod:`.sampling`: each pass
+then reports process RSS, peak RSS and page faults (Linux; ``None`` elsewhere)
+and the backend's memory. The placed model starts them when it is created and
+stops them when it is closed.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import threading
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,8 +64,13 @@ class PassReport:
     peak_device_units, peak_device_bytes: most unit copies / bytes on a device.
     peak_host_units, peak_host_bytes: most unit copies / bytes in host memory.
     worker: background prefetch counters (dense stream with a host cache).
-    process: process memory sample (``sample_process_memory``), else ``None``.
-    backend: backend memory sample (``sample_backend_memory``), else ``None``.
+    process: with ``sample_process_memory`` on Linux, ``rss_bytes`` when the
+      pass ended, ``peak_rss_bytes`` and ``minor_faults`` / ``major_faults``
+      since the previous pass ended (for the first pass: since placement);
+      ``None`` when not sampled or not on Linux.
+    backend: with ``sample_backend_memory``, the devices' ``memory_stats()``,
+      or live-array bytes per memory kind where the backend has no stats;
+      else ``None``.
   """
 
   index: int
@@ -76,16 +89,32 @@ class PassReport:
   peak_host_units: int
   peak_host_bytes: int
   worker: WorkerMetrics | None = None
-  process: dict[str, int] | None = None
-  backend: dict[str, Any] | None = None
+  process: Mapping[str, int] | None = None
+  backend: Mapping[str, Any] | None = None
+
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "process", _freeze(self.process))
+    object.__setattr__(self, "backend", _freeze(self.backend))
+
+  @property
+  def bytes_read(self) -> int:
+    """Bytes read from disk (into host memory or straight to a device)."""
+    return self.disk_to_host_bytes + self.disk_to_device_bytes
 
   def to_dict(self) -> dict[str, Any]:
-    return _plain(dataclasses.asdict(self))
+    """A JSON-serialisable dictionary."""
+    d = _plain(self)
+    d["bytes_read"] = self.bytes_read
+    return d
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Totals:
-  """Counters summed (peaks maxed) over a set of passes."""
+  """Counters summed (peaks maxed) over a set of passes.
+
+  ``peak_rss_bytes``, ``minor_faults`` and ``major_faults`` come from the
+  passes' process samples and are ``None`` when no pass had one.
+  """
 
   passes: int = 0
   seconds: float = 0.0
@@ -101,12 +130,18 @@ class Totals:
   peak_host_units: int = 0
   peak_host_bytes: int = 0
   worker: WorkerMetrics | None = None
+  peak_rss_bytes: int | None = None
+  minor_faults: int | None = None
+  major_faults: int | None = None
 
   @classmethod
   def of(cls, p: PassReport) -> Totals:
     """The totals of the single pass ``p``."""
-    fields = {f.name for f in dataclasses.fields(cls)} - {"passes"}
-    return cls(passes=1, **{name: getattr(p, name) for name in fields})
+    fields = {f.name for f in dataclasses.fields(cls)} - {"passes", *_PROCESS_FIELDS}
+    process = p.process or {}
+    values: dict[str, Any] = {name: getattr(p, name) for name in fields}
+    values.update((name, process.get(name)) for name in _PROCESS_FIELDS)
+    return cls(passes=1, **values)
 
   def __add__(self, other: Totals) -> Totals:
     return Totals(
@@ -124,6 +159,9 @@ class Totals:
       peak_host_units=max(self.peak_host_units, other.peak_host_units),
       peak_host_bytes=max(self.peak_host_bytes, other.peak_host_bytes),
       worker=_merge(self.worker, other.worker),
+      peak_rss_bytes=_optional(max, self.peak_rss_bytes, other.peak_rss_bytes),
+      minor_faults=_optional(operator.add, self.minor_faults, other.minor_faults),
+      major_faults=_optional(operator.add, self.major_faults, other.major_faults),
     )
 
   @property
@@ -132,9 +170,14 @@ class Totals:
     return self.disk_to_host_bytes + self.disk_to_device_bytes
 
   def to_dict(self) -> dict[str, Any]:
-    d = _plain(dataclasses.asdict(self))
+    """A JSON-serialisable dictionary."""
+    d = _plain(self)
     d["bytes_read"] = self.bytes_read
     return d
+
+
+#: Process-sample keys that :class:`Totals` aggregates (peak maxed, faults summed).
+_PROCESS_FIELDS = ("peak_rss_bytes", "minor_faults", "major_faults")
 
 
 def _merge(a: Any, b: Any) -> Any:
@@ -145,21 +188,46 @@ def _merge(a: Any, b: Any) -> Any:
   return a.merged(b)
 
 
+def _optional(op: Callable[[int, int], int], a: int | None, b: int | None) -> int | None:
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return op(a, b)
+
+
+def _freeze(x: Any) -> Any:
+  """A read-only copy: mappings become ``MappingProxyType``, lists tuples."""
+  if isinstance(x, Mapping):
+    return types.MappingProxyType({k: _freeze(v) for k, v in x.items()})
+  if isinstance(x, list | tuple):
+    return tuple(_freeze(v) for v in x)
+  return x
+
+
 def _plain(x: Any) -> Any:
-  if isinstance(x, dict):
-    return {k: _plain(v) for k, v in x.items()}
+  """Dataclasses, mappings, sequences and numpy scalars as JSON-ready Python values."""
+  if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+  if isinstance(x, Mapping):
+    return {str(k): _plain(v) for k, v in x.items()}
   if isinstance(x, list | tuple):
     return [_plain(v) for v in x]
   if isinstance(x, np.integer):
     return int(x)
   if isinstance(x, np.floating):
     return float(x)
+  if isinstance(x, np.bool_):
+    return bool(x)
   return x
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Report:
   """What a placed model did: recent passes and cumulative totals.
+
+  Immutable: the dictionaries are read-only views (``to_dict()`` returns
+  plain, JSON-serialisable copies).
 
   Attributes:
     policy: the policy's ``to_dict()``.
@@ -168,12 +236,17 @@ class Report:
     prefill, decode, total: cumulative totals over every committed pass.
   """
 
-  policy: dict[str, Any]
-  metadata: dict[str, Any]
+  policy: Mapping[str, Any]
+  metadata: Mapping[str, Any]
   passes: tuple[PassReport, ...]
   prefill: Totals
   decode: Totals
   total: Totals
+
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "policy", _freeze(self.policy))
+    object.__setattr__(self, "metadata", _freeze(self.metadata))
+    object.__setattr__(self, "passes", tuple(self.passes))
 
   @property
   def last(self) -> PassReport | None:
@@ -182,8 +255,8 @@ class Report:
   def to_dict(self) -> dict[str, Any]:
     """A JSON-serialisable dictionary."""
     return {
-      "policy": self.policy,
-      "metadata": self.metadata,
+      "policy": _plain(self.policy),
+      "metadata": _plain(self.metadata),
       "passes": [p.to_dict() for p in self.passes],
       "prefill": self.prefill.to_dict(),
       "decode": self.decode.to_dict(),
@@ -208,14 +281,39 @@ class Report:
       )
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     lines = [f"policy: {self.policy.get('kind')}"]
-    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     t = self.total
     lines.append(
       f"peak device: {t.peak_device_units} units, {format_bytes(t.peak_device_bytes)}; "
       f"peak host: {t.peak_host_units} units, {format_bytes(t.peak_host_bytes)}"
     )
+    if t.peak_rss_bytes is not None:
+      lines.append(
+        f"peak RSS: {format_bytes(t.peak_rss_bytes)}; page faults: "
+        f"{t.minor_faults} minor, {t.major_faults} major"
+      )
+    last = self.last
+    if last is not None and last.backend is not None:
+      lines.append(f"backend memory: {_backend_line(last.backend)}")
     return "\n".join(lines)
+
+
+def _backend_line(backend: Mapping[str, Any]) -> str:
+  if backend.get("source") == "memory_stats":
+    parts = []
+    for name, stats in backend.get("devices", {}).items():
+      in_use = stats.get("bytes_in_use")
+      peak = stats.get("peak_bytes_in_use")
+      text = f"{name} {format_bytes(in_use) if isinstance(in_use, int) else '?'} in use"
+      if isinstance(peak, int):
+        text += f" (peak {format_bytes(peak)})"
+      parts.append(text)
+    return "; ".join(parts)
+  kinds = backend.get("bytes_by_memory_kind", {})
+  return "live arrays " + (
+    ", ".join(f"{kind} {format_bytes(n)}" for kind, n in kinds.items()) or "none"
+  )
 
 
 def _rate(m: TierMetrics | None) -> str:
@@ -225,10 +323,13 @@ def _rate(m: TierMetrics | None) -> str:
 
 
 def count_tokens(args: Sequence[Any], sequence_axis: int) -> int:
-  """Tokens along ``sequence_axis`` of the first array argument (1 if none)."""
+  """Tokens along ``sequence_axis`` of the first array argument that has it (1 if none).
+
+  A negative axis counts from the end, as in NumPy.
+  """
   for a in args:
     shape = getattr(a, "shape", None)
-    if shape is not None and len(shape) > sequence_axis:
+    if shape is not None and -len(shape) <= sequence_axis < len(shape):
       return int(shape[sequence_axis])
   return 1
 
@@ -241,7 +342,10 @@ class Telemetry:
     metadata: the placed model's metadata.
     sequence_axis: the axis of the first array argument that counts tokens.
     history: how many recent passes to keep individually.
-    samplers: callables returning extra per-pass fields (``process``, ``backend``).
+    samplers: callables returning extra per-pass fields (``process``, ``backend``),
+      called when a pass commits. A sampler with ``start()`` / ``close()``
+      methods is started by :meth:`start` and closed by :meth:`close`. A
+      sampler that raises records ``None`` rather than failing the pass.
   """
 
   def __init__(
@@ -262,6 +366,58 @@ class Telemetry:
     self._lock = threading.Lock()
     self._samplers = dict(samplers or {})
 
+  @classmethod
+  def for_policy(
+    cls,
+    *,
+    policy: LayerWeightResidency,
+    metadata: ModelMetadata,
+    sequence_axis: int = 1,
+    history: int = DEFAULT_PASS_HISTORY,
+  ) -> Telemetry:
+    """The telemetry of a placed model, with the samplers its policy's flags ask for."""
+    from . import sampling  # noqa: PLC0415 - keep this module importable without threads
+
+    samplers: dict[str, Callable[[], Any]] = {}
+    if policy.sample_process_memory:
+      samplers["process"] = sampling.ProcessMemorySampler()
+    if policy.sample_backend_memory:
+      samplers["backend"] = sampling.backend_memory
+    return cls(
+      policy=policy,
+      metadata=metadata,
+      sequence_axis=sequence_axis,
+      history=history,
+      samplers=samplers,
+    )
+
+  @property
+  def sequence_axis(self) -> int:
+    return self._sequence_axis
+
+  def start(self) -> None:
+    """Starts the samplers that run in the background (the process sampler's thread)."""
+    for sampler in self._samplers.values():
+      start = getattr(sampler, "start", None)
+      if callable(start):
+        start()
+
+  def close(self) -> None:
+    """Stops the background samplers (idempotent); committing still works, unsampled."""
+    for sampler in self._samplers.values():
+      close = getattr(sampler, "close", None)
+      if callable(close):
+        close()
+
+  def _sample(self) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    for name, sample in self._samplers.items():
+      try:
+        extra[name] = sample()
+      except Exception:  # noqa: BLE001 - a failed sample must not fail a finished pass
+        extra[name] = None
+    return extra
+
   def commit_pass(
     self,
     *,
@@ -272,11 +428,16 @@ class Telemetry:
     counters: PassCounters | None = None,
     peak_device_units: int | None = None,
     peak_device_bytes: int | None = None,
+    peak_host_units: int | None = None,
+    peak_host_bytes: int | None = None,
   ) -> PassReport:
-    """Records one successful pass and returns its report."""
+    """Records one successful pass and returns its report.
+
+    Peaks not given are taken from ``ledger`` (0 without one).
+    """
     counters = counters or PassCounters()
     tokens = count_tokens(args, self._sequence_axis)
-    extra = {name: sample() for name, sample in self._samplers.items()}
+    extra = self._sample()
     with self._lock:
       report = PassReport(
         index=self._count,
@@ -296,8 +457,12 @@ class Telemetry:
         peak_device_bytes=(
           peak_device_bytes if peak_device_bytes is not None else _peak(ledger, "device", "bytes")
         ),
-        peak_host_units=_peak(ledger, "host", "units"),
-        peak_host_bytes=_peak(ledger, "host", "bytes"),
+        peak_host_units=(
+          peak_host_units if peak_host_units is not None else _peak(ledger, "host", "units")
+        ),
+        peak_host_bytes=(
+          peak_host_bytes if peak_host_bytes is not None else _peak(ledger, "host", "bytes")
+        ),
         worker=worker,
         process=extra.get("process"),
         backend=extra.get("backend"),

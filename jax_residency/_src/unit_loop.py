@@ -138,26 +138,21 @@ def _pipelined_host_scan(
 
     return lax.scan(body1, carry, (jnp.arange(length), xs))
 
-  # Prologue: units 0 .. k-2 start moving before the loop.
+  # Prologue: units 0 .. k-2 start moving before the loop. Every step then
+  # computes the oldest carried unit while the move of unit i + k - 1 is issued.
+  # All `length` steps run in the one loop (the last k-1 re-issue the final
+  # unit's index rather than leaving the loop), so each layer's math is compiled
+  # exactly as in the plain model's scan.
   window = tuple(_fetch(units, j, shardings) for j in range(k - 1))
-  n_main = length - (k - 1)
 
   def body(state: tuple[Any, tuple[Any, ...]], ix: tuple[Any, Any]) -> tuple[Any, Any]:
     c, buf = state
     i, x = ix
-    incoming = _fetch(units, i + (k - 1), shardings)  # issued before unit i computes
+    incoming = _fetch(units, jnp.minimum(i + (k - 1), length - 1), shardings)
     c, y = step(c, buf[0], x)
     return (c, buf[1:] + (incoming,)), y
 
-  xs_main = jax.tree.map(lambda a: a[:n_main], xs)
-  (carry, window), ys_main = lax.scan(body, (carry, window), (jnp.arange(n_main), xs_main))
-  # Epilogue: the k-1 carried units compute; nothing more moves.
-  ys_tail = []
-  for j, unit in enumerate(window):
-    x = jax.tree.map(lambda a, j=j: a[n_main + j], xs)
-    carry, y = step(carry, unit, x)
-    ys_tail.append(y)
-  ys = jax.tree.map(lambda main, *tail: jnp.concatenate([main, jnp.stack(tail)]), ys_main, *ys_tail)
+  (carry, _), ys = lax.scan(body, (carry, window), (jnp.arange(length), xs))
   return carry, ys
 
 

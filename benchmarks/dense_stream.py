@@ -1,0 +1,237 @@
+"""DenseDiskStream against raw disk reads and a fully resident model.
+
+Builds (once, under --dir) a seeded transformer with >= 2 GiB of unit weights
+and its store, then measures in fresh processes:
+
+* ``raw_read_s``: plain sequential reads of the store's files into one reused
+  buffer, after dropping them from the page cache (``posix_fadvise``);
+* ``cold_pass_s``: one DenseDiskStream pass with 256 MiB host and device
+  budgets, page cache dropped and caches cleared first (the step is compiled
+  by an earlier pass), with ``peak_rss_bytes`` / ``baseline_rss_bytes``;
+* ``warm_pass_s``: the second pass with a host budget that holds every unit;
+* ``resident_pass_s``: a FullyResident pass of the same model.
+
+Targets: peak RSS - baseline <= host + device budgets + 128 MiB; cold stream
+bandwidth >= 0.8 x raw-read bandwidth; warm pass <= 1.5 x resident pass.
+
+    python benchmarks/dense_stream.py            # table
+    python benchmarks/dense_stream.py --json     # one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MiB = 1 << 20
+BUDGET = 256 * MiB
+RSS_SLACK = 128 * MiB
+
+
+def config(args: argparse.Namespace):
+  from jax_residency.toy import ToyConfig
+
+  return ToyConfig(
+    vocab=512, d_model=args.d_model, n_heads=12, d_ff=args.d_ff, n_layers=args.layers
+  )
+
+
+def rss_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+
+
+def store_files(path: str) -> list[str]:
+  out = []
+  for root, _, files in os.walk(path):
+    out += [os.path.join(root, f) for f in files]
+  return sorted(out)
+
+
+def drop_page_cache(path: str) -> None:
+  for name in store_files(path):
+    fd = os.open(name, os.O_RDONLY)
+    try:
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(fd)
+
+
+def model(args: argparse.Namespace, *, abstract: bool):
+  from flax import nnx
+
+  from jax_residency.toy import ToyTransformer
+
+  cfg = config(args)
+  make = lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+  return nnx.eval_shape(make) if abstract else make()
+
+
+def tokens(args: argparse.Namespace):
+  import jax
+
+  return jax.random.randint(jax.random.key(1), (1, args.tokens), 0, 512)
+
+
+def dense_policy(host_budget: int):
+  import jax_residency as jr
+
+  return jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(
+      device_budget_bytes=BUDGET,
+      host_budget_bytes=host_budget,
+      host_lookahead=2,
+      background_queue_capacity=2,
+    )
+  )
+
+
+def child(args: argparse.Namespace) -> dict:
+  import jax
+  import numpy as np
+
+  import jax_residency as jr
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
+  x = tokens(args)
+  if args.child == "save":
+    jr.save(model(args, abstract=False), args.store, progress=True, overwrite=True)
+    return {}
+  if args.child == "raw":
+    drop_page_cache(args.store)
+    buf = bytearray(16 * MiB)
+    view = memoryview(buf)
+    total, start = 0, time.perf_counter()
+    for name in store_files(args.store):
+      with open(name, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+          total += n
+    return {"raw_read_s": time.perf_counter() - start, "raw_bytes": total}
+  if args.child == "resident":
+    m = model(args, abstract=False)
+    with jr.place(m, jr.FullyResident(), mesh=mesh) as placed:
+      placed(x)
+      start = time.perf_counter()
+      jax.block_until_ready(placed(x))
+      return {"resident_pass_s": time.perf_counter() - start}
+  abstract = model(args, abstract=True)
+  if args.child == "cold":
+    jnp_ready = jax.numpy.zeros(()).block_until_ready()  # backend initialised
+    del jnp_ready
+    baseline = rss_bytes()
+    with jr.place(abstract, dense_policy(BUDGET), store=args.store, mesh=mesh) as placed:
+      placed(x)  # compiles the step
+      placed.clear_caches()
+      drop_page_cache(args.store)
+      reset_peak_rss()
+      start = time.perf_counter()
+      placed(x)
+      cold = time.perf_counter() - start
+      last = placed.report().last
+      return {
+        "cold_pass_s": cold,
+        "baseline_rss_bytes": baseline,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "bytes_read": last.disk_to_host_bytes + last.disk_to_device_bytes,
+        "stalls": last.stalls,
+        "stall_s": last.stall_seconds,
+      }
+  if args.child == "warm":
+    everything = args.layers * config(args).unit_bytes() + 64 * MiB
+    with jr.place(abstract, dense_policy(everything), store=args.store, mesh=mesh) as placed:
+      placed(x)
+      start = time.perf_counter()
+      placed(x)
+      warm = time.perf_counter() - start
+      last = placed.report().last
+      return {"warm_pass_s": warm, "warm_bytes_read": last.disk_to_host_bytes}
+  raise SystemExit(f"unknown child {args.child!r}")
+
+
+def run_child(args: argparse.Namespace, which: str) -> dict:
+  cmd = [sys.executable, __file__, "--child", which, "--store", args.store]
+  cmd += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--d-ff", str(args.d_ff)]
+  cmd += ["--tokens", str(args.tokens)]
+  out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+  return json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+  )
+  parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "jax_residency_bench"))
+  parser.add_argument("--layers", type=int, default=20)
+  parser.add_argument("--d-model", type=int, default=1536)
+  parser.add_argument("--d-ff", type=int, default=6144)
+  parser.add_argument("--tokens", type=int, default=16)
+  parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.add_argument("--child", help=argparse.SUPPRESS)
+  parser.add_argument("--store", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    print(json.dumps(child(args)))
+    return
+
+  args.store = os.path.join(args.dir, f"toy-{args.layers}x{args.d_model}x{args.d_ff}")
+  if not os.path.exists(args.store):
+    os.makedirs(args.dir, exist_ok=True)
+    run_child(args, "save")
+  result = {"host_budget_bytes": BUDGET, "device_budget_bytes": BUDGET, "tokens": args.tokens}
+  for which in ("raw", "cold", "warm", "resident"):
+    result.update(run_child(args, which))
+  unit_bytes = args.layers * config(args).unit_bytes()
+  result["unit_bytes_total"] = unit_bytes
+  raw_bw = result["raw_bytes"] / result["raw_read_s"]
+  cold_bw = result["bytes_read"] / result["cold_pass_s"]
+  result["raw_read_gbps"] = raw_bw / 1e9
+  result["cold_stream_gbps"] = cold_bw / 1e9
+  result["cold_over_raw_bandwidth"] = cold_bw / raw_bw
+  result["warm_over_resident"] = result["warm_pass_s"] / result["resident_pass_s"]
+  growth = result["peak_rss_bytes"] - result["baseline_rss_bytes"]
+  result["rss_growth_bytes"] = growth
+  result["rss_limit_bytes"] = 2 * BUDGET + RSS_SLACK
+  result["targets"] = {
+    "rss_within_budgets": growth <= 2 * BUDGET + RSS_SLACK,
+    "cold_bandwidth_ge_0.8_raw": cold_bw >= 0.8 * raw_bw,
+    "warm_le_1.5_resident": result["warm_pass_s"] <= 1.5 * result["resident_pass_s"],
+  }
+  if args.json:
+    print(json.dumps(result))
+    return
+  rows = [
+    ("unit weights", f"{unit_bytes / MiB:,.0f} MiB in {args.layers} units"),
+    ("raw read (cold)", f"{result['raw_read_s']:.2f} s  {result['raw_read_gbps']:.2f} GB/s"),
+    ("stream pass (cold)", f"{result['cold_pass_s']:.2f} s  {result['cold_stream_gbps']:.2f} GB/s"),
+    ("  ratio to raw", f"{result['cold_over_raw_bandwidth']:.2f}  (target >= 0.8)"),
+    ("stream pass (warm)", f"{result['warm_pass_s']:.3f} s"),
+    ("resident pass", f"{result['resident_pass_s']:.3f} s"),
+    ("  warm / resident", f"{result['warm_over_resident']:.2f}  (target <= 1.5)"),
+    ("RSS growth", f"{growth / MiB:,.0f} MiB  (limit {result['rss_limit_bytes'] / MiB:,.0f} MiB)"),
+  ]
+  width = max(len(k) for k, _ in rows)
+  for k, v in rows:
+    print(f"{k:<{width}}  {v}")
+  print("targets met:" if all(result["targets"].values()) else "targets MISSED:", result["targets"])
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,420 @@
+"""Shared test setup: eight fake CPU devices, small models, meshes.
+
+The device count must be fixed before JAX creates its CPU backend, so it is set
+here, at conftest import, before any test module touches a device (optax
+``_src/sharding_test.py``, equinox ``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+N_DEVICES = 8
+_FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+import jax  # noqa: E402 - must follow the XLA_FLAGS update above
+
+try:
+  from jax._src import xla_bridge as _xb  # noqa: E402
+
+  if not _xb.backends_are_initialized():
+    jax.config.update("jax_num_cpu_devices", N_DEVICES)
+except (AttributeError, ImportError, RuntimeError):  # older jax, or a backend already up
+  pass
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+
+import jax_residency as jr  # noqa: E402
+from jax_residency.toy import LinenToyTransformer, ToyConfig, ToyTransformer  # noqa: E402
+
+M = TypeVar("M")
+
+#: The toy used across the placement, structure and budget tests (≈ 33 KiB per unit).
+CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4)
+
+
+def auto_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+  """A mesh of the first ``prod(shape)`` devices with Auto axes (sharding by propagation)."""
+  n = int(np.prod(shape))
+  devices = np.array(jax.devices()[:n]).reshape(shape)
+  return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+# --- small models the tests need besides the toy ---------------------------
+
+
+class FloatBlock(nnx.Module):
+  """A pre-norm residual MLP block with float inputs (differentiable end to end)."""
+
+  def __init__(self, d: int, *, rngs: nnx.Rngs) -> None:
+    self.norm = nnx.LayerNorm(d, rngs=rngs)
+    self.up = nnx.Linear(d, 2 * d, rngs=rngs)
+    self.down = nnx.Linear(2 * d, d, rngs=rngs)
+
+  def __call__(self, h: jax.Array) -> jax.Array:
+    return h + self.down(jnp.tanh(self.up(self.norm(h))))
+
+
+class FloatNet(nnx.Module):
+  """Float features ``(batch, d_in)`` → ``(batch, 1)``; layers stacked with ``nnx.vmap``.
+
+  ``calls`` counts Python executions of ``__call__`` (under ``jit`` that is
+  once per trace); ``block_calls`` the same for one block.
+  """
+
+  calls = 0
+  block_calls = 0
+
+  def __init__(self, d_in: int = 8, d: int = 16, n_layers: int = 4, *, rngs: nnx.Rngs) -> None:
+    self.inp = nnx.Linear(d_in, d, rngs=rngs)
+
+    @nnx.vmap
+    def make(key: jax.Array) -> FloatBlock:
+      return FloatBlock(d, rngs=nnx.Rngs(key))
+
+    self.layers = make(jax.random.split(rngs.params(), n_layers))
+    self.head = nnx.Linear(d, 1, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    type(self).calls += 1
+
+    def step(h: jax.Array, block: FloatBlock) -> jax.Array:
+      type(self).block_calls += 1
+      return block(h)
+
+    return self.head(jr.scan_units(step, self.inp(x), self.layers))
+
+
+class ShardedLinenBlock(nn.Module):
+  """:class:`jax_residency.toy.LinenBlock` with kernels sharded over ``model``.
+
+  ``logical=True`` uses logical names (``embed``, ``heads``, ``mlp``) that
+  need ``rules=`` to reach the mesh; otherwise the mesh axis is named directly.
+  """
+
+  cfg: ToyConfig
+  logical: bool = False
+
+  def _kernel(
+    self, names: tuple[str | None, ...], logical: tuple[str, ...]
+  ) -> nn.initializers.Initializer:
+    init = nn.initializers.lecun_normal()
+    if self.logical:
+      return nn.with_logical_partitioning(init, logical)
+    return nn.with_partitioning(init, names)
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
+    cfg = self.cfg
+    b, t, d = x.shape
+    h = cfg.n_heads
+    col = self._kernel((None, "model"), ("embed", "heads"))
+    row = self._kernel(("model", None), ("heads", "embed"))
+    qkv = nn.Dense(3 * d, kernel_init=col, name="qkv")(nn.LayerNorm(name="norm1")(x))
+    q, k, v = (a.reshape(b, t, h, d // h) for a in jnp.split(qkv, 3, axis=-1))
+    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+    att = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+    x = x + nn.Dense(d, kernel_init=row, name="out")(att.reshape(b, t, d))
+    up_init = self._kernel((None, "model"), ("embed", "mlp"))
+    down_init = self._kernel(("model", None), ("mlp", "embed"))
+    y = nn.Dense(cfg.d_ff, kernel_init=up_init, name="up")(nn.LayerNorm(name="norm2")(x))
+    return x + nn.Dense(d, kernel_init=down_init, name="down")(jax.nn.gelu(y)), None
+
+
+class ShardedLinenToy(nn.Module):
+  """:class:`jax_residency.toy.LinenToyTransformer` over :class:`ShardedLinenBlock`."""
+
+  cfg: ToyConfig
+  logical: bool = False
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    x = nn.Embed(cfg.vocab, cfg.d_model, name="embed")(tokens)
+    stack = jr.linen.scan(
+      ShardedLinenBlock,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=cfg.n_layers,
+      metadata_params={nn.PARTITION_NAME: None},
+    )
+    x, _ = stack(cfg, self.logical, name="layers")(x, None)
+    return nn.Dense(cfg.vocab, name="head")(nn.LayerNorm(name="norm")(x))
+
+
+#: Logical axis rules for ``ShardedLinenToy(logical=True)``.
+LOGICAL_RULES = (("embed", None), ("heads", "model"), ("mlp", "model"))
+
+
+# --- building models without compiling their initialisers --------------------
+#
+# Running a model's initialiser compiles an XLA program (≈ 1.5 s each on CPU).
+# The tests only need *some* weights, so models are built abstractly and filled
+# with seeded numpy values: the same values in every run, and no compile.
+
+
+def _fill(tree: Any, seed: int, mesh: Mesh | None = None) -> Any:
+  rng = np.random.default_rng(seed)
+
+  def leaf(s: jax.ShapeDtypeStruct) -> jax.Array:
+    value = (0.2 * rng.standard_normal(s.shape)).astype(s.dtype)
+    sharding = getattr(s, "sharding", None)
+    if mesh is not None and isinstance(sharding, NamedSharding):
+      return jax.device_put(value, NamedSharding(mesh, sharding.spec))
+    return jnp.asarray(value)
+
+  return jax.tree.map(leaf, tree)
+
+
+def build_nnx(make: Callable[[], M], *, seed: int = 0, mesh: Mesh | None = None) -> M:
+  """``make()`` with seeded weights; under ``mesh`` its partitioning metadata is applied."""
+  if mesh is None:
+    abstract = nnx.eval_shape(make)
+  else:
+    with jax.set_mesh(mesh):
+      abstract = nnx.eval_shape(make)
+  graphdef, state = nnx.split(abstract)
+  return nnx.merge(graphdef, _fill(state, seed, mesh))
+
+
+def build_linen(model: nn.Module, x: jax.Array, *, seed: int = 0) -> Any:
+  """Seeded variables for ``model`` with their (boxed) partitioning metadata."""
+  return _fill(jax.eval_shape(model.init, jax.random.key(0), x), seed)
+
+
+# --- fixtures ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def cfg() -> ToyConfig:
+  return CFG
+
+
+@pytest.fixture(scope="session")
+def tokens() -> jax.Array:
+  return jax.random.randint(jax.random.key(1), (2, 8), 0, CFG.vocab)
+
+
+@pytest.fixture(scope="session")
+def mesh1() -> Mesh:
+  """One device: per-device bytes are whole-array bytes."""
+  return Mesh(np.array(jax.devices()[:1]), ("devices",))
+
+
+@pytest.fixture(scope="session")
+def mesh_2x4() -> Mesh:
+  return auto_mesh((2, 4), ("data", "model"))
+
+
+@pytest.fixture(scope="session")
+def mesh_8() -> Mesh:
+  return auto_mesh((8,), ("model",))
+
+
+@pytest.fixture(scope="session")
+def nnx_toy() -> ToyTransformer:
+  return build_nnx(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
+
+
+@pytest.fixture(scope="session")
+def nnx_toy_sharded(mesh_2x4: Mesh) -> ToyTransformer:
+  """The toy with attention/MLP kernels sharded over ``model`` of a (data=2, model=4) mesh."""
+  return build_nnx(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0), sharded=True), mesh=mesh_2x4)
+
+
+@pytest.fixture(scope="session")
+def linen_toy(tokens: jax.Array) -> tuple[LinenToyTransformer, Any]:
+  model = LinenToyTransformer(CFG)
+  return model, build_linen(model, tokens)
+
+
+@pytest.fixture(scope="session")
+def linen_sharded_toy(tokens: jax.Array) -> tuple[ShardedLinenToy, Any]:
+  """Kernels sharded over the ``model`` mesh axis, named directly."""
+  model = ShardedLinenToy(CFG)
+  return model, build_linen(model, tokens)
+
+
+@pytest.fixture(scope="session")
+def linen_logical_toy(tokens: jax.Array) -> tuple[ShardedLinenToy, Any]:
+  """Kernels with logical names; place with ``rules=logical_rules``."""
+  model = ShardedLinenToy(CFG, logical=True)
+  return model, build_linen(model, tokens)
+
+
+@pytest.fixture(scope="session")
+def logical_rules() -> tuple[tuple[str, str | None], ...]:
+  return LOGICAL_RULES
+
+
+@pytest.fixture(scope="session")
+def float_net_cls() -> type[FloatNet]:
+  return FloatNet
+
+
+@pytest.fixture(scope="session")
+def float_net() -> FloatNet:
+  return build_nnx(lambda: FloatNet(rngs=nnx.Rngs(0)))
+
+
+# --- reading lowered StableHLO text --------------------------------------------
+#
+# ``placed.lower(x, platforms=(...)).as_text()`` is MLIR text. These helpers map
+# ``func.func`` names to bodies, split a body at its ``stablehlo.while`` loops,
+# and count host→device placements reachable from a region through calls.
+
+_ANNOTATE = "@annotate_device_placement("
+_TO_DEVICE = '_xla_buffer_placement = "device"'
+
+
+@dataclasses.dataclass(frozen=True)
+class MainArg:
+  """One argument of ``@main``: its tensor type, memory kind and sharded mesh axes per dim."""
+
+  type: str
+  memory_kind: str
+  spec: tuple[Any, ...]  # like PartitionSpec entries, trailing unsharded dims dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileLoop:
+  operands: list[str]  # SSA values fed to the loop (its initial carried tuple)
+  types: list[str]
+  body: str  # the ``do { ... }`` region
+
+
+def _matching(text: str, start: int, open_: str = "{", close: str = "}") -> int:
+  """Index of the bracket closing the one at ``start`` (string literals skipped)."""
+  depth, i, in_str = 0, start, False
+  while i < len(text):
+    c = text[i]
+    if in_str:
+      if c == "\\":
+        i += 1
+      elif c == '"':
+        in_str = False
+    elif c == '"':
+      in_str = True
+    elif c == open_:
+      depth += 1
+    elif c == close:
+      depth -= 1
+      if depth == 0:
+        return i
+    i += 1
+  raise ValueError(f"unbalanced {open_!r} at {start}")
+
+
+class Mlir:
+  """A parsed module: ``funcs`` maps each ``func.func`` name to its body text."""
+
+  _FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([\w$.\-]+)\(", re.M)
+  _CALL = re.compile(r"(?<![\w.])(?:func\.)?call @([\w$.\-]+)\(")
+  _DEF = re.compile(r"^\s*(%[\w#:]+) = stablehlo\.custom_call @annotate_device_placement\(", re.M)
+
+  def __init__(self, text: str) -> None:
+    self.text = text
+    self.funcs: dict[str, str] = {}
+    self.headers: dict[str, str] = {}
+    for m in self._FUNC.finditer(text):
+      line_end = text.index("\n", m.end())
+      brace = text.rindex("{", m.end(), line_end + 1)
+      end = _matching(text, brace)
+      self.headers[m.group(1)] = text[m.start() : brace]
+      self.funcs[m.group(1)] = text[brace + 1 : end]
+
+  # -- @main's signature --
+
+  def main_args(self) -> list[MainArg]:
+    header = self.headers["main"]
+    open_ = header.index("@main(") + len("@main")
+    sig = header[open_ + 1 : _matching(header, open_, "(", ")")]
+    starts = [m.start() for m in re.finditer(r"%arg\d+: ", sig)] + [len(sig)]
+    out = []
+    for a, b in itertools.pairwise(starts):
+      chunk = sig[a:b]
+      kind = re.search(r'mhlo\.memory_kind = "(\w+)"', chunk)
+      dims = re.search(r"#sdy\.sharding<@\w+, \[(.*?)\]>", chunk)
+      spec: list[Any] = []
+      for axes in re.findall(r"\{([^}]*)\}", dims.group(1)) if dims else []:
+        names = re.findall(r'"(\w+)"', axes)
+        spec.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+      while spec and spec[-1] is None:
+        spec.pop()
+      tensor = re.search(r"tensor<[^>]*>", chunk)
+      # No memory_kind attribute means the default memory: device.
+      kind_name = kind.group(1) if kind else "device"
+      out.append(MainArg(tensor.group(0) if tensor else "", kind_name, tuple(spec)))
+    return out
+
+  # -- loops and placements --
+
+  @staticmethod
+  def split_loops(body: str) -> tuple[str, list[WhileLoop]]:
+    """``body`` without its top-level while loops, and those loops."""
+    outside, loops, pos = [], [], 0
+    pattern = re.compile(r"stablehlo\.while\(")
+    while (m := pattern.search(body, pos)) is not None:
+      close = _matching(body, m.end() - 1, "(", ")")
+      pairs = re.findall(r"%[\w#]+ = (%[\w#:]+)", body[m.end() : close])
+      line_end = body.index("\n", close)
+      types = re.findall(r"tensor<[^>]*>", body[close:line_end])
+      cond = body.index("cond {", close)
+      cond_end = _matching(body, cond + len("cond "))
+      do = body.index("do {", cond_end)
+      do_end = _matching(body, do + len("do "))
+      loops.append(WhileLoop(pairs, types, body[do + len("do {") : do_end]))
+      outside.append(body[pos : m.start()])
+      pos = do_end + 1
+    outside.append(body[pos:])
+    return "".join(outside), loops
+
+  @staticmethod
+  def _direct(text: str) -> int:
+    return sum(1 for line in text.splitlines() if _ANNOTATE in line and _TO_DEVICE in line)
+
+  def placements_all(self, text: str) -> int:
+    """Placements to device executed by ``text``, following calls."""
+    return self._direct(text) + sum(
+      self.placements_all(self.funcs[c]) for c in self._CALL.findall(text)
+    )
+
+  def placements(self, func: str = "main") -> tuple[int, int]:
+    """(placements outside every while loop, placements inside loop bodies) of ``func``."""
+    outside, loops = self.split_loops(self.funcs[func])
+    out = self._direct(outside)
+    inside = sum(self.placements_all(loop.body) for loop in loops)
+    for callee in self._CALL.findall(outside):
+      o, i = self.placements(callee)
+      out, inside = out + o, inside + i
+    return out, inside
+
+  def loops(self, func: str = "main") -> list[WhileLoop]:
+    return self.split_loops(self.funcs[func])[1]
+
+  def annotated_values(self, func: str = "main") -> set[str]:
+    """SSA names in ``func`` that are results of a placement to device."""
+    body = self.funcs[func]
+    return {
+      m.group(1)
+      for m in self._DEF.finditer(body)
+      if _TO_DEVICE in body[m.start() :].split("\n", 1)[0]
+    }
+
+
+@pytest.fixture(scope="session")
+def mlir() -> type[Mlir]:
+  """``mlir(text)`` parses lowered StableHLO text (see :class:`Mlir`)."""
+  return Mlir

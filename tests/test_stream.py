@@ -1,0 +1,225 @@
+"""DenseDiskStream end to end: parity with the plain model, exact counters, failures."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_residency as jr
+from jax_residency.toy import LinenToyTransformer, ToyConfig, ToyTransformer
+
+CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=8)
+UNIT = CFG.unit_bytes()
+MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
+
+
+def dense(host_units: int, lookahead: int, *, lfu: bool = False, device: int | None = None):
+  policy = (
+    jr.CacheEvictionPolicy.LEAST_FREQUENTLY_USED
+    if lfu
+    else jr.CacheEvictionPolicy.LEAST_RECENTLY_USED
+  )
+  return jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(
+      device_budget_bytes=device if device is not None else 64 * 2**20,
+      host_budget_bytes=host_units * UNIT,
+      host_lookahead=lookahead,
+      background_queue_capacity=2 if host_units else 0,
+      eviction_policy=policy,
+    )
+  )
+
+
+@pytest.fixture(scope="module")
+def model():
+  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab)
+
+
+@pytest.fixture(scope="module")
+def store(model, tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("stores") / "toy")
+  jr.save(model, path, progress=False)
+  return path
+
+
+@pytest.mark.parametrize(
+  "host_units, lookahead, lfu",
+  [(0, 0, False), (1, 1, False), (8, 2, False), (3, 2, True), (3, 3, False), (2, 1, True)],
+)
+def test_parity_with_plain_model(model, tokens, store, host_units, lookahead, lfu):
+  expected = model(tokens)
+  with jr.place(model, dense(host_units, lookahead, lfu=lfu), store=store, mesh=MESH1) as placed:
+    for _ in range(2):  # cold, then with whatever the caches kept
+      np.testing.assert_array_equal(placed(tokens), expected)
+
+
+def test_parity_linen(tokens, tmp_path):
+  lm = LinenToyTransformer(CFG)
+  variables = lm.init(jax.random.key(0), tokens)
+  path = str(tmp_path / "linen")
+  jr.save(lm, path, params=variables, progress=False)
+  with jr.place(lm, dense(3, 2), params=variables, store=path, mesh=MESH1) as placed:
+    np.testing.assert_array_equal(placed(tokens), lm.apply(variables, tokens))
+
+
+def test_parity_on_a_sharded_mesh(tokens, tmp_path):
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    sharded = ToyTransformer(CFG, rngs=nnx.Rngs(0), sharded=True)
+  path = str(tmp_path / "sharded")
+  jr.save(sharded, path, progress=False)
+  expected = sharded(tokens)
+  with jr.place(sharded, dense(3, 2), store=path, mesh=mesh) as placed:
+    out = placed(tokens)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_memory_store_and_abstract_model(model, tokens):
+  path = "memory://stream-test/toy"
+  jr.save(model, path, progress=False)
+  abstract = nnx.eval_shape(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
+  with jr.place(abstract, dense(2, 1), store=path, mesh=MESH1) as placed:
+    np.testing.assert_array_equal(placed(tokens), model(tokens))
+
+
+def test_exact_counters_two_passes(model, tokens, store):
+  """8 units, host budget of 3 units, lookahead 2, device window 2, two passes."""
+  with jr.place(model, dense(3, 2), store=store, mesh=MESH1) as placed:
+    placed(tokens)
+    placed(tokens)
+    report = placed.report()
+  first, second = report.passes
+  for p in (first, second):
+    # Device tier: fetch(i) asks once per unit; only unit 0 is not moved in ahead.
+    assert (p.device.requests, p.device.hits, p.device.misses) == (8, 7, 1)
+    # Host tier: asked once per device load; unit 0 is read on demand, 1..7 prefetched.
+    assert (p.host.requests, p.host.hits, p.host.misses) == (8, 7, 1)
+    assert p.disk_to_host_bytes == 8 * UNIT
+    assert p.host_to_device_bytes == 8 * UNIT
+    assert p.disk_to_device_bytes == 0
+    assert p.peak_host_units == 3 and p.peak_device_units == 2
+    assert p.worker.submitted == 7 and p.worker.completed == 7 and p.worker.failed == 0
+  # Pass 1 fills a 3-unit host cache with 8 units: 5 evictions; the device window of
+  # 2 evicts units 0..5. Pass 2 starts full on both tiers: every install evicts.
+  assert (first.host.evictions, first.device.evictions) == (5, 6)
+  assert (second.host.evictions, second.device.evictions) == (8, 8)
+  assert first.host.evicted_bytes == 5 * UNIT
+  assert report.total.passes == 2 and report.total.bytes_read == 16 * UNIT
+  assert report.prefill.passes == 2 and report.decode.passes == 0
+
+
+def test_host_cache_holding_every_unit_reads_once(model, tokens, store):
+  with jr.place(model, dense(8, 2), store=store, mesh=MESH1) as placed:
+    placed(tokens)
+    placed(tokens[:, :1])  # a decode pass
+    report = placed.report()
+  first, second = report.passes
+  assert first.disk_to_host_bytes == 8 * UNIT
+  assert second.disk_to_host_bytes == 0 and second.host.misses == 0
+  assert second.phase == "decode" and report.decode.passes == 1
+
+
+def test_direct_disk_to_device_has_no_thread_and_no_host_cache(model, tokens, store):
+  before = {t.name for t in threading.enumerate()}
+  with jr.place(model, dense(0, 0), store=store, mesh=MESH1) as placed:
+    placed(tokens)
+    assert {t.name for t in threading.enumerate()} == before
+    p = placed.report().last
+  assert p.worker is None
+  assert p.disk_to_device_bytes == 8 * UNIT and p.disk_to_host_bytes == 0
+  assert p.host.requests == 0 and p.peak_host_units == 0
+
+
+def test_close_joins_the_worker(model, tokens, store):
+  placed = jr.place(model, dense(3, 2), store=store, mesh=MESH1)
+  placed(tokens)
+  assert any(t.name.startswith("jax-residency") for t in threading.enumerate())
+  placed.close()
+  assert not any(t.name.startswith("jax-residency") for t in threading.enumerate())
+  with pytest.raises(jr.ClosedError):
+    placed(tokens)
+
+
+def test_failed_pass_commits_nothing_and_recovers(model, tokens, store, monkeypatch):
+  with jr.place(model, dense(3, 2), store=store, mesh=MESH1) as placed:
+    placed(tokens)
+    before = placed.report()
+    from jax_residency._src import store as store_mod
+
+    real = store_mod.UnitStore.read_unit
+    calls = {"n": 0}
+
+    def flaky(self, i, **kw):
+      calls["n"] += 1
+      if i == 5:
+        raise OSError("disk went away")
+      return real(self, i, **kw)
+
+    monkeypatch.setattr(store_mod.UnitStore, "read_unit", flaky)
+    with pytest.raises((jr.PrefetchError, jr.StoreError)) as info:
+      placed(tokens)
+    assert "unit 5" in str(info.value)
+    after = placed.report()
+    assert after.total == before.total and len(after.passes) == 1
+    monkeypatch.setattr(store_mod.UnitStore, "read_unit", real)
+    np.testing.assert_array_equal(placed(tokens), model(tokens))
+    assert placed.report().total.passes == 2
+
+
+def test_budget_checks_before_reading(model, store):
+  static = sum(
+    int(np.prod(x.shape)) * x.dtype.itemsize
+    for path, x in nnx.to_flat_state(nnx.state(model))
+    if path[0] != "layers"
+  )
+  need = static + 2 * UNIT
+  with pytest.raises(jr.DeviceBudgetTooSmallError, match=f"required={need}"):
+    jr.place(model, dense(3, 2, device=need - 1), store=store, mesh=MESH1)
+  jr.place(model, dense(3, 2, device=need), store=store, mesh=MESH1).close()
+  with pytest.raises(jr.HostBudgetTooSmallError):
+    jr.place(model, dense(2, 3), store=store, mesh=MESH1)
+
+
+def test_missing_store_is_a_clear_error(model, tmp_path):
+  with pytest.raises(jr.StoreNotFoundError, match="nope"):
+    jr.place(model, dense(3, 2), store=str(tmp_path / "nope"), mesh=MESH1)
+
+
+def test_wrong_model_lists_every_bad_path(tokens, store):
+  other = ToyTransformer(
+    ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=32, n_layers=8), rngs=nnx.Rngs(0)
+  )
+  with pytest.raises(jr.CheckpointShapeMismatchError) as info:
+    jr.place(other, dense(3, 2), store=store, mesh=MESH1)
+  msg = str(info.value)
+  assert "up" in msg and "down" in msg
+
+
+def test_traced_once_per_input_shape(model, tokens, store, monkeypatch):
+  """The block's Python code runs only while tracing: once per input shape."""
+  from jax_residency._src import toy
+
+  traces = {"n": 0}
+  real_call = toy.Block.__call__
+
+  def counting(self, x):
+    traces["n"] += 1
+    return real_call(self, x)
+
+  monkeypatch.setattr(toy.Block, "__call__", counting)
+  with jr.place(model, dense(3, 2), store=store, mesh=MESH1) as placed:
+    for _ in range(3):
+      placed(tokens)
+    assert traces["n"] == 1
+    placed(jnp.concatenate([tokens, tokens], axis=1))
+    assert traces["n"] == 2

@@ -45,7 +45,7 @@ class UnitSource(Protocol):
   @property
   def unit_count(self) -> int: ...
 
-  def read_unit(self, index: int) -> Mapping[ParamPath, np.ndarray]: ...
+  def read_unit(self, i: int, /) -> Mapping[ParamPath, np.ndarray]: ...
 
 
 class DenseStreamEngine:
@@ -68,7 +68,7 @@ class DenseStreamEngine:
     self._source = source
     self._static = static
     self._unit_shardings = list(unit_shardings)
-    self._platform = next(iter(self._unit_shardings[0].device_set)).platform
+    self._platform = str(next(iter(self._unit_shardings[0].device_set)).platform)
     self._metadata = metadata
     self._telemetry = telemetry
     self._rel_paths = [split.unit_rel_path(leaf) for leaf in split.unit_leaves()]

@@ -1,0 +1,891 @@
+"""The unit store: a model's weights on disk, read one unit (layer) at a time.
+
+A store is an Orbax-compatible checkpoint: an OCDBT key-value database holding
+one zarr3 array per parameter, named the way Orbax names them
+(`'.'.join(path)`), plus Orbax's `_METADATA`, so `orbax.checkpoint` restores it
+as a nested dict of numpy arrays. Unit ("layer") parameters are stacked on axis
+0 with one uncompressed chunk per unit, so reading unit `i` reads exactly that
+unit's bytes; static parameters are one chunk each. A small sidecar,
+`jax_residency.json`, records the format version, the unit prefix and the unit
+count; plain Orbax checkpoints without it open too, given `unit_prefix`.
+
+This module works on flat mappings keyed by parameter-path tuples and knows
+nothing of Flax. The read fast path lives in `readers.py`.
+
+Example:
+  >>> import numpy as np
+  >>> info = save_store(
+  ...     "memory://doc/store",
+  ...     static={("embed",): np.ones((4, 2), np.float32)},
+  ...     units={("w",): np.arange(6, dtype=np.float32).reshape(3, 2)},
+  ...     unit_prefix=("layers",),
+  ... )
+  >>> with UnitStore.open("memory://doc/store") as store:
+  ...   store.unit_count, store.read_unit(1)[("w",)].tolist()
+  (3, [2.0, 3.0])
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorstore as ts
+import tqdm
+
+from . import errors, readers
+from .typing import ParamPath, TensorSpec
+
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike, DTypeLike
+
+FORMAT_NAME = "jax_residency.unit_store"
+FORMAT_VERSION = 1
+SIDECAR_KEY = "jax_residency.json"
+DEFAULT_MAX_CACHED_SHARDS = 4
+#: Idle unit buffers a store keeps for reuse (per request size): 2 reads in flight + 1 held.
+DEFAULT_SPARE_UNIT_BUFFERS = 3
+#: Bytes a writer lets be in flight before it waits for the oldest write.
+WRITE_IN_FLIGHT_BYTES = 256 << 20
+
+_TMP_TAG = ".jax-residency-tmp-"
+_OLD_TAG = ".jax-residency-old-"
+_CHECKPOINT_MARKERS = ("_METADATA", "manifest.ocdbt", SIDECAR_KEY)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreInfo:
+  """What `save_store` / `rechunk_store` wrote.
+
+  Attributes:
+    path: The store's path as given.
+    unit_prefix: Path of the stacked unit subtree (e.g. `("params", "layers")`).
+    unit_count: Number of units (the leading dimension of every unit array).
+    unit_nbytes: Bytes of one unit (all unit tensors of one index).
+    static_nbytes: Bytes of all static (non-unit) tensors.
+    format_version: Version of the sidecar format.
+  """
+
+  path: str
+  unit_prefix: ParamPath
+  unit_count: int
+  unit_nbytes: int
+  static_nbytes: int
+  format_version: int = FORMAT_VERSION
+
+  @property
+  def total_unit_bytes(self) -> int:
+    return self.unit_nbytes * self.unit_count
+
+
+def _orbax_metadata(paths: Iterable[ParamPath]) -> dict[str, Any]:
+  tree = {
+    str(path): {
+      "key_metadata": [{"key": k, "key_type": 2} for k in path],
+      "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False},
+    }
+    for path in sorted(paths)
+  }
+  return {
+    "tree_metadata": tree,
+    "use_ocdbt": True,
+    "use_zarr3": True,
+    "store_array_data_equal_to_fill_value": True,
+    "custom_metadata": None,
+  }
+
+
+_name = readers.param_name
+
+
+def _nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
+  return math.prod(shape) * dtype.itemsize
+
+
+def _fmt(spec: tuple[Sequence[int], Any]) -> str:
+  return f"{tuple(spec[0])} {np.dtype(spec[1]).name}"
+
+
+# --- reading ------------------------------------------------------------------
+
+
+class UnitStore:
+  """A store opened for reading: metadata up front, tensor data on demand.
+
+  Open with `UnitStore.open`. Thread-safe: the engine's main thread and its
+  prefetch worker may read concurrently. `close()` (or leaving a `with` block)
+  drops open handles and idle buffers; arrays already returned stay valid.
+
+  Memory: each unit read lands in one reused, page-aligned host buffer of
+  `unit_nbytes` (see `readers.BufferPool`); up to `spare_unit_buffers` idle
+  buffers are kept for reuse, on top of what the caller holds. TensorStore's
+  chunk cache is off; a bounded 64 MiB cache holds OCDBT index nodes.
+  """
+
+  def __init__(
+    self,
+    *,
+    location: readers.Location,
+    context: ts.Context,
+    arrays: Mapping[ParamPath, readers.ArrayInfo],
+    unit_prefix: ParamPath,
+    unit_count: int,
+    use_ocdbt: bool,
+    max_cached_shards: int,
+    spare_unit_buffers: int,
+  ):
+    self._loc = location
+    self._context = context
+    self._prefix = unit_prefix
+    self._unit_count = unit_count
+    self._use_ocdbt = use_ocdbt
+    n = len(unit_prefix)
+    self._units = {p[n:]: a for p, a in sorted(arrays.items()) if p[:n] == unit_prefix}
+    self._static = {p: a for p, a in sorted(arrays.items()) if p[:n] != unit_prefix}
+    self._drivers = {_name(p): a.driver for p, a in arrays.items()}
+    self._handles = readers.HandleCache(max_cached_shards, self._open_handle)
+    self._pool = readers.BufferPool(spare_unit_buffers)
+    self._closed = False
+
+  @classmethod
+  def open(
+    cls,
+    path: str,
+    *,
+    unit_prefix: ParamPath | None = None,
+    max_cached_shards: int = DEFAULT_MAX_CACHED_SHARDS,
+    require_unit_chunks: bool = True,
+    spare_unit_buffers: int = DEFAULT_SPARE_UNIT_BUFFERS,
+  ) -> UnitStore:
+    """Opens a store, reading only metadata.
+
+    Args:
+      path: A local directory, or any TensorStore kvstore URL of the checkpoint
+        directory (`file://…`, `memory://…`, `gs://…`, `s3://…`).
+      unit_prefix: Path of the stacked unit subtree. Defaults to the one in the
+        store's `jax_residency.json`; required for plain Orbax checkpoints.
+      max_cached_shards: Maximum number of open TensorStore array handles (LRU).
+        Reads reopen evicted handles, so a value at least the number of tensors
+        per unit avoids churn.
+      require_unit_chunks: Raise `StoreLayoutError` if a unit array's chunk
+        spans more than one unit (it could not be streamed one unit at a time).
+      spare_unit_buffers: Idle unit buffers kept for reuse.
+
+    Raises:
+      StoreNotFoundError: No checkpoint at `path`.
+      StoreLayoutError: Units disagree on their count, or (with
+        `require_unit_chunks`) a unit array is not chunked one unit per chunk.
+      StoreError: No unit prefix is known, or nothing lies under it.
+    """
+    return _open_store(
+      path,
+      unit_prefix=unit_prefix,
+      max_cached_shards=max_cached_shards,
+      require_unit_chunks=require_unit_chunks,
+      spare_unit_buffers=spare_unit_buffers,
+    )
+
+  # -- description
+
+  @property
+  def path(self) -> str:
+    return self._loc.path
+
+  @property
+  def unit_prefix(self) -> ParamPath:
+    return self._prefix
+
+  @property
+  def unit_count(self) -> int:
+    return self._unit_count
+
+  @property
+  def unit_specs(self) -> dict[ParamPath, TensorSpec]:
+    """Unit tensors, keyed by path relative to `unit_prefix`: (per-unit shape, dtype)."""
+    return {p: (a.shape[1:], a.dtype) for p, a in self._units.items()}
+
+  @property
+  def static_specs(self) -> dict[ParamPath, TensorSpec]:
+    """Static tensors, keyed by full path: (shape, dtype)."""
+    return {p: (a.shape, a.dtype) for p, a in self._static.items()}
+
+  @property
+  def unit_nbytes(self) -> int:
+    return sum(_nbytes(a.shape[1:], a.dtype) for a in self._units.values())
+
+  @property
+  def total_unit_bytes(self) -> int:
+    return self.unit_nbytes * self._unit_count
+
+  @property
+  def static_nbytes(self) -> int:
+    return sum(_nbytes(a.shape, a.dtype) for a in self._static.values())
+
+  @property
+  def chunked_per_unit(self) -> bool:
+    """Whether every unit array holds at most one unit per chunk (streamable)."""
+    return all(a.read_chunk[:1] == (1,) for a in self._units.values())
+
+  @property
+  def compressed(self) -> bool:
+    """Whether any unit array is compressed (slower reads; `rechunk_store` drops it)."""
+    return any(a.compressed for a in self._units.values())
+
+  @property
+  def open_handles(self) -> int:
+    """TensorStore array handles currently open (at most `max_cached_shards`)."""
+    return self._handles.open_count
+
+  @property
+  def info(self) -> StoreInfo:
+    return StoreInfo(
+      path=self.path,
+      unit_prefix=self._prefix,
+      unit_count=self._unit_count,
+      unit_nbytes=self.unit_nbytes,
+      static_nbytes=self.static_nbytes,
+    )
+
+  def __repr__(self) -> str:
+    return (
+      f"UnitStore(path={self.path!r}, unit_prefix={self._prefix}, "
+      f"unit_count={self._unit_count}, unit_nbytes={self.unit_nbytes})"
+    )
+
+  # -- reading
+
+  def read_unit_async(
+    self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
+  ) -> readers.UnitRead:
+    """Starts reading unit `i`; see `read_unit`. Returns a future-like `UnitRead`."""
+    self._check_usable()
+    if not isinstance(i, int | np.integer) or not 0 <= i < self._unit_count:
+      raise errors.StoreError(
+        f"Unit index {i!r} is out of range for {self.path}, which holds "
+        f"{self._unit_count} units; use 0 <= i < {self._unit_count}."
+      )
+    if index is None:
+      requests: Mapping[ParamPath, tuple[Any, ...]] = {p: () for p in self._units}
+    else:
+      unknown = [_name(p) for p in index if tuple(p) not in self._units]
+      if unknown:
+        raise errors.StoreError(
+          f"read_unit index names tensors that are not unit tensors of {self.path}:\n"
+          f"{errors.format_paths(unknown)}\nKeys are paths relative to unit_prefix="
+          f"{self._prefix}; see UnitStore.unit_specs."
+        )
+      requests = {tuple(p): tuple(s) if isinstance(s, tuple) else (s,) for p, s in index.items()}
+    sources = []
+    for rel, idx in requests.items():
+      handle = self._handles.get(_name(self._prefix + rel))
+      try:
+        sources.append((rel, handle[(int(i), *idx)]))
+      except (IndexError, ValueError, TypeError) as e:
+        raise errors.StoreError(
+          f"Cannot index unit tensor {_name(rel)!r} (per-unit shape "
+          f"{self._units[rel].shape[1:]}) with {idx!r}: {e}"
+        ) from e
+    return readers.issue_unit_read(int(i), sources, self._pool, self.path)
+
+  def read_unit(
+    self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
+  ) -> dict[ParamPath, np.ndarray]:
+    """Reads the tensors of unit `i`, keyed by path relative to `unit_prefix`.
+
+    All tensors are read concurrently into one reused host buffer.
+
+    Args:
+      i: Unit index, `0 <= i < unit_count`.
+      index: If given, read only these tensors, each restricted to its tuple of
+        slices/ints over the per-unit shape (`()` means all of it) — a process
+        reads just what its devices own.
+    """
+    return self.read_unit_async(i, index=index).result()
+
+  def read_units(
+    self,
+    indices: Iterable[int],
+    *,
+    index: Mapping[ParamPath, tuple[Any, ...]] | None = None,
+    in_flight: int = 2,
+  ) -> Iterator[tuple[int, dict[ParamPath, np.ndarray]]]:
+    """Yields `(i, tensors)` in order, keeping `in_flight` unit reads ahead."""
+    if in_flight < 1:
+      raise errors.StoreError(f"read_units needs in_flight >= 1; got {in_flight=}.")
+    pending: collections.deque[readers.UnitRead] = collections.deque()
+    todo = iter(indices)
+    for i in todo:
+      pending.append(self.read_unit_async(i, index=index))
+      if len(pending) >= in_flight:
+        break
+    while pending:
+      head = pending.popleft()
+      nxt = next(todo, None)
+      if nxt is not None:
+        pending.append(self.read_unit_async(nxt, index=index))
+      yield head.unit, head.result()
+
+  def read_static(self) -> dict[ParamPath, np.ndarray]:
+    """Reads every static tensor, keyed by full path."""
+    self._check_usable()
+    futures = [(p, self._handles.get(_name(p)).read()) for p in self._static]
+    out = {}
+    for path, future in futures:
+      try:
+        out[path] = future.result()
+      except ValueError as e:
+        raise errors.StoreError(f"Reading {_name(path)!r} from {self.path} failed: {e}") from e
+    return out
+
+  def check_against(
+    self,
+    expected_units: Mapping[ParamPath, tuple[Sequence[int], DTypeLike]],
+    expected_static: Mapping[ParamPath, tuple[Sequence[int], DTypeLike]],
+    *,
+    strict: bool,
+  ) -> None:
+    """Checks that the store holds exactly what a model expects.
+
+    Args:
+      expected_units: Per-unit (shape, dtype) by path relative to `unit_prefix`.
+      expected_static: (shape, dtype) by full path.
+      strict: Also reject stored tensors the model does not claim.
+
+    Raises:
+      MissingCheckpointParametersError: Expected tensors are absent (checked
+        first; the message counts the other problems too).
+      CheckpointShapeMismatchError: Shapes or dtypes differ.
+      UnexpectedCheckpointParametersError: With `strict`, unclaimed tensors.
+    """
+    missing, mismatched = [], []
+    for label, expected, stored in (
+      ("per unit", expected_units, self.unit_specs),
+      ("", expected_static, self.static_specs),
+    ):
+      full = (lambda p: self._prefix + p) if label else (lambda p: p)
+      for path, (shape, dtype) in expected.items():
+        name = _name(full(tuple(path))) + (f" ({label})" if label else "")
+        want = (tuple(int(d) for d in shape), np.dtype(dtype))
+        found = stored.get(tuple(path))
+        if found is None:
+          missing.append(f"{name}: expected {_fmt(want)}")
+        elif found != want:
+          mismatched.append(f"{name}: expected {_fmt(want)}, found {_fmt(found)}")
+    claimed = {self._prefix + tuple(p) for p in expected_units} | {
+      tuple(p) for p in expected_static
+    }
+    unexpected = []
+    if strict:
+      for rel, spec in self.unit_specs.items():
+        if self._prefix + rel not in claimed:
+          unexpected.append(f"{_name(self._prefix + rel)} (per unit): {_fmt(spec)}")
+      for path, spec in self.static_specs.items():
+        if path not in claimed:
+          unexpected.append(f"{_name(path)}: {_fmt(spec)}")
+    where = f"the store at {self.path} (unit_prefix={self._prefix})"
+    if missing:
+      also = _also(mismatched=len(mismatched), unexpected=len(unexpected))
+      raise errors.MissingCheckpointParametersError(
+        f"The model has {len(missing)} parameter(s) that {where} does not hold:\n"
+        f"{errors.format_paths(missing)}\n{also}Fix: save the store from this model "
+        "(save_store), or check that unit_prefix names the model's layer stack."
+      )
+    if mismatched:
+      also = _also(unexpected=len(unexpected))
+      raise errors.CheckpointShapeMismatchError(
+        f"{len(mismatched)} tensor(s) in {where} disagree with the model:\n"
+        f"{errors.format_paths(mismatched)}\n{also}Fix: the store was written for a "
+        "different model configuration; save it again from this model."
+      )
+    if unexpected:
+      raise errors.UnexpectedCheckpointParametersError(
+        f"{where} holds {len(unexpected)} tensor(s) the model does not claim:\n"
+        f"{errors.format_paths(unexpected)}\nFix: pass strict_loading=False to ignore "
+        "them, or save a store from this model."
+      )
+
+  # -- lifetime
+
+  def close(self) -> None:
+    """Drops open handles and idle buffers. Returned arrays stay valid."""
+    self._closed = True
+    self._handles.clear()
+    self._pool.clear()
+
+  def __enter__(self) -> UnitStore:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+  def _check_usable(self) -> None:
+    if self._closed:
+      raise errors.ClosedError(f"{self!r} was used after close(); open the store again.")
+
+  def _open_handle(self, name: str) -> ts.TensorStore:
+    spec = {
+      "driver": self._drivers[name],
+      "kvstore": readers.array_kvstore(self._loc, name, use_ocdbt=self._use_ocdbt),
+      "recheck_cached_data": False,
+      "recheck_cached_metadata": False,
+    }
+    try:
+      return ts.open(spec, context=self._context, read=True, open=True).result()
+    except ValueError as e:
+      raise errors.StoreError(f"Cannot open array {name!r} in {self.path}: {e}") from e
+
+
+def _also(*, mismatched: int = 0, unexpected: int = 0) -> str:
+  parts = [f"{mismatched} shape/dtype mismatch(es)"] if mismatched else []
+  parts += [f"{unexpected} unexpected tensor(s)"] if unexpected else []
+  return f"(Also found: {', '.join(parts)}.)\n" if parts else ""
+
+
+def _open_store(
+  path: str,
+  *,
+  unit_prefix: ParamPath | None,
+  max_cached_shards: int,
+  require_unit_chunks: bool,
+  spare_unit_buffers: int,
+  cache_largest_chunk: bool = False,
+) -> UnitStore:
+  """`UnitStore.open`; `cache_largest_chunk` sizes a chunk cache for `rechunk_store`."""
+  if not isinstance(max_cached_shards, int) or max_cached_shards < 1:
+    raise errors.ZeroMaxCachedShardsError(
+      f"max_cached_shards must be an int >= 1 (open TensorStore handles); got "
+      f"{max_cached_shards=}. Use the default, {DEFAULT_MAX_CACHED_SHARDS}."
+    )
+  loc = readers.locate(path)
+  context = readers.store_context()
+  found = readers.discover(loc, context, sidecar_key=SIDECAR_KEY)
+  sidecar, arrays, paths = found.sidecar, found.arrays, list(found.arrays)
+  if sidecar is not None and sidecar.get("format_version", 0) > FORMAT_VERSION:
+    raise errors.StoreError(
+      f"{path} was written by a newer jax_residency (format_version="
+      f"{sidecar.get('format_version')}; this one reads <= {FORMAT_VERSION}). Upgrade."
+    )
+  if unit_prefix is None:
+    if sidecar is None or not sidecar.get("unit_prefix"):
+      tops = sorted({_name(p[:2]) for p in paths if len(p) > 2})
+      raise errors.StoreError(
+        f"{path} has no {SIDECAR_KEY} (a plain Orbax checkpoint), so the unit prefix is "
+        f"unknown. Pass unit_prefix=(...) naming the stacked layer subtree; candidates:\n"
+        f"{errors.format_paths(tops)}"
+      )
+    unit_prefix = tuple(sidecar["unit_prefix"])
+  prefix = _as_path(unit_prefix)
+  units = {p: a for p, a in arrays.items() if p[: len(prefix)] == prefix and len(p) > len(prefix)}
+  if not units:
+    parents = sorted({_name(p[:-1]) for p in paths if len(p) > 1})
+    raise errors.StoreError(
+      f"{path} holds no arrays under unit_prefix={prefix}. Pass the prefix of the "
+      f"stacked layer subtree; array parents found:\n{errors.format_paths(parents)}"
+    )
+  counts = {_name(p): a.shape[0] if a.shape else None for p, a in units.items()}
+  unit_count = next(iter(counts.values()))
+  if unit_count is None or any(c != unit_count for c in counts.values()):
+    raise errors.StoreLayoutError(
+      f"Unit arrays under {prefix} in {path} must share one leading (unit) dimension; "
+      f"found:\n{errors.format_paths(f'{k}: leading dim {v}' for k, v in counts.items())}\n"
+      "Fix unit_prefix so it names only the stacked layers."
+    )
+  if sidecar is not None and sidecar.get("unit_count", unit_count) != unit_count:
+    raise errors.StoreLayoutError(
+      f"{path}: {SIDECAR_KEY} records unit_count={sidecar['unit_count']} but the arrays "
+      f"hold {unit_count} units. The store is inconsistent; write it again."
+    )
+  bad = [f"{_name(p)}: chunk shape {a.read_chunk}" for p, a in units.items() if a.read_chunk[0] > 1]
+  if bad and require_unit_chunks:
+    raise errors.StoreLayoutError(
+      f"{path} cannot be streamed one unit at a time: these unit arrays hold several "
+      f"units per chunk (streaming needs chunk shape (1, ...)):\n{errors.format_paths(bad)}\n"
+      f"Fix: run `jax-residency rechunk {path} DST --units {_name(prefix)}` or call "
+      f"rechunk_store({path!r}, dst, unit_prefix={prefix}), then open DST."
+    )
+  if cache_largest_chunk:
+    largest = max(_nbytes(a.read_chunk, a.dtype) for a in arrays.values())
+    context = readers.store_context(cache_bytes=largest + largest // 4 + (1 << 20))
+  return UnitStore(
+    location=loc,
+    context=context,
+    arrays=arrays,
+    unit_prefix=prefix,
+    unit_count=unit_count,
+    use_ocdbt=found.use_ocdbt,
+    max_cached_shards=max_cached_shards,
+    spare_unit_buffers=spare_unit_buffers,
+  )
+
+
+# --- writing ------------------------------------------------------------------
+
+
+def _write_chunk(handle: ts.TensorStore, index: Any, value: np.ndarray) -> Any:
+  """Starts one chunk write (a seam for tests to inject failures)."""
+  return handle[index].write(value)
+
+
+class _StoreWriter:
+  """Writes one store into a temporary sibling, renamed into place on `commit`.
+
+  For non-local kvstores (`memory://`, `gs://`...) it writes in place, markers
+  (`_METADATA`, the sidecar) last. Writes are bounded to `WRITE_IN_FLIGHT_BYTES`.
+  """
+
+  def __init__(self, path: str, *, overwrite: bool, progress: bool | None, total: int, desc: str):
+    self.dest = readers.locate(path)
+    self._overwrite = overwrite
+    self._pending: collections.deque[tuple[Any, int]] = collections.deque()
+    self._in_flight = 0
+    self._paths: list[ParamPath] = []
+    self._check_destination()
+    self._tmp: str | None = None
+    if self.dest.local is not None:
+      parent, base = os.path.split(self.dest.local)
+      os.makedirs(parent, exist_ok=True)
+      self._tmp = os.path.join(parent, f".{base}{_TMP_TAG}{uuid.uuid4().hex[:8]}")
+      os.mkdir(self._tmp)
+      self.target = readers.locate(self._tmp)
+    else:
+      self.target = self.dest
+      if overwrite:
+        self._delete_all(self.dest)
+    self.context = readers.store_context()
+    self._ocdbt = readers.ocdbt_spec(self.target, write=True)
+    show = sys.stderr.isatty() if progress is None else progress
+    self._bar = tqdm.tqdm(
+      total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not show
+    )
+
+  def _check_destination(self) -> None:
+    if self.dest.local is not None:
+      if not os.path.lexists(self.dest.local):
+        return
+      entries = os.listdir(self.dest.local) if os.path.isdir(self.dest.local) else None
+      if entries is None or (entries and not set(entries) & set(_CHECKPOINT_MARKERS)):
+        raise errors.StoreError(
+          f"Refusing to write a store over {self.dest.path}: it exists and is not a "
+          "checkpoint directory. Choose another path or remove it yourself."
+        )
+      exists = True
+    else:
+      kv = ts.KvStore.open(self.dest.base, context=readers.store_context()).result()
+      exists = any(kv.read(k).result().state == "value" for k in _CHECKPOINT_MARKERS)
+    if exists and not self._overwrite:
+      raise errors.StoreError(
+        f"A store already exists at {self.dest.path}. Pass overwrite=True to replace "
+        "it, or choose another path."
+      )
+
+  @staticmethod
+  def _delete_all(loc: readers.Location) -> None:
+    kv = ts.KvStore.open(loc.base, context=readers.store_context()).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+
+  def create(
+    self, path: ParamPath, shape: tuple[int, ...], dtype: np.dtype, chunk: Sequence[int]
+  ) -> ts.TensorStore:
+    endian = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    metadata = {
+      "shape": list(shape),
+      "data_type": ts.dtype(dtype).name,
+      "chunk_grid": {
+        "name": "regular",
+        "configuration": {"chunk_shape": [max(1, c) for c in chunk]},
+      },
+      "codecs": endian if dtype.itemsize > 1 else [{"name": "bytes"}],
+    }
+    spec = {
+      "driver": "zarr3",
+      "kvstore": {**self._ocdbt, "path": _name(path) + "/"},
+      "metadata": metadata,
+      "store_data_equal_to_fill_value": True,
+    }
+    self._paths.append(path)
+    try:
+      return ts.open(spec, context=self.context, create=True).result()
+    except ValueError as e:
+      raise errors.StoreError(f"Cannot create array {_name(path)!r} ({dtype}, {shape}): {e}") from e
+
+  def write(self, handle: ts.TensorStore, index: Any, value: np.ndarray) -> None:
+    self._pending.append((_write_chunk(handle, index, value), value.nbytes))
+    self._in_flight += value.nbytes
+    while self._in_flight > WRITE_IN_FLIGHT_BYTES and len(self._pending) > 1:
+      self._wait_oldest()
+
+  def _wait_oldest(self) -> None:
+    future, nbytes = self._pending.popleft()
+    self._in_flight -= nbytes
+    future.result()
+    self._bar.update(nbytes)
+
+  def commit(self, *, unit_prefix: ParamPath, unit_count: int) -> None:
+    while self._pending:
+      self._wait_oldest()
+    kv = ts.KvStore.open(self.target.base, context=self.context).result()
+    sidecar = {
+      "format": FORMAT_NAME,
+      "format_version": FORMAT_VERSION,
+      "unit_prefix": list(unit_prefix),
+      "unit_count": unit_count,
+    }
+    for key, value in (
+      ("_METADATA", _orbax_metadata(self._paths)),
+      (SIDECAR_KEY, sidecar),
+      ("commit_success.txt", f"Checkpoint commit was successful to {self.dest.path}"),
+    ):
+      text = value if isinstance(value, str) else json.dumps(value, indent=1)
+      kv.write(key, text.encode()).result()
+    self._bar.close()
+    if self._tmp is None:
+      return
+    assert self.dest.local is not None
+    old = None
+    if os.path.lexists(self.dest.local):
+      parent, base = os.path.split(self.dest.local)
+      old = os.path.join(parent, f".{base}{_OLD_TAG}{uuid.uuid4().hex[:8]}")
+      os.rename(self.dest.local, old)
+    try:
+      os.rename(self._tmp, self.dest.local)
+    except OSError:
+      if old is not None:
+        os.rename(old, self.dest.local)
+      raise
+    self._tmp = None
+    _fsync_dir(os.path.dirname(self.dest.local))
+    if old is not None:
+      shutil.rmtree(old, ignore_errors=True)
+
+  def abort(self) -> None:
+    """Waits for in-flight writes, then removes everything written."""
+    for future, _ in self._pending:
+      try:
+        future.result()
+      except Exception:  # noqa: BLE001 - the original error is what matters.
+        pass
+    self._pending.clear()
+    self._bar.close()
+    if self._tmp is not None:
+      shutil.rmtree(self._tmp, ignore_errors=True)
+      self._tmp = None
+    elif self.dest.local is None:
+      try:
+        self._delete_all(self.dest)
+      except ValueError:
+        pass
+
+
+def _fsync_dir(path: str) -> None:
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def _as_path(key: Any) -> ParamPath:
+  return tuple(str(k) for k in (key if isinstance(key, tuple) else (key,)))
+
+
+def _host(value: Any) -> Any:
+  """Keeps array-likes with shape/dtype as they are (sliced lazily); else numpy."""
+  if hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "__getitem__"):
+    return value
+  return np.asarray(value)
+
+
+def _native(value: Any, dtype: np.dtype) -> np.ndarray:
+  return np.asarray(np.asarray(value), dtype=dtype, order="C")
+
+
+def _check_paths(full: Mapping[ParamPath, Any], unit_prefix: ParamPath) -> None:
+  problems = []
+  names = collections.Counter(_name(p) for p in full)
+  problems += [f"{n}: several paths join to this Orbax name" for n, c in names.items() if c > 1]
+  problems += [
+    f"{_name(p)}: a path component contains '/'" for p in full if any("/" in k for k in p)
+  ]
+  problems += [f"{_name(p)}: an empty path" for p in full if not p]
+  keys = sorted(full)
+  problems += [
+    f"{_name(a)}: is a prefix of {_name(b)}"
+    for a, b in zip(keys, keys[1:], strict=False)
+    if b[: len(a)] == a
+  ]
+  if problems:
+    raise errors.StoreError(
+      f"Cannot save these parameter paths (unit_prefix={unit_prefix}) as one Orbax tree:\n"
+      f"{errors.format_paths(problems)}\nRename the parameters or choose another unit_prefix."
+    )
+
+
+def save_store(
+  path: str,
+  *,
+  static: Mapping[tuple[str, ...], ArrayLike],
+  units: Mapping[tuple[str, ...], ArrayLike],
+  unit_prefix: tuple[str, ...],
+  progress: bool | None = None,
+  overwrite: bool = False,
+) -> StoreInfo:
+  """Writes a streamable, Orbax-compatible store.
+
+  Local paths are written into a temporary sibling directory and renamed into
+  place when complete, so a failed save leaves nothing behind (and a failed
+  overwrite leaves the old store intact). Other kvstores (`memory://`, `gs://`...)
+  are written in place, Orbax's `_METADATA` and the sidecar last; there,
+  `overwrite` deletes the old store first and a failed save deletes what it wrote.
+  Path components are converted with `str()`.
+
+  Args:
+    path: Local directory or TensorStore kvstore URL of the checkpoint.
+    static: Full path -> array, for parameters that are not per unit.
+    units: Path relative to `unit_prefix` -> array stacked on axis 0 (leading
+      dimension = unit count, equal for all).
+    unit_prefix: Path of the unit subtree, e.g. `("params", "layers")`.
+    progress: Show a progress bar over bytes written; None shows it when stderr
+      is a terminal.
+    overwrite: Replace an existing store at `path`.
+
+  Returns:
+    A `StoreInfo` describing what was written.
+
+  Raises:
+    StoreError: `path` holds a store and `overwrite` is False; units disagree on
+      their count; paths collide as Orbax names; or a dtype is unsupported.
+  """
+  prefix = _as_path(unit_prefix)
+  if not prefix:
+    raise errors.StoreError("unit_prefix must name the unit subtree, e.g. ('layers',); got ().")
+  if not units:
+    raise errors.StoreError(f"save_store needs at least one unit array under {prefix}; got none.")
+  unit_arrays = {_as_path(k): _host(v) for k, v in units.items()}
+  static_arrays = {_as_path(k): _host(v) for k, v in static.items()}
+  clash = [_name(p) for p in static_arrays if p[: len(prefix)] == prefix]
+  if clash:
+    raise errors.StoreError(
+      f"Static paths lie under unit_prefix={prefix}, where only units belong:\n"
+      f"{errors.format_paths(clash)}\nPass them in `units` (stacked) or change unit_prefix."
+    )
+  leading = {_name(prefix + p): (a.shape[0] if a.shape else None) for p, a in unit_arrays.items()}
+  if len(set(leading.values())) != 1 or None in leading.values():
+    raise errors.StoreError(
+      "Unit arrays must be stacked on axis 0 with one common unit count; found:\n"
+      f"{errors.format_paths(f'{k}: leading dim {v}' for k, v in leading.items())}\n"
+      "Stack each unit parameter over the same layers."
+    )
+  unit_count = int(next(iter(leading.values())) or 0)
+  full = {**static_arrays, **{prefix + p: a for p, a in unit_arrays.items()}}
+  _check_paths(full, prefix)
+  dtypes = {p: np.dtype(a.dtype).newbyteorder("=") for p, a in full.items()}
+  unit_nbytes = sum(_nbytes(a.shape[1:], dtypes[prefix + p]) for p, a in unit_arrays.items())
+  static_nbytes = sum(_nbytes(a.shape, dtypes[p]) for p, a in static_arrays.items())
+  writer = _StoreWriter(
+    path,
+    overwrite=overwrite,
+    progress=progress,
+    total=unit_nbytes * unit_count + static_nbytes,
+    desc="save_store",
+  )
+  try:
+    for p, a in sorted(static_arrays.items()):
+      handle = writer.create(p, tuple(a.shape), dtypes[p], a.shape)
+      writer.write(handle, (), _native(a, dtypes[p]))
+    handles = {}
+    for p, a in sorted(unit_arrays.items()):
+      shape = tuple(a.shape)
+      handles[p] = writer.create(prefix + p, shape, dtypes[prefix + p], (1, *shape[1:]))
+    for i in range(unit_count):
+      for p, a in sorted(unit_arrays.items()):
+        writer.write(handles[p], i, _native(a[i], dtypes[prefix + p]))
+    writer.commit(unit_prefix=prefix, unit_count=unit_count)
+  except BaseException:
+    writer.abort()
+    raise
+  return StoreInfo(
+    path=path,
+    unit_prefix=prefix,
+    unit_count=unit_count,
+    unit_nbytes=unit_nbytes,
+    static_nbytes=static_nbytes,
+  )
+
+
+def _read_unit_slice(handle: ts.TensorStore, i: int) -> np.ndarray:
+  """Reads unit `i` of a stacked array (a seam for tests to observe)."""
+  return handle[i].read().result()
+
+
+def rechunk_store(
+  src: str,
+  dst: str,
+  *,
+  unit_prefix: tuple[str, ...] | None = None,
+  progress: bool | None = None,
+  overwrite: bool = False,
+) -> StoreInfo:
+  """Copies a checkpoint into a streamable store: one uncompressed chunk per unit.
+
+  Unit arrays are copied one unit at a time, array by array, so the whole model
+  is never in memory: the peak is one source chunk (for a whole-array-chunked
+  source, one stacked tensor, kept decoded while its units are copied) plus
+  `WRITE_IN_FLIGHT_BYTES` of pending writes. Written into a temporary sibling
+  and renamed into place, like `save_store`.
+
+  Args:
+    src: The checkpoint to convert (any chunking or compression).
+    dst: Where to write the streamable store.
+    unit_prefix: The unit subtree; defaults to the one in `src`'s sidecar.
+    progress: As for `save_store`.
+    overwrite: Replace an existing store at `dst`.
+  """
+  if readers.locate(src) == readers.locate(dst):
+    raise errors.StoreError(f"rechunk_store needs a destination other than the source {src}.")
+  source = _open_store(
+    src,
+    unit_prefix=unit_prefix,
+    max_cached_shards=1,
+    require_unit_chunks=False,
+    spare_unit_buffers=0,
+    cache_largest_chunk=True,
+  )
+  prefix = source.unit_prefix
+  info = source.info
+  writer = _StoreWriter(
+    dst,
+    overwrite=overwrite,
+    progress=progress,
+    total=info.total_unit_bytes + info.static_nbytes,
+    desc="rechunk_store",
+  )
+  try:
+    for p, a in source._static.items():
+      handle = writer.create(p, a.shape, a.dtype, a.shape)
+      writer.write(handle, (), source._handles.get(_name(p)).read().result())
+    for p, a in source._units.items():
+      handle = writer.create(prefix + p, a.shape, a.dtype, (1, *a.shape[1:]))
+      src_handle = source._handles.get(_name(prefix + p))
+      for i in range(source.unit_count):
+        writer.write(handle, i, _read_unit_slice(src_handle, i))
+    writer.commit(unit_prefix=prefix, unit_count=source.unit_count)
+  except BaseException:
+    writer.abort()
+    raise
+  finally:
+    source.close()
+  return dataclasses.replace(info, path=dst)

@@ -18,10 +18,12 @@ Counters are per pass and committed only when the pass succeeds.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import jax
 import numpy as np
@@ -29,7 +31,7 @@ from jax.sharding import Mesh
 
 from . import placement as pl
 from .errors import AdmissionError, PlacementError, StoreError
-from .ledger import Eviction, ResidencyLedger, Tier
+from .ledger import Eviction, Reservation, ResidencyLedger, Tier
 from .model import SplitModel
 from .plan import ModelMetadata
 from .policy import DenseDiskStream
@@ -68,7 +70,8 @@ class DenseStreamEngine:
     self._source = source
     self._static = static
     self._unit_shardings = list(unit_shardings)
-    self._platform = str(next(iter(self._unit_shardings[0].device_set)).platform)
+    device: Any = next(iter(self._unit_shardings[0].device_set))
+    self._platform = str(device.platform)
     self._metadata = metadata
     self._telemetry = telemetry
     self._rel_paths = [split.unit_rel_path(leaf) for leaf in split.unit_leaves()]
@@ -91,6 +94,8 @@ class DenseStreamEngine:
       self.worker = PrefetchWorker(self._prefetch, capacity=opts.background_queue_capacity)
     self._counters = PassCounters()
     self._counters_lock = threading.Lock()
+    self._ahead: dict[int, tuple[Reservation, Callable[[], Mapping[ParamPath, np.ndarray]]]] = {}
+    self._ahead_lock = threading.Lock()
     self._staged: dict[Any, StagedForward] = {}
     self._run_lock = threading.Lock()
 
@@ -157,6 +162,7 @@ class DenseStreamEngine:
   def _end_pass(self, ok: bool, args: tuple[Any, ...], seconds: float) -> None:
     if not ok and self.worker is not None:
       self.worker.cancel(wait=True)
+      self._drop_read_ahead()
     # A failed pass leaves no leases behind; clear the windows either way.
     self.ledger.protect(Tier.DEVICE, ())
     self.ledger.protect(Tier.HOST, ())
@@ -258,25 +264,81 @@ class DenseStreamEngine:
     except StoreError:
       raise
     except Exception as e:  # noqa: BLE001 - re-raised with the unit named
-      raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e
+      _raise_read_error(i, e)
+      raise  # unreachable
+
+  def _start_read(self, i: int) -> Callable[[], Mapping[ParamPath, np.ndarray]]:
+    """Issues the read of unit ``i``; the returned callable waits for it."""
+    start_async = getattr(self._source, "read_unit_async", None)
+    if start_async is None:
+      return lambda: self._read(i)
+    try:
+      pending = start_async(i)
+    except Exception as e:  # noqa: BLE001 - re-raised with the unit named
+      return functools.partial(_raise_read_error, i, e)
+
+    def finish() -> Mapping[ParamPath, np.ndarray]:
+      try:
+        return pending.result()
+      except StoreError:
+        raise
+      except Exception as e:  # noqa: BLE001 - re-raised with the unit named
+        _raise_read_error(i, e)
+        raise  # unreachable
+
+    return finish
 
   def _prefetch(self, i: int, token: CancelToken) -> None:
-    """Runs on the worker thread: reads unit ``i`` into the host tier."""
-    if (
-      token.cancelled or self.ledger.contains(Tier.HOST, i) or self.ledger.is_pending(Tier.HOST, i)
-    ):
-      return
-    try:
-      reservation = self.ledger.reserve(Tier.HOST, i, self._host_unit_bytes)
-    except AdmissionError:
-      return  # no room right now; demand will read it
+    """Runs on the worker thread: reads unit ``i`` into the host tier.
+
+    While unit ``i`` is read, the read of the next queued unit is issued too
+    (its host bytes reserved first), so two unit reads are in flight.
+    """
+    with self._ahead_lock:
+      started = self._ahead.pop(i, None)
+    if started is None:
+      if token.cancelled or self.ledger.contains(Tier.HOST, i) or self.ledger.is_pending(
+        Tier.HOST, i
+      ):
+        return
+      try:
+        reservation = self.ledger.reserve(Tier.HOST, i, self._host_unit_bytes)
+      except AdmissionError:
+        return  # no room right now; demand will read it
+      started = (reservation, self._start_read(i))
+    self._read_ahead()
+    reservation, finish = started
     with reservation:
-      data = self._read(i)
+      data = finish()
       if token.cancelled:
         return
       reservation.commit(data, prefetched=True)
     with self._counters_lock:
       self._counters.disk_to_host_bytes += self._host_unit_bytes
+
+  def _read_ahead(self) -> None:
+    assert self.worker is not None
+    for j in self.worker.queued_units()[:1]:
+      with self._ahead_lock:
+        if j in self._ahead:
+          continue
+      if self.ledger.contains(Tier.HOST, j) or self.ledger.is_pending(Tier.HOST, j):
+        continue
+      try:
+        reservation = self.ledger.reserve(Tier.HOST, j, self._host_unit_bytes)
+      except AdmissionError:
+        continue
+      with self._ahead_lock:
+        self._ahead[j] = (reservation, self._start_read(j))
+
+  def _drop_read_ahead(self) -> None:
+    """Waits out and releases reads issued ahead for requests that were dropped."""
+    with self._ahead_lock:
+      started, self._ahead = list(self._ahead.values()), {}
+    for reservation, finish in started:
+      with contextlib.suppress(Exception):
+        finish()
+      reservation.release()
 
   def _note_stall(self, seconds: float) -> None:
     with self._counters_lock:
@@ -292,14 +354,20 @@ class DenseStreamEngine:
     with self._run_lock:
       if self.worker is not None:
         self.worker.cancel(wait=True)
+        self._drop_read_ahead()
       self.ledger.discard_all()
 
   def close(self) -> None:
     if self.worker is not None:
       self.worker.close()
+      self._drop_read_ahead()
     self.ledger.close()
     self._static = []
     self._staged.clear()
+
+
+def _raise_read_error(i: int, e: Exception) -> NoReturn:
+  raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e
 
 
 def place_dense(

@@ -297,8 +297,10 @@ class DenseStreamEngine:
     with self._ahead_lock:
       started = self._ahead.pop(i, None)
     if started is None:
-      if token.cancelled or self.ledger.contains(Tier.HOST, i) or self.ledger.is_pending(
-        Tier.HOST, i
+      if (
+        token.cancelled
+        or self.ledger.contains(Tier.HOST, i)
+        or self.ledger.is_pending(Tier.HOST, i)
       ):
         return
       try:

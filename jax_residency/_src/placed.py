@@ -254,8 +254,10 @@ def _place_jitted(
     try:
       out = split.forward(split.join(static_leaves, unit_leaves), loop, *args, **kwargs)
     except Exception as e:
-      if loop.loops_run == 0:  # the layers ran outside the loop and failed there
-        raise _not_looped(split) from e
+      if loop.loops_run == 0:
+        if "memory" in str(e).lower():  # host-resident layers used outside the loop
+          raise _not_looped(split) from e
+        e.add_note(f"jax_residency: the layer loop had not run yet. {_not_looped(split)}")
       raise
     if loop.loops_run == 0:
       raise _not_looped(split)

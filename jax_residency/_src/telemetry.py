@@ -376,13 +376,14 @@ class Telemetry:
     history: int = DEFAULT_PASS_HISTORY,
   ) -> Telemetry:
     """The telemetry of a placed model, with the samplers its policy's flags ask for."""
-    from . import sampling  # noqa: PLC0415 - keep this module importable without threads
-
     samplers: dict[str, Callable[[], Any]] = {}
-    if policy.sample_process_memory:
-      samplers["process"] = sampling.ProcessMemorySampler()
-    if policy.sample_backend_memory:
-      samplers["backend"] = sampling.backend_memory
+    if policy.sample_process_memory or policy.sample_backend_memory:
+      from . import sampling  # noqa: PLC0415 - only sampling policies need it
+
+      if policy.sample_process_memory:
+        samplers["process"] = sampling.ProcessMemorySampler()
+      if policy.sample_backend_memory:
+        samplers["backend"] = sampling.backend_memory
     return cls(
       policy=policy,
       metadata=metadata,

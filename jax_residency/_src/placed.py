@@ -255,7 +255,7 @@ def _place_jitted(
       out = split.forward(split.join(static_leaves, unit_leaves), loop, *args, **kwargs)
     except Exception as e:
       if loop.loops_run == 0:
-        if "memory" in str(e).lower():  # host-resident layers used outside the loop
+        if "memory_space" in str(e) or "memory kind" in str(e):  # host layers used off-loop
           raise _not_looped(split) from e
         e.add_note(f"jax_residency: the layer loop had not run yet. {_not_looped(split)}")
       raise

@@ -467,7 +467,15 @@ def _open_store(
     )
   loc = readers.locate(path)
   context = readers.store_context()
-  found = readers.discover(loc, context, sidecar_key=SIDECAR_KEY)
+  try:
+    found = readers.discover(loc, context, sidecar_key=SIDECAR_KEY)
+  except errors.StoreError:
+    raise
+  except (ValueError, OSError) as e:  # corrupt metadata, manifest or data files
+    raise errors.StoreError(
+      f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). Write it again with "
+      "jax_residency.save, or point at the checkpoint directory itself."
+    ) from e
   sidecar, arrays, paths = found.sidecar, found.arrays, list(found.arrays)
   if sidecar is not None and sidecar.get("format_version", 0) > FORMAT_VERSION:
     raise errors.StoreError(

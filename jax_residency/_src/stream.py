@@ -37,7 +37,7 @@ from .plan import ModelMetadata
 from .policy import DenseDiskStream
 from .prefetch import CancelToken, PrefetchWorker
 from .staged import StagedForward, run_staged, trace
-from .telemetry import PassCounters, Telemetry
+from .telemetry import PassCounters, Telemetry, TimelinePoint
 from .typing import ParamPath
 
 
@@ -97,6 +97,7 @@ class DenseStreamEngine:
     self._ahead: dict[int, tuple[Reservation, Callable[[], Mapping[ParamPath, np.ndarray]]]] = {}
     self._ahead_lock = threading.Lock()
     self._staged: dict[Any, StagedForward] = {}
+    self._pass_start = time.perf_counter()
     self._run_lock = threading.Lock()
 
   # --- a pass ----------------------------------------------------------------
@@ -106,7 +107,7 @@ class DenseStreamEngine:
     with self._run_lock:
       staged = self._stage(args, kwargs)
       self._begin_pass()
-      start = time.perf_counter()
+      start = self._pass_start = time.perf_counter()
       ok = False
       try:
         out = run_staged(
@@ -186,6 +187,14 @@ class DenseStreamEngine:
     arrays = self.ledger.get(Tier.DEVICE, i)
     if arrays is None:
       arrays = self._load_device(i)
+    point = TimelinePoint(
+      seconds=time.perf_counter() - self._pass_start,
+      unit=i,
+      host_bytes=self.ledger.resident_bytes(Tier.HOST),
+      device_bytes=self.ledger.resident_bytes(Tier.DEVICE),
+    )
+    with self._counters_lock:
+      self._counters.timeline.append(point)
     return arrays
 
   def _after_step(self, i: int) -> None:

@@ -46,6 +46,24 @@ class PassCounters:
   host_to_device_bytes: int = 0
   stalls: int = 0
   stall_seconds: float = 0.0
+  timeline: list[TimelinePoint] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelinePoint:
+  """Where unit bytes were when a step of the unit loop got its unit.
+
+  Attributes:
+    seconds: time since the pass started.
+    unit: the unit the step runs.
+    host_bytes: unit bytes held in the host cache.
+    device_bytes: unit bytes held on the device.
+  """
+
+  seconds: float
+  unit: int
+  host_bytes: int
+  device_bytes: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +89,9 @@ class PassReport:
     backend: with ``sample_backend_memory``, the devices' ``memory_stats()``,
       or live-array bytes per memory kind where the backend has no stats;
       else ``None``.
+    timeline: for a dense stream, one :class:`TimelinePoint` per step of the
+      unit loop (where the bytes were over the pass); empty for policies that
+      run the loop as one compiled program.
   """
 
   index: int
@@ -91,6 +112,7 @@ class PassReport:
   worker: WorkerMetrics | None = None
   process: Mapping[str, int] | None = None
   backend: Mapping[str, Any] | None = None
+  timeline: tuple[TimelinePoint, ...] = ()
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "process", _freeze(self.process))
@@ -467,6 +489,7 @@ class Telemetry:
         worker=worker,
         process=extra.get("process"),
         backend=extra.get("backend"),
+        timeline=tuple(counters.timeline),
       )
       self._passes.append(report)
       self._count += 1

@@ -189,6 +189,26 @@ def split_model(model: Any, *, params: Any = None, units: Any = None) -> SplitMo
   )
 
 
+def _flatten(tree: Any) -> tuple[Any, list[ParamPath], list[Any], list[tuple[int, ...]]]:
+  """Flattens a parameter tree: its treedef, leaf paths, values and shapes."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  values = [v for _, v in with_path]
+  paths = [normalise_path(p) for p, _ in with_path]
+  return treedef, paths, values, [tuple(np.shape(v)) for v in values]
+
+
+def _leaves(
+  paths: list[ParamPath],
+  shapes: list[tuple[int, ...]],
+  values: list[Any],
+  specs: list[PartitionSpec],
+) -> list[Leaf]:
+  return [
+    Leaf(p, s, np.dtype(v.dtype), sp)
+    for p, s, v, sp in zip(paths, shapes, values, specs, strict=True)
+  ]
+
+
 def _walk(module: Any, path: ParamPath) -> Any:
   for part in path:
     module = module[int(part)] if part.isdigit() else getattr(module, part)
@@ -197,16 +217,9 @@ def _walk(module: Any, path: ParamPath) -> Any:
 
 def _split_nnx(model: nnx.Module, units: Any) -> SplitModel:
   graphdef, state = nnx.split(model)
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(state)
-  paths = [normalise_path(p) for p, _ in with_path]
-  values = [v for _, v in with_path]
-  shapes = [tuple(np.shape(v)) for v in values]
+  treedef, paths, values, shapes = _flatten(state)
   prefix = _select_units(paths, shapes, units, ())
-  specs = _specs(state, nnx.get_partition_spec, len(values))
-  leaves = [
-    Leaf(p, s, np.dtype(v.dtype), sp)
-    for p, s, v, sp in zip(paths, shapes, values, specs, strict=True)
-  ]
+  leaves = _leaves(paths, shapes, values, _specs(state, nnx.get_partition_spec, len(values)))
 
   def forward(
     leaf_values: Sequence[Any], loop: LoopContext | None, *args: Any, **kwargs: Any
@@ -226,18 +239,11 @@ def _split_linen(model: nn.Module, variables: Any, units: Any) -> SplitModel:
     raise UnitSelectionError("Linen variables have no 'params' collection; pass model.init(...)")
   specs_tree = nn.get_partition_spec(variables)
   variables = nn.meta.unbox(variables)
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(variables)
-  paths = [normalise_path(p) for p, _ in with_path]
-  values = [v for _, v in with_path]
-  shapes = [tuple(np.shape(v)) for v in values]
+  treedef, paths, values, shapes = _flatten(variables)
   param_paths = [p for p in paths if p[0] == "params"]
   param_shapes = [s for p, s in zip(paths, shapes, strict=True) if p[0] == "params"]
   prefix = _select_units(param_paths, param_shapes, units, ("params",))
-  specs = _specs(specs_tree, lambda t: t, len(values))
-  leaves = [
-    Leaf(p, s, np.dtype(v.dtype), sp)
-    for p, s, v, sp in zip(paths, shapes, values, specs, strict=True)
-  ]
+  leaves = _leaves(paths, shapes, values, _specs(specs_tree, lambda t: t, len(values)))
 
   def forward(
     leaf_values: Sequence[Any], loop: LoopContext | None, *args: Any, **kwargs: Any

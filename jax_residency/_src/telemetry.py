@@ -66,8 +66,26 @@ class TimelinePoint:
   device_bytes: int
 
 
+class _Moved:
+  """What a pass report and a total share: bytes read, and a JSON form."""
+
+  disk_to_host_bytes: int
+  disk_to_device_bytes: int
+
+  @property
+  def bytes_read(self) -> int:
+    """Bytes read from disk (into host memory or straight to a device)."""
+    return self.disk_to_host_bytes + self.disk_to_device_bytes
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-serialisable dictionary."""
+    d = _plain(self)
+    d["bytes_read"] = self.bytes_read
+    return d
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PassReport:
+class PassReport(_Moved):
   """One successful forward pass.
 
   Attributes:
@@ -118,20 +136,9 @@ class PassReport:
     object.__setattr__(self, "process", _freeze(self.process))
     object.__setattr__(self, "backend", _freeze(self.backend))
 
-  @property
-  def bytes_read(self) -> int:
-    """Bytes read from disk (into host memory or straight to a device)."""
-    return self.disk_to_host_bytes + self.disk_to_device_bytes
-
-  def to_dict(self) -> dict[str, Any]:
-    """A JSON-serialisable dictionary."""
-    d = _plain(self)
-    d["bytes_read"] = self.bytes_read
-    return d
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Totals:
+class Totals(_Moved):
   """Counters summed (peaks maxed) over a set of passes.
 
   ``peak_rss_bytes``, ``minor_faults`` and ``major_faults`` come from the
@@ -185,17 +192,6 @@ class Totals:
       minor_faults=_optional(operator.add, self.minor_faults, other.minor_faults),
       major_faults=_optional(operator.add, self.major_faults, other.major_faults),
     )
-
-  @property
-  def bytes_read(self) -> int:
-    """Bytes read from disk (into host memory or straight to a device)."""
-    return self.disk_to_host_bytes + self.disk_to_device_bytes
-
-  def to_dict(self) -> dict[str, Any]:
-    """A JSON-serialisable dictionary."""
-    d = _plain(self)
-    d["bytes_read"] = self.bytes_read
-    return d
 
 
 #: Process-sample keys that :class:`Totals` aggregates (peak maxed, faults summed).

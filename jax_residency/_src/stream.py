@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from . import placement as pl
 from .errors import AdmissionError, PlacementError, StoreError
 from .ledger import Eviction, Reservation, ResidencyLedger, Tier
-from .model import SplitModel
+from .model import SplitModel, path_str
 from .plan import ModelMetadata
 from .policy import DenseDiskStream
 from .prefetch import CancelToken, PrefetchWorker
@@ -446,4 +446,7 @@ def place_dense(
     [opened.close, engine.close],
     telemetry=telemetry,
     clear_caches=engine.clear_caches,
+    arrays=lambda: {
+      path_str(leaf.path): a for leaf, a in zip(split.static_leaves(), static, strict=True)
+    },
   )

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from .errors import PlacementError
@@ -191,7 +192,8 @@ def _compile_step(closed: jcore.ClosedJaxpr, num_carry: int, *, in_loop: bool) -
     return c + ys
 
   compiled = jax.jit(looped)
-  return lambda consts, carry, xs: compiled(consts, carry, xs, jnp.int32(1))
+  one = np.int32(1)
+  return lambda consts, carry, xs: compiled(consts, carry, xs, one)
 
 
 def _last_uses(jaxpr: jcore.Jaxpr) -> dict[jcore.Var, int]:

@@ -225,10 +225,9 @@ class DenseStreamEngine:
     with self.ledger.reserve(Tier.DEVICE, i, self._device_unit_bytes) as reservation:
       # On a CPU backend, page-aligned host buffers become device arrays without a
       # copy (may_alias); accelerators copy host→device as usual.
-      arrays = [
-        jax.device_put(np.asarray(host[p]), s, may_alias=True)
-        for p, s in zip(self._rel_paths, self._unit_shardings, strict=True)
-      ]
+      arrays = jax.device_put(
+        [np.asarray(host[p]) for p in self._rel_paths], self._unit_shardings, may_alias=True
+      )
       reservation.commit(arrays)
     with self._counters_lock:
       if source == "host":

@@ -47,7 +47,9 @@ class UnitSource(Protocol):
   @property
   def unit_count(self) -> int: ...
 
-  def read_unit(self, i: int, /) -> Mapping[ParamPath, np.ndarray]: ...
+  def read_unit(
+    self, i: int, /, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
+  ) -> Mapping[ParamPath, np.ndarray]: ...
 
 
 class DenseStreamEngine:
@@ -75,6 +77,18 @@ class DenseStreamEngine:
     self._metadata = metadata
     self._telemetry = telemetry
     self._rel_paths = [split.unit_rel_path(leaf) for leaf in split.unit_leaves()]
+    self._unit_shapes = [leaf.shape[1:] for leaf in split.unit_leaves()]
+    # Multi-process meshes: each process reads only the box of each tensor that
+    # its own devices hold (``None`` when every device is this process's).
+    boxes = [
+      addressable_box(s, shape)
+      for s, shape in zip(self._unit_shardings, self._unit_shapes, strict=True)
+    ]
+    self._read_index: dict[ParamPath, tuple[slice, ...]] | None = None
+    if any(b is not None for b in boxes):
+      self._read_index = {
+        p: (b if b is not None else ()) for p, b in zip(self._rel_paths, boxes, strict=True)
+      }
     self._host_unit_bytes = metadata.unit_bytes[0] if metadata.unit_bytes else 0
     self._device_unit_bytes = metadata.largest_device_unit_bytes
     self._unit_count = metadata.layer_count
@@ -225,9 +239,17 @@ class DenseStreamEngine:
     with self.ledger.reserve(Tier.DEVICE, i, self._device_unit_bytes) as reservation:
       # On a CPU backend, page-aligned host buffers become device arrays without a
       # copy (may_alias); accelerators copy host→device as usual.
-      arrays = jax.device_put(
-        [np.asarray(host[p]) for p in self._rel_paths], self._unit_shardings, may_alias=True
-      )
+      if self._read_index is None:
+        arrays = jax.device_put(
+          [np.asarray(host[p]) for p in self._rel_paths], self._unit_shardings, may_alias=True
+        )
+      else:
+        arrays = [
+          from_local_box(np.asarray(host[p]), shape, s, self._read_index[p])
+          for p, shape, s in zip(
+            self._rel_paths, self._unit_shapes, self._unit_shardings, strict=True
+          )
+        ]
       reservation.commit(arrays)
     with self._counters_lock:
       if source == "host":
@@ -268,7 +290,9 @@ class DenseStreamEngine:
 
   def _read(self, i: int) -> Mapping[ParamPath, np.ndarray]:
     try:
-      return self._source.read_unit(i)
+      if self._read_index is None:
+        return self._source.read_unit(i)
+      return self._source.read_unit(i, index=self._read_index)
     except StoreError:
       raise
     except Exception as e:  # noqa: BLE001 - re-raised with the unit named
@@ -281,7 +305,9 @@ class DenseStreamEngine:
     if start_async is None:
       return lambda: self._read(i)
     try:
-      pending = start_async(i)
+      pending = (
+        start_async(i) if self._read_index is None else start_async(i, index=self._read_index)
+      )
     except Exception as e:  # noqa: BLE001 - re-raised with the unit named
       return functools.partial(_raise_read_error, i, e)
 
@@ -374,6 +400,45 @@ class DenseStreamEngine:
     self.ledger.close()
     self._static = []
     self._staged.clear()
+
+
+def addressable_box(
+  sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> tuple[slice, ...] | None:
+  """The smallest box of an array of ``shape`` covering this process's shards.
+
+  ``None`` when every device of ``sharding`` belongs to this process (read all).
+  """
+  if sharding.is_fully_addressable:
+    return None
+  starts, stops = list(shape), [0] * len(shape)
+  for index in sharding.addressable_devices_indices_map(shape).values():
+    for d, n in enumerate(shape):
+      lo, hi, _ = (index[d] if index is not None else slice(None)).indices(n)
+      starts[d], stops[d] = min(starts[d], lo), max(stops[d], hi)
+  return tuple(slice(lo, hi) for lo, hi in zip(starts, stops, strict=True))
+
+
+def from_local_box(
+  local: np.ndarray,
+  shape: tuple[int, ...],
+  sharding: jax.sharding.Sharding,
+  box: tuple[slice, ...],
+) -> jax.Array:
+  """Builds a global array from the box of it this process read."""
+  if box == ():
+    return jax.device_put(local, sharding)
+  origin = [b.start for b in box]
+
+  def shard(index: tuple[slice, ...] | None) -> np.ndarray:
+    full = index if index is not None else (slice(None),) * len(shape)
+    local_index = tuple(
+      slice(sl.indices(n)[0] - o, sl.indices(n)[1] - o)
+      for sl, n, o in zip(full, shape, origin, strict=True)
+    )
+    return local[local_index]
+
+  return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def _raise_read_error(i: int, e: Exception) -> NoReturn:

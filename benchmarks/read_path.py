@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from jax_residency._src import store as st
+from jax_residency._src import writer as wr
 
 PREFIX = ("layers",)
 #: How one unit's bytes are split over its tensors.
@@ -99,7 +100,7 @@ def _ensure_store(path: str, units: int, unit_mib: int) -> None:
     key: _Stacked(units, int(unit_mib * 2**20 * frac), seed)
     for seed, (key, frac) in enumerate(FRACTIONS.items())
   }
-  st.save_store(path, static={}, units=arrays, unit_prefix=PREFIX, overwrite=True)
+  wr.save_store(path, static={}, units=arrays, unit_prefix=PREFIX, overwrite=True)
 
 
 def _unit_bytes(unit_mib: int) -> int:

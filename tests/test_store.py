@@ -15,6 +15,7 @@ import pytest
 
 from jax_residency._src import errors, readers
 from jax_residency._src import store as st
+from jax_residency._src import writer as wr
 
 N = 3
 PREFIX = ("layers",)
@@ -60,7 +61,7 @@ def _assert_same(got: dict, want: dict) -> None:
 
 
 def _save(path: str, seed: int = 0, **kwargs) -> st.StoreInfo:
-  return st.save_store(
+  return wr.save_store(
     path, static=_static(seed), units=_units(seed), unit_prefix=PREFIX, progress=False, **kwargs
   )
 
@@ -238,15 +239,15 @@ def test_whole_array_chunks_need_rechunk(tmp_path, monkeypatch) -> None:
     assert not store.chunked_per_unit
 
   reads = []
-  real = st._read_unit_slice
+  real = wr._read_unit_slice
 
   def spy(handle, i):
     out = real(handle, i)
     reads.append((i, out.shape, tuple(handle.shape)))
     return out
 
-  monkeypatch.setattr(st, "_read_unit_slice", spy)
-  info = st.rechunk_store(src, dst, unit_prefix=PREFIX, progress=False)
+  monkeypatch.setattr(wr, "_read_unit_slice", spy)
+  info = wr.rechunk_store(src, dst, unit_prefix=PREFIX, progress=False)
   # Every unit array was read one unit at a time, never whole.
   assert len(reads) == N * len(units)
   assert all(shape == full[1:] for _, shape, full in reads)
@@ -265,7 +266,7 @@ def test_whole_array_chunks_need_rechunk(tmp_path, monkeypatch) -> None:
 
 def _fail_on_write(monkeypatch, after: int) -> None:
   calls = []
-  real = st._write_chunk
+  real = wr._write_chunk
 
   def failing(handle, index, value):
     calls.append(index)
@@ -273,7 +274,7 @@ def _fail_on_write(monkeypatch, after: int) -> None:
       raise OSError("disk on fire")
     return real(handle, index, value)
 
-  monkeypatch.setattr(st, "_write_chunk", failing)
+  monkeypatch.setattr(wr, "_write_chunk", failing)
 
 
 def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
@@ -317,21 +318,21 @@ def test_save_rejects_bad_inputs(tmp_path) -> None:
   path = str(tmp_path / "s")
   units = {("a",): np.zeros((3, 2)), ("b", "c"): np.zeros((4, 2)), ("d",): np.zeros((3,))}
   with pytest.raises(errors.StoreError) as e:
-    st.save_store(path, static={}, units=units, unit_prefix=PREFIX)
+    wr.save_store(path, static={}, units=units, unit_prefix=PREFIX)
   assert "layers.a: leading dim 3\n  layers.b.c: leading dim 4\n  layers.d: leading dim 3" in str(
     e.value
   )
   with pytest.raises(errors.StoreError, match=r"(?s)under unit_prefix.*layers\.x"):
-    st.save_store(
+    wr.save_store(
       path,
       static={("layers", "x"): np.zeros(2)},
       units={("a",): np.zeros((3, 2))},
       unit_prefix=PREFIX,
     )
   with pytest.raises(errors.StoreError, match="at least one unit"):
-    st.save_store(path, static={("x",): np.zeros(2)}, units={}, unit_prefix=PREFIX)
+    wr.save_store(path, static={("x",): np.zeros(2)}, units={}, unit_prefix=PREFIX)
   with pytest.raises(errors.StoreError, match="join to this Orbax name"):
-    st.save_store(
+    wr.save_store(
       path,
       static={("a.b",): np.zeros(2), ("a", "b"): np.zeros(2)},
       units={("u",): np.zeros((3, 2))},
@@ -341,7 +342,7 @@ def test_save_rejects_bad_inputs(tmp_path) -> None:
 
 
 def test_progress_bar_is_silent_without_a_terminal(tmp_path, capsys) -> None:
-  st.save_store(
+  wr.save_store(
     str(tmp_path / "s"), static={}, units={("u",): np.zeros((2, 3))}, unit_prefix=PREFIX
   )
   assert capsys.readouterr().err == ""

@@ -511,8 +511,8 @@ def _write_demo_store(request: str) -> None:
   import numpy as np  # noqa: PLC0415
 
   from .model import split_model  # noqa: PLC0415
-  from .store import save_store  # noqa: PLC0415
   from .toy import ToyConfig  # noqa: PLC0415
+  from .writer import save_store  # noqa: PLC0415
 
   spec = json.loads(request)
   config, path, seed = ToyConfig(**spec["config"]), spec["path"], spec["seed"]
@@ -1196,7 +1196,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_rechunk(args: argparse.Namespace) -> int:
-  from .store import rechunk_store  # noqa: PLC0415
+  from .writer import rechunk_store  # noqa: PLC0415
 
   if "://" not in args.src and not os.path.exists(args.src):
     raise CommandError(f"{args.src}: no such file or directory")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from .model import split_model
-from .store import StoreInfo, save_store
+from .store import StoreInfo
+from .writer import save_store
 
 
 def save(

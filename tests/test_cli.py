@@ -14,7 +14,8 @@ from importlib import metadata
 
 import pytest
 
-from jax_residency._src import cli
+from jax_residency._src import cli, console, records
+from jax_residency._src import demo as demo_mod
 from jax_residency._src.toy import ToyConfig
 
 #: A tiny demo model, so the demo runs in seconds.
@@ -79,7 +80,7 @@ def test_demo_first_run_builds_the_store_and_prints_one_table(demo, store):
   cache, code, out, err = demo
   assert code == 0, out + err
   assert store.startswith(str(cache)) and os.path.basename(store).startswith("demo-")
-  assert os.path.exists(os.path.join(store, cli.MODEL_FILE))
+  assert os.path.exists(os.path.join(store, records.MODEL_FILE))
   assert f"store:   {store} (created)" in out
   lines = out.splitlines()
   (header,) = [i for i, line in enumerate(lines) if line.startswith("policy ")]
@@ -93,7 +94,7 @@ def test_demo_first_run_builds_the_store_and_prints_one_table(demo, store):
   ):
     assert column in lines[header]
   rows = lines[header + 1 : header + 4]
-  assert [r.split()[0] for r in rows] == list(cli.POLICY_NAMES)
+  assert [r.split()[0] for r in rows] == list(demo_mod.POLICY_NAMES)
   assert all("✓" in r for r in rows)
   assert "all outputs match the plain model" in out
   assert "first run" in err
@@ -101,14 +102,14 @@ def test_demo_first_run_builds_the_store_and_prints_one_table(demo, store):
 
 def test_demo_reuses_the_store_and_exits_1_when_parity_fails(demo, store, monkeypatch, capfd):
   cache = demo[0]
-  monkeypatch.setattr(cli, "PARITY_ATOL", -1.0)  # nothing can match now
+  monkeypatch.setattr(demo_mod, "PARITY_ATOL", -1.0)  # nothing can match now
   code = cli.main(["demo", "--cache-dir", str(cache), *TINY, "--tokens", "4", "--json"])
   out, err = capfd.readouterr()
   assert code == 1
   data = json.loads(out)
   assert data["store"] == {"path": store, "reused": True}
   assert data["ok"] is False
-  assert [p["policy"] for p in data["policies"]] == list(cli.POLICY_NAMES)
+  assert [p["policy"] for p in data["policies"]] == list(demo_mod.POLICY_NAMES)
   for p in data["policies"]:
     assert p["parity"]["ok"] is False and p["parity"]["max_abs_diff"] >= 0
     assert p["report"]["total"]["passes"] == 2
@@ -120,43 +121,43 @@ def test_demo_reuses_the_store_and_exits_1_when_parity_fails(demo, store, monkey
 
 
 def test_demo_parity_marks():
-  run = cli._PolicyRun("dense_disk_stream", 0.1, 0.01, None, (), None)
+  run = demo_mod.PolicyRun("dense_disk_stream", 0.1, 0.01, None, (), None)
   import numpy as np
 
   run.outputs = (np.ones(3), np.ones(3) + 1e-7)
-  cli._parity(np.ones(3), run)
+  demo_mod.check_parity(np.ones(3), run)
   assert run.ok and 0 < run.max_abs_diff < 1e-6
   run.outputs = (np.ones(3) * 2,)
-  cli._parity(np.ones(3), run)
+  demo_mod.check_parity(np.ones(3), run)
   assert not run.ok and run.max_abs_diff == 1.0
   run.outputs = (np.ones(4),)
-  cli._parity(np.ones(3), run)
+  demo_mod.check_parity(np.ones(3), run)
   assert not run.ok
 
 
 def test_demo_cache_dir_defaults(monkeypatch, tmp_path):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-  assert cli._cache_root(None) == str(tmp_path / "xdg" / "jax_residency")
+  assert demo_mod.cache_root(None) == str(tmp_path / "xdg" / "jax_residency")
   monkeypatch.delenv("XDG_CACHE_HOME")
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
-  assert cli._cache_root(None) == str(tmp_path / "home" / ".cache" / "jax_residency")
-  assert cli._cache_root(str(tmp_path / "x")) == str(tmp_path / "x")
-  a = cli._demo_store_path("/c", TINY_CONFIG)
-  b = cli._demo_store_path("/c", ToyConfig(**{**TINY_CONFIG.__dict__, "n_layers": 3}))
-  assert a != b and a.startswith("/c/demo-") and a == cli._demo_store_path("/c", TINY_CONFIG)
+  assert demo_mod.cache_root(None) == str(tmp_path / "home" / ".cache" / "jax_residency")
+  assert demo_mod.cache_root(str(tmp_path / "x")) == str(tmp_path / "x")
+  a = demo_mod.demo_store_path("/c", TINY_CONFIG)
+  b = demo_mod.demo_store_path("/c", ToyConfig(**{**TINY_CONFIG.__dict__, "n_layers": 3}))
+  assert a != b and a.startswith("/c/demo-") and a == demo_mod.demo_store_path("/c", TINY_CONFIG)
 
 
 def test_demo_store_is_rebuilt_when_its_record_is_wrong(store, tmp_path):
-  assert cli._demo_store_ready(store, TINY_CONFIG)
-  assert not cli._demo_store_ready(store, ToyConfig(n_layers=2))
+  assert demo_mod.demo_store_ready(store, TINY_CONFIG)
+  assert not demo_mod.demo_store_ready(store, ToyConfig(n_layers=2))
   copy = str(tmp_path / "copy")
   shutil.copytree(store, copy)
-  with open(os.path.join(copy, cli.MODEL_FILE), "w") as f:
+  with open(os.path.join(copy, records.MODEL_FILE), "w") as f:
     f.write("{broken")
-  assert not cli._demo_store_ready(copy, TINY_CONFIG)
-  os.remove(os.path.join(copy, cli.MODEL_FILE))
-  assert not cli._demo_store_ready(copy, TINY_CONFIG)
-  assert not cli._demo_store_ready(str(tmp_path / "absent"), TINY_CONFIG)
+  assert not demo_mod.demo_store_ready(copy, TINY_CONFIG)
+  os.remove(os.path.join(copy, records.MODEL_FILE))
+  assert not demo_mod.demo_store_ready(copy, TINY_CONFIG)
+  assert not demo_mod.demo_store_ready(str(tmp_path / "absent"), TINY_CONFIG)
 
 
 def test_demo_rejects_heads_that_do_not_divide_the_width(tmp_path):
@@ -245,8 +246,8 @@ def test_unexpected_exceptions_keep_their_traceback(monkeypatch, store):
 
 
 def test_one_line_elides_the_middle_of_long_messages():
-  assert cli._one_line("a\n  b\tc") == "a b c"
-  long = cli._one_line("x" * 500 + " middle " + "y" * 500, limit=300)
+  assert console.one_line("a\n  b\tc") == "a b c"
+  long = console.one_line("x" * 500 + " middle " + "y" * 500, limit=300)
   assert len(long) < 400 and long.startswith("x") and long.endswith("y") and "elided" in long
 
 
@@ -305,7 +306,7 @@ def test_rechunk_keeps_the_model_record(store, tmp_path):
   dst = str(tmp_path / "copy")
   code, _, _ = call("rechunk", store, dst)
   assert code == 0
-  assert os.path.exists(os.path.join(dst, cli.MODEL_FILE))
+  assert os.path.exists(os.path.join(dst, records.MODEL_FILE))
 
 
 # --- plan --------------------------------------------------------------------
@@ -344,7 +345,7 @@ def test_plan_json_and_lookahead(store):
   assert code == 0
   assert data["units"] == 2 and data["unit_bytes"] == unit
   assert data["device_budget_bytes"] == 2**20 and data["host_budget_bytes"] is None
-  assert data["fits"] == list(cli.POLICY_NAMES)
+  assert data["fits"] == list(demo_mod.POLICY_NAMES)
   dense = data["plans"][2]
   assert dense["setting"] == "host_lookahead 1" and dense["lookahead_max"] == 2
   device = dense["tiers"][0]
@@ -357,7 +358,7 @@ def test_plan_says_why_nothing_fits(store):
   assert code == 1
   last = out.rstrip().splitlines()[-1]
   assert last.startswith("nothing fits.")
-  for name in cli.POLICY_NAMES:
+  for name in demo_mod.POLICY_NAMES:
     assert f"{name}: device needs" in last
 
 
@@ -423,7 +424,7 @@ def test_run_errors_are_one_line(store, extra, fragment):
 def test_run_needs_a_recorded_model_or_a_factory(store, tmp_path, monkeypatch):
   bare = str(tmp_path / "bare")
   shutil.copytree(store, bare)
-  os.remove(os.path.join(bare, cli.MODEL_FILE))
+  os.remove(os.path.join(bare, records.MODEL_FILE))
   code, _, err = call("run", bare, "--policy", "fully_resident", "--shape", "1,2")
   assert_one_line_error(code, err, "recorded toy config", "--model")
 

@@ -14,54 +14,37 @@ Exit codes: 0 success; 1 a check failed (demo parity, or nothing fits in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import hashlib
-import importlib
-import json
 import os
 import shutil
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-PROG = "jax-residency"
-#: Where `run` finds a store's model class: a JSON file inside the store directory.
-MODEL_FILE = "jax_residency_model.json"
-#: Bumped when the demo's store or model recipe changes, so old caches are rebuilt.
-DEMO_FORMAT = 1
-DEMO_SEED = 0
-#: The demo model: 12 units of 48 MiB (≈ 577 MiB of unit weights, float32).
-DEMO_CONFIG = {"vocab": 512, "d_model": 1024, "n_heads": 8, "d_ff": 4096, "n_layers": 12}
-DEMO_TOKENS = 32
-#: Parity tolerance when outputs are not bit-identical: |Δ| <= ATOL + RTOL * |expected|.
-PARITY_ATOL = 1e-5
-PARITY_RTOL = 1e-5
-POLICY_NAMES = ("fully_resident", "layerwise_host", "dense_disk_stream")
+from .console import PROG, CommandError, emit, emit_json, fmt_bytes, one_line, plural, table
+from .demo import DEMO_CONFIG, DEMO_TOKENS, POLICY_NAMES, cmd_demo
+from .records import (
+  MODEL_FILE,
+  abstract_from_factory,
+  abstract_toy,
+  load_concrete,
+  model_file,
+  open_store,
+  parse_prefix,
+  read_model_record,
+  single_device_mesh,
+  toy_config,
+)
+
 #: Default of `run`'s budget flags: not given (the policy's default applies).
 _UNSET: Any = object()
-
-
-class CommandError(Exception):
-  """A mistake the user can fix (bad argument, missing file); one line on stderr, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
   """An argument parser whose errors are one line on stderr (exit code 2)."""
 
   def error(self, message: str) -> NoReturn:
-    self.exit(2, f"{self.prog}: error: {_one_line(message)} (see --help)\n")
-
-
-def _one_line(text: str, *, limit: int = 600) -> str:
-  """``text`` on one line; past ``limit`` characters, its middle is elided."""
-  line = " ".join(str(text).split())
-  if len(line) <= limit:
-    return line
-  head, tail = line[: limit * 2 // 3], line[-(limit // 3) :]
-  return f"{head} ... ({len(line) - len(head) - len(tail)} characters elided) ... {tail}"
+    self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
 
 def _budget(text: str) -> int | None:
@@ -70,7 +53,7 @@ def _budget(text: str) -> int | None:
   try:
     return parse_bytes(text)
   except ValueError as e:
-    raise argparse.ArgumentTypeError(_one_line(str(e))) from e
+    raise argparse.ArgumentTypeError(one_line(str(e))) from e
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -266,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     return int(args.handler(args))
   except (CommandError, ResidencyError) as e:
-    print(f"{where}: error: {_one_line(str(e))}", file=sys.stderr)
+    print(f"{where}: error: {one_line(str(e))}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print(f"{where}: interrupted", file=sys.stderr)
@@ -276,524 +259,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- output ------------------------------------------------------------------
 
 
-def _emit(text: str) -> None:
-  """Prints ``text``, replacing characters stdout's encoding cannot show."""
-  try:
-    print(text)
-  except UnicodeEncodeError:
-    enc = sys.stdout.encoding or "ascii"
-    print(text.encode(enc, "replace").decode(enc))
-
-
-def _emit_json(data: Any) -> None:
-  print(json.dumps(data, indent=2, sort_keys=False))
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-  widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-  def line(cells: Sequence[str]) -> str:
-    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-  return [line(headers), *(line(r) for r in rows)]
-
-
-def _status(message: str) -> None:
-  print(f"{PROG}: {message}", file=sys.stderr, flush=True)
-
-
-def _can_encode(text: str) -> bool:
-  try:
-    text.encode(getattr(sys.stdout, "encoding", None) or "utf-8")
-  except (UnicodeEncodeError, LookupError):
-    return False
-  return True
-
-
 # --- stores and models -------------------------------------------------------
 
 
-def _prefix(text: str | None) -> tuple[str, ...] | None:
-  return None if text is None else tuple(p for p in text.split(".") if p)
-
-
-def _open_store(path: str, *, units: str | None = None, streamable: bool = True) -> Any:
-  """Opens a store's metadata; any failure to read it is a one-line error."""
-  from .errors import StoreError  # noqa: PLC0415
-  from .store import UnitStore  # noqa: PLC0415
-
-  if "://" not in path and not os.path.exists(path):
-    raise CommandError(f"{path}: no such file or directory")
-  try:
-    return UnitStore.open(path, unit_prefix=_prefix(units), require_unit_chunks=streamable)
-  except StoreError as e:
-    if units is None and "unit prefix is unknown" in str(e):
-      raise CommandError(f"{e} [here: pass --units PREFIX, e.g. --units params.layers]") from e
-    raise
-  except (OSError, ValueError) as e:  # e.g. a corrupt JSON file or a TensorStore failure
-    raise CommandError(f"cannot read a unit store at {path}: {type(e).__name__}: {e}") from e
-
-
-def _model_file(path: str) -> str | None:
-  local = path[len("file://") :] if path.startswith("file://") else path
-  return None if "://" in local else os.path.join(os.path.expanduser(local), MODEL_FILE)
-
-
-def _write_model_record(path: str, config: Any, seed: int) -> None:
-  """Records the toy config that built the store at ``path`` (local stores only)."""
-  target = _model_file(path)
-  if target is None:
-    return
-  record = {
-    "format": DEMO_FORMAT,
-    "model": "toy",
-    "config": dataclasses.asdict(config),
-    "seed": seed,
-  }
-  tmp = f"{target}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(record, f, indent=1)
-  os.replace(tmp, target)
-
-
-def _read_model_record(path: str) -> dict[str, Any] | None:
-  target = _model_file(path)
-  if target is None or not os.path.exists(target):
-    return None
-  try:
-    with open(target) as f:
-      record = json.load(f)
-  except (OSError, ValueError) as e:
-    raise CommandError(f"cannot read {target}: {e}") from e
-  if not isinstance(record, dict) or record.get("model") != "toy":
-    raise CommandError(f"{target} does not record a toy model config")
-  return record
-
-
-def _toy_config(record: Mapping[str, Any]) -> Any:
-  from .toy import ToyConfig  # noqa: PLC0415
-
-  try:
-    return ToyConfig(**record["config"])
-  except (KeyError, TypeError) as e:
-    raise CommandError(f"the recorded toy config is not valid: {e}") from e
-
-
-def _abstract_toy(config: Any, seed: int) -> Any:
-  from flax import nnx  # noqa: PLC0415
-
-  from .toy import ToyTransformer  # noqa: PLC0415
-
-  return nnx.eval_shape(lambda: ToyTransformer(config, rngs=nnx.Rngs(seed)))
-
-
-def _abstract_from_factory(spec: str) -> Any:
-  from flax import nnx  # noqa: PLC0415
-
-  module_name, sep, attr = spec.partition(":")
-  if not sep or not module_name or not attr:
-    raise CommandError(f"--model {spec!r}: write it as module:factory, e.g. mypkg.models:small")
-  try:
-    factory = getattr(importlib.import_module(module_name), attr)
-  except (ImportError, AttributeError) as e:
-    raise CommandError(f"--model {spec!r}: {e}") from e
-  model = nnx.eval_shape(factory)
-  if not isinstance(model, nnx.Module):
-    raise CommandError(f"--model {spec!r} returned {type(model).__name__}, not an nnx.Module")
-  return model
-
-
-def _single_device_mesh() -> Any:
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-
-  return jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("devices",))
-
-
-def _load_concrete(abstract: Any, store: Any, *, desc: str = "loading units") -> Any:
-  """The model ``abstract`` with its weights read from ``store`` (each byte once)."""
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  import tqdm  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  from .model import split_model  # noqa: PLC0415
-
-  split = split_model(abstract)
-  store.check_against(
-    {split.unit_rel_path(leaf): (leaf.shape[1:], leaf.dtype) for leaf in split.unit_leaves()},
-    {leaf.path: (leaf.shape, leaf.dtype) for leaf in split.static_leaves()},
-    strict=True,
-  )
-  static = store.read_static()
-  values: list[Any] = [None] * len(split.leaves)
-  for i in split.static_index:
-    values[i] = static[split.leaves[i].path]
-  buffers = {i: np.empty(split.leaves[i].shape, split.leaves[i].dtype) for i in split.unit_index}
-  rel = {i: split.unit_rel_path(split.leaves[i]) for i in split.unit_index}
-  bar = tqdm.tqdm(total=split.unit_count, desc=desc, unit="unit", disable=None, leave=False)
-  with bar:
-    for u, tensors in store.read_units(range(split.unit_count)):
-      for i, buf in buffers.items():
-        buf[u] = tensors[rel[i]]
-      bar.update(1)
-  for i in split.unit_index:
-    values[i] = buffers.pop(i)
-  values = [jax.device_put(v) for v in values]
-  graphdef, state = nnx.split(abstract)
-  treedef = jax.tree.structure(state)
-  return nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
-
-
 # --- demo --------------------------------------------------------------------
-
-
-def _cache_root(cache_dir: str | None) -> str:
-  if cache_dir:
-    return os.path.abspath(os.path.expanduser(cache_dir))
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "jax_residency")
-
-
-def _demo_store_path(root: str, config: Any) -> str:
-  key = json.dumps(
-    {"format": DEMO_FORMAT, "seed": DEMO_SEED, "config": dataclasses.asdict(config)},
-    sort_keys=True,
-  )
-  return os.path.join(root, f"demo-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
-
-
-def _demo_store_ready(path: str, config: Any) -> bool:
-  from .errors import ResidencyError  # noqa: PLC0415
-
-  try:
-    record = _read_model_record(path)
-  except CommandError:
-    return False
-  if record is None or record.get("config") != dataclasses.asdict(config):
-    return False
-  try:
-    _open_store(path).close()
-  except (CommandError, ResidencyError):
-    return False
-  return True
-
-
-def _build_demo_store(path: str, config: Any) -> None:
-  """Builds the seeded model and writes its store, in a child process.
-
-  The child's memory goes back to the system when it exits, so the peak RSS the
-  demo then measures is the same on the first run as on later ones.
-  """
-  size = _fmt_bytes(config.unit_bytes() * config.n_layers)
-  _status(
-    f"first run: building a seeded {config.n_layers}-layer toy model ({size} of unit weights)"
-  )
-  _status(f"writing it to {path} (once; later runs reuse it)")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  request = json.dumps({"path": path, "config": dataclasses.asdict(config), "seed": DEMO_SEED})
-  code = f"from {__name__} import _write_demo_store as w; w({request!r})"
-  done = subprocess.run([sys.executable, "-c", code], check=False)
-  if done.returncode != 0:
-    raise CommandError(
-      f"building the demo store at {path} failed (exit code {done.returncode}; the error is "
-      "printed above)"
-    )
-
-
-def _write_demo_store(request: str) -> None:
-  """The child process of :func:`_build_demo_store`.
-
-  The toy transformer's weights are drawn from a seeded NumPy generator (much
-  faster than running the model's own initialisers eagerly): LayerNorm scales 1,
-  biases 0, every other tensor uniform with variance ``1 / fan_in``.
-  """
-  import numpy as np  # noqa: PLC0415
-
-  from .model import split_model  # noqa: PLC0415
-  from .toy import ToyConfig  # noqa: PLC0415
-  from .writer import save_store  # noqa: PLC0415
-
-  spec = json.loads(request)
-  config, path, seed = ToyConfig(**spec["config"]), spec["path"], spec["seed"]
-  split = split_model(_abstract_toy(config, seed))
-  rng = np.random.default_rng(seed)
-
-  def init(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    if name == "scale":
-      return np.ones(shape, dtype)
-    if name == "bias":
-      return np.zeros(shape, dtype)
-    fan_in = shape[-1] if name == "embedding" or len(shape) < 2 else shape[-2]
-    bound = np.sqrt(3.0 / fan_in)
-    return (rng.random(shape, dtype=np.float32) * (2 * bound) - bound).astype(dtype)
-
-  static = {
-    leaf.path: init(leaf.path[-1], leaf.shape, leaf.dtype) for leaf in split.static_leaves()
-  }
-  units = {}
-  for leaf in split.unit_leaves():
-    stacked = np.empty(leaf.shape, leaf.dtype)
-    for i in range(split.unit_count):
-      stacked[i] = init(leaf.path[-1], leaf.shape[1:], leaf.dtype)
-    units[split.unit_rel_path(leaf)] = stacked
-  save_store(
-    path,
-    static=static,
-    units=units,
-    unit_prefix=split.unit_path_prefix,
-    progress=None,
-    overwrite=os.path.exists(path),
-  )
-  _write_model_record(path, config, seed)
-
-
-@dataclasses.dataclass
-class _PolicyRun:
-  name: str
-  first_seconds: float
-  seconds: float
-  peak_rss_bytes: int | None
-  outputs: tuple[Any, ...]
-  report: Any
-  max_abs_diff: float | None = None
-  ok: bool | None = None
-
-
-@contextlib.contextmanager
-def _rss_peak() -> Iterator[dict[str, int | None]]:
-  """Tracks the process's peak RSS over the block (``None`` off Linux)."""
-  from .sampling import ProcessMemorySampler  # noqa: PLC0415
-
-  out: dict[str, int | None] = {"peak": None}
-  with ProcessMemorySampler() as sampler:
-    try:
-      yield out
-    finally:
-      sample = sampler.sample()
-      out["peak"] = None if sample is None else sample["peak_rss_bytes"]
-
-
-def _run_policy(name: str, model: Any, policy: Any, tokens: Any, **place_kwargs: Any) -> _PolicyRun:
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-
-  from .placed import place  # noqa: PLC0415
-
-  with _rss_peak() as rss:
-    with place(model, policy, mesh=_single_device_mesh(), **place_kwargs) as placed:
-      start = time.perf_counter()
-      first = np.asarray(jax.block_until_ready(placed(tokens)))
-      first_seconds = time.perf_counter() - start
-      start = time.perf_counter()
-      out = np.asarray(jax.block_until_ready(placed(tokens)))
-      seconds = time.perf_counter() - start
-      report = placed.report()
-  return _PolicyRun(name, first_seconds, seconds, rss["peak"], (first, out), report)
-
-
-def _parity(expected: Any, run: _PolicyRun) -> None:
-  """Compares both passes' outputs with the plain model's."""
-  import numpy as np  # noqa: PLC0415
-
-  want = np.asarray(expected, np.float64)
-  tolerance = PARITY_ATOL + PARITY_RTOL * np.abs(want)
-  run.max_abs_diff, run.ok = 0.0, True
-  for out in run.outputs:
-    got = np.asarray(out, np.float64)
-    if got.shape != want.shape:
-      run.max_abs_diff, run.ok = float("inf"), False
-      continue
-    diff = np.abs(got - want)
-    run.max_abs_diff = max(run.max_abs_diff, float(diff.max()) if diff.size else 0.0)
-    run.ok = run.ok and bool(np.all(diff <= tolerance)) and bool(np.isfinite(got).all())
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-
-  from . import policy as P  # noqa: PLC0415
-  from .model import split_model  # noqa: PLC0415
-  from .toy import ToyConfig  # noqa: PLC0415
-
-  started = time.perf_counter()
-  if args.d_model % args.n_heads:
-    raise CommandError(f"--d-model {args.d_model} is not a multiple of --heads {args.n_heads}")
-  config = ToyConfig(
-    vocab=args.vocab,
-    d_model=args.d_model,
-    n_heads=args.n_heads,
-    d_ff=args.d_ff,
-    n_layers=args.layers,
-  )
-  path = _demo_store_path(_cache_root(args.cache_dir), config)
-  reused = not args.fresh and _demo_store_ready(path, config)
-  if not reused:
-    _build_demo_store(path, config)
-
-  abstract = _abstract_toy(config, DEMO_SEED)
-  split = split_model(abstract)
-  static_bytes = sum(leaf.nbytes for leaf in split.static_leaves())
-  unit_bytes = sum(leaf.nbytes for leaf in split.unit_leaves()) // split.unit_count
-  tokens = jax.random.randint(jax.random.key(1), (1, args.tokens), 0, config.vocab)
-  window = min(2, split.unit_count)
-  device_budget = static_bytes + window * unit_bytes
-  host_units = min(3, split.unit_count)
-  dense = P.DenseDiskStream(
-    P.DenseDiskStreamLoadOptions(
-      device_budget_bytes=device_budget,
-      host_budget_bytes=host_units * unit_bytes,
-      host_lookahead=min(2, host_units),
-      background_queue_capacity=2,
-      sample_process_memory=True,
-      sample_backend_memory=True,
-    )
-  )
-  layerwise = P.LayerwiseHost(
-    P.LayerwiseLoadOptions(
-      offload=P.OffloadConfig(device_budget_bytes=device_budget, prefetch_depth=window),
-      sample_process_memory=True,
-      sample_backend_memory=True,
-    )
-  )
-
-  # The dense stream runs first, from the abstract model: no weights are in memory
-  # but its own windows, so its peak RSS shows what streaming costs.
-  runs = {
-    "dense_disk_stream": _run_policy("dense_disk_stream", abstract, dense, tokens, store=path)
-  }
-  with _open_store(path) as store:
-    model = _load_concrete(abstract, store)
-  expected = np.asarray(jax.block_until_ready(model(tokens)))
-  runs["fully_resident"] = _run_policy("fully_resident", model, P.FullyResident(), tokens)
-  runs["layerwise_host"] = _run_policy("layerwise_host", model, layerwise, tokens)
-  ordered = [runs[name] for name in POLICY_NAMES]
-  for run in ordered:
-    _parity(expected, run)
-  ok = all(run.ok for run in ordered)
-  total = time.perf_counter() - started
-
-  described = {
-    "model": {"kind": "toy", "config": dataclasses.asdict(config), "seed": DEMO_SEED},
-    "store": {"path": path, "reused": reused},
-    "tokens_shape": list(tokens.shape),
-    "static_bytes": static_bytes,
-    "unit_bytes": unit_bytes,
-    "units": split.unit_count,
-  }
-  if args.json:
-    _emit_json(
-      {
-        **described,
-        "policies": [_demo_row_json(run) for run in ordered],
-        "ok": ok,
-        "seconds": total,
-        "process_seconds": _process_seconds(),
-      }
-    )
-    return 0 if ok else 1
-  device_text = f"device {_fmt_bytes(device_budget)} (static + {window} units)"
-  lines = [
-    f"model:   seeded toy transformer, {split.unit_count} layers x {_fmt_bytes(unit_bytes)} = "
-    f"{_fmt_bytes(unit_bytes * split.unit_count)} of unit weights + "
-    f"{_fmt_bytes(static_bytes)} static, {config.dtype}",
-    f"store:   {path} ({'reused' if reused else 'created'})",
-    f"input:   token ids {tuple(tokens.shape)}; per policy a cold pass, then the timed pass",
-    f"budgets: layerwise_host prefetch_depth {window}, {device_text}",
-    f"         dense_disk_stream {device_text}, host {_fmt_bytes(host_units * unit_bytes)} "
-    f"({host_units} units), host_lookahead {min(2, host_units)}",
-    "",
-  ]
-  headers = (
-    "policy",
-    "pass time",
-    "peak RSS",
-    "device window",
-    "bytes read",
-    "cache hit rate",
-    "parity",
-  )
-  lines += _table(headers, [_demo_row(run) for run in ordered])
-  lines += [
-    "",
-    "peak RSS: the whole process while the policy was placed and run. On CPU the device is",
-    "host memory too, and fully_resident / layerwise_host also hold the plain model.",
-    f"{'all outputs match the plain model' if ok else 'PARITY FAILED'}; "
-    f"{total:.1f} s ({_process_seconds():.1f} s since the process started)",
-  ]
-  _emit("\n".join(lines))
-  return 0 if ok else 1
-
-
-def _process_seconds() -> float:
-  """Wall time since this process started (imports included)."""
-  import psutil  # noqa: PLC0415
-
-  return time.time() - psutil.Process().create_time()
-
-
-def _last_pass(run: _PolicyRun) -> Any:
-  return run.report.passes[-1]
-
-
-def _demo_row(run: _PolicyRun) -> list[str]:
-  p = _last_pass(run)
-  streams = run.name == "dense_disk_stream"
-  hit = p.host.hit_rate if streams and p.host is not None else None
-  tick = "✓" if _can_encode("✓") else "ok"
-  cross = "✗" if _can_encode("✗") else "FAIL"
-  if run.ok:
-    parity = tick if run.max_abs_diff == 0 else f"{tick} (max |diff| {run.max_abs_diff:.1e})"
-  else:
-    parity = f"{cross} max |diff| {run.max_abs_diff:.2e}"
-  return [
-    run.name,
-    _fmt_seconds(run.seconds),
-    "n/a" if run.peak_rss_bytes is None else _fmt_bytes(run.peak_rss_bytes),
-    f"{p.peak_device_units} units, {_fmt_bytes(p.peak_device_bytes)}",
-    _fmt_bytes(p.bytes_read) if streams else "-",
-    "-" if hit is None else f"{100 * hit:.0f}% (host)",
-    parity,
-  ]
-
-
-def _demo_row_json(run: _PolicyRun) -> dict[str, Any]:
-  p = _last_pass(run)
-  return {
-    "policy": run.name,
-    "pass_seconds": run.seconds,
-    "first_pass_seconds": run.first_seconds,
-    "peak_rss_bytes": run.peak_rss_bytes,
-    "device_window_units": p.peak_device_units,
-    "device_window_bytes": p.peak_device_bytes,
-    "bytes_read": p.bytes_read,
-    "host_hit_rate": None if p.host is None else p.host.hit_rate,
-    "device_hit_rate": None if p.device is None else p.device.hit_rate,
-    "parity": {"ok": run.ok, "max_abs_diff": run.max_abs_diff},
-    "report": run.report.to_dict(),
-  }
-
-
-def _plural(n: int, noun: str) -> str:
-  return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def _fmt_seconds(seconds: float) -> str:
-  return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1000:.1f} ms"
-
-
-def _fmt_bytes(n: int | None) -> str:
-  from .sizes import format_bytes  # noqa: PLC0415
-
-  return format_bytes(n)
 
 
 # --- inspect -----------------------------------------------------------------
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-  with _open_store(args.path, units=args.units, streamable=False) as store:
+  with open_store(args.path, units=args.units, streamable=False) as store:
     streamable = bool(store.chunked_per_unit)
     compressed = bool(getattr(store, "compressed", False))
     specs = store.unit_specs
@@ -814,22 +290,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
       "streamable": streamable,
       "model": None,
     }
-  record = _read_model_record(args.path)
+  record = read_model_record(args.path)
   if record is not None:
     info["model"] = {"kind": "toy", "config": record.get("config")}
   if args.json:
-    _emit_json(info)
+    emit_json(info)
     return 0
   rows = [
     ("store", args.path),
     ("units", f"{info['unit_count']} under {info['unit_prefix']!r}"),
     (
       "unit bytes",
-      f"{_fmt_bytes(info['unit_bytes'])} each, {_fmt_bytes(info['total_unit_bytes'])} total",
+      f"{fmt_bytes(info['unit_bytes'])} each, {fmt_bytes(info['total_unit_bytes'])} total",
     ),
     (
       "static bytes",
-      f"{_fmt_bytes(info['static_bytes'])} ({_plural(info['static_tensors'], 'tensor')})",
+      f"{fmt_bytes(info['static_bytes'])} ({plural(info['static_tensors'], 'tensor')})",
     ),
     (
       "chunking",
@@ -850,11 +326,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
   lines = [f"{k:<{width}}  {v}" for k, v in rows]
   lines += ["", f"unit tensors ({len(specs)}, per unit):"]
   tensor_rows = [
-    [".".join(p), "x".join(map(str, shape)) or "()", str(dtype), _fmt_bytes(_nbytes(shape, dtype))]
+    [".".join(p), "x".join(map(str, shape)) or "()", str(dtype), fmt_bytes(_nbytes(shape, dtype))]
     for p, (shape, dtype) in sorted(specs.items())
   ]
-  lines += ["  " + line for line in _table(("path", "shape", "dtype", "bytes"), tensor_rows)]
-  _emit("\n".join(lines))
+  lines += ["  " + line for line in table(("path", "shape", "dtype", "bytes"), tensor_rows)]
+  emit("\n".join(lines))
   return 0
 
 
@@ -891,9 +367,9 @@ class _Tier:
     return self.budget is None or self.required <= self.budget
 
   def arithmetic(self) -> str:
-    window = f"{self.units} x {_fmt_bytes(self.unit_bytes)}"
-    text = f"{_fmt_bytes(self.static)} + {window}" if self.tier == "device" else window
-    return f"{text} = {_fmt_bytes(self.required)}"
+    window = f"{self.units} x {fmt_bytes(self.unit_bytes)}"
+    text = f"{fmt_bytes(self.static)} + {window}" if self.tier == "device" else window
+    return f"{text} = {fmt_bytes(self.required)}"
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -999,7 +475,7 @@ def _plan(
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-  with _open_store(args.path, units=args.units, streamable=False) as store:
+  with open_store(args.path, units=args.units, streamable=False) as store:
     n, unit, static = store.unit_count, store.unit_nbytes, store.static_nbytes
     streamable = bool(store.chunked_per_unit)
   plans = _plan(n, unit, static, args.device_budget, args.host_budget, args.lookahead)
@@ -1010,7 +486,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
   fitting = [p for p in plans if p["fits"]]
   summary = _plan_summary(plans)
   if args.json:
-    _emit_json(
+    emit_json(
       {
         "path": args.path,
         "units": n,
@@ -1025,9 +501,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     return 0 if fitting else 1
   lines = [
-    f"store: {args.path} ({n} units x {_fmt_bytes(unit)} = {_fmt_bytes(n * unit)}, "
-    f"static {_fmt_bytes(static)})",
-    f"budgets: device {_fmt_bytes(args.device_budget)}, host {_fmt_bytes(args.host_budget)} "
+    f"store: {args.path} ({n} units x {fmt_bytes(unit)} = {fmt_bytes(n * unit)}, "
+    f"static {fmt_bytes(static)})",
+    f"budgets: device {fmt_bytes(args.device_budget)}, host {fmt_bytes(args.host_budget)} "
     "(bytes per device; one device)",
     "",
   ]
@@ -1041,15 +517,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
           label if k == 0 else "",
           t.tier,
           t.arithmetic() if t.units or t.tier == "device" else "-",
-          _fmt_bytes(t.budget),
+          fmt_bytes(t.budget),
           verdict + (f" ({t.note})" if t.note and not t.fits else ""),
         ]
       )
     if p.get("note"):
       rows.append(["", "", p["note"], "", "NO"])
-  lines += _table(("policy", "tier", "static + window = required", "budget", "fits"), rows)
+  lines += table(("policy", "tier", "static + window = required", "budget", "fits"), rows)
   lines += ["", summary]
-  _emit("\n".join(lines))
+  emit("\n".join(lines))
   return 0 if fitting else 1
 
 
@@ -1074,7 +550,7 @@ def _plan_summary(plans: list[dict[str, Any]]) -> str:
   for p in plans:
     bad = [t for t in p["tiers"] if not t.fits]
     why = "; ".join(
-      f"{t.tier} needs {_fmt_bytes(t.required)} > {_fmt_bytes(t.budget)}" for t in bad
+      f"{t.tier} needs {fmt_bytes(t.required)} > {fmt_bytes(t.budget)}" for t in bad
     ) or p.get("note", "")
     reasons.append(f"{p['policy']}: {why}")
   return "nothing fits. " + ". ".join(reasons)
@@ -1138,38 +614,38 @@ def cmd_run(args: argparse.Namespace) -> int:
   from .placed import place  # noqa: PLC0415
 
   policy = _policy_from_args(args)
-  store = _open_store(args.path, streamable=args.policy == "dense_disk_stream")
+  store = open_store(args.path, streamable=args.policy == "dense_disk_stream")
   with store:
     if args.model is not None:
       if args.vocab is None:
         raise CommandError("--model needs --vocab: token ids are drawn from [0, VOCAB)")
-      abstract, vocab = _abstract_from_factory(args.model), args.vocab
+      abstract, vocab = abstract_from_factory(args.model), args.vocab
     else:
-      record = _read_model_record(args.path)
+      record = read_model_record(args.path)
       if record is None:
         raise CommandError(
           f"{args.path} has no recorded toy config ({MODEL_FILE}); `run` only runs stores "
           f"written by `{PROG} demo`, unless you pass --model module:factory"
         )
-      config = _toy_config(record)
+      config = toy_config(record)
       if len(args.shape) != 2:
         raise CommandError(f"--shape {args.shape}: the toy model takes (batch, tokens), e.g. 1,16")
-      abstract = _abstract_toy(config, int(record.get("seed", 0)))
+      abstract = abstract_toy(config, int(record.get("seed", 0)))
       vocab = args.vocab or config.vocab
     model = abstract
     kwargs: dict[str, Any] = {}
     if args.policy == "dense_disk_stream":
       kwargs["store"] = args.path
     else:
-      model = _load_concrete(abstract, store)
+      model = load_concrete(abstract, store)
   tokens = jax.random.randint(jax.random.key(args.seed), args.shape, 0, vocab)
-  with place(model, policy, mesh=_single_device_mesh(), **kwargs) as placed:
+  with place(model, policy, mesh=single_device_mesh(), **kwargs) as placed:
     out = jax.block_until_ready(placed(tokens))
     report = placed.report()
     metadata = placed.metadata
   shape = tuple(np.shape(out))
   if args.json:
-    _emit_json(
+    emit_json(
       {
         "path": args.path,
         "policy": report.to_dict()["policy"],
@@ -1188,7 +664,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     "",
     str(report),
   ]
-  _emit("\n".join(lines))
+  emit("\n".join(lines))
   return 0
 
 
@@ -1202,7 +678,11 @@ def cmd_rechunk(args: argparse.Namespace) -> int:
     raise CommandError(f"{args.src}: no such file or directory")
   try:
     info = rechunk_store(
-      args.src, args.dst, unit_prefix=_prefix(args.units), progress=None, overwrite=args.overwrite
+      args.src,
+      args.dst,
+      unit_prefix=parse_prefix(args.units),
+      progress=None,
+      overwrite=args.overwrite,
     )
   except (OSError, ValueError) as e:
     from .errors import ResidencyError  # noqa: PLC0415
@@ -1210,13 +690,13 @@ def cmd_rechunk(args: argparse.Namespace) -> int:
     if isinstance(e, ResidencyError):
       raise
     raise CommandError(f"cannot rechunk {args.src}: {type(e).__name__}: {e}") from e
-  src_model, dst_model = _model_file(args.src), _model_file(args.dst)
+  src_model, dst_model = model_file(args.src), model_file(args.dst)
   if src_model and dst_model and os.path.exists(src_model):
     shutil.copyfile(src_model, dst_model)
-  _emit(
+  emit(
     f"rechunked {args.src} -> {args.dst}: {info.unit_count} units x "
-    f"{_fmt_bytes(info.unit_nbytes)} under {'.'.join(info.unit_prefix)!r}, static "
-    f"{_fmt_bytes(info.static_nbytes)}; one uncompressed chunk per unit"
+    f"{fmt_bytes(info.unit_nbytes)} under {'.'.join(info.unit_prefix)!r}, static "
+    f"{fmt_bytes(info.static_nbytes)}; one uncompressed chunk per unit"
   )
   return 0
 

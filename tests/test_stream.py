@@ -272,3 +272,19 @@ def test_sliced_reads_path_keeps_parity(tokens, tmp_path, monkeypatch):
   for host_units in (0, 3):
     with jr.place(sharded, dense(host_units, 2 if host_units else 0), store=path, mesh=mesh) as p:
       np.testing.assert_allclose(p(tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["fully_resident", "layerwise_host"])
+def test_every_policy_places_an_abstract_model_from_a_store(model, tokens, store, policy):
+  abstract = nnx.eval_shape(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
+  chosen = jr.FullyResident() if policy == "fully_resident" else jr.LayerwiseHost()
+  with jr.place(abstract, chosen, store=store, mesh=MESH1) as placed:
+    np.testing.assert_array_equal(placed(tokens), nnx.jit(lambda m, t: m(t))(model, tokens))
+    kinds = {a.sharding.memory_kind for p, a in placed.arrays().items() if p.startswith("layers.")}
+    assert kinds == ({"device"} if policy == "fully_resident" else {"pinned_host"})
+
+
+def test_abstract_model_without_a_store_is_a_clear_error():
+  abstract = nnx.eval_shape(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
+  with pytest.raises(jr.PlacementError, match="store="):
+    jr.place(abstract, jr.FullyResident(), mesh=MESH1)

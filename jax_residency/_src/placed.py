@@ -177,8 +177,10 @@ def place(
     units: path of the stacked layer module (``"layers"``); default: the first
       of the common names that is a layer stack, else the only candidate.
     rules: logical-to-mesh axis rules for models with logical partitioning.
-    store: for ``DenseDiskStream``, the unit store written by
-      :func:`jax_residency.save` (a directory or TensorStore kvstore URL).
+    store: a unit store written by :func:`jax_residency.save` (a directory or
+      TensorStore kvstore URL). Required for ``DenseDiskStream``, which streams
+      from it; the other policies read every weight from it once, so ``model``
+      may be abstract (``nnx.eval_shape``) under every policy.
     sequence_axis: the axis of the first array argument that counts tokens; a
       pass with more than one token along it is reported as prefill, else decode.
 
@@ -224,7 +226,9 @@ def place(
         split, policy, mesh=mesh, rules=rules, store=store, sequence_axis=sequence_axis
       )
     case FullyResident() | LayerwiseHost():
-      return _place_jitted(split, policy, mesh=mesh, rules=rules, sequence_axis=sequence_axis)
+      return _place_jitted(
+        split, policy, mesh=mesh, rules=rules, sequence_axis=sequence_axis, store=store
+      )
   raise PlacementError(f"unsupported policy {policy!r}")
 
 
@@ -235,6 +239,7 @@ def _place_jitted(
   mesh: Mesh,
   rules: pl.Rules | None,
   sequence_axis: int = 1,
+  store: str | None = None,
 ) -> PlacedModel:
   layerwise = policy.execution_residency is ExecutionResidency.LAYERWISE_HOST
   unit_kind = pl.PINNED_HOST if layerwise else pl.DEVICE
@@ -255,9 +260,11 @@ def _place_jitted(
 
   static_sh = [shardings[i] for i in split.static_index]
   unit_sh = [shardings[i] for i in split.unit_index]
-  static = pl.put([split.values[i] for i in split.static_index], static_sh)
-  unit_values = pl.put([split.values[i] for i in split.unit_index], unit_sh)
+  values = _weights(split, policy, store)
   split.values = []  # the placement holds its own copies, not the caller's arrays
+  static = pl.put([values[i] for i in split.static_index], static_sh)
+  unit_values = pl.put([values[i] for i in split.unit_index], unit_sh)
+  del values
   depth = policy.device_depth(split.unit_count)
 
   def forward(static_leaves: list[Any], unit_leaves: list[Any], *args: Any, **kwargs: Any) -> Any:
@@ -311,6 +318,28 @@ def _place_jitted(
   return PlacedModel(
     split, policy, mesh, metadata, run, [release], lowerer, telemetry=telemetry, arrays=arrays
   )
+
+
+def _weights(split: SplitModel, policy: LayerWeightResidency, store: str | None) -> list[Any]:
+  """The model's own weights, or (with ``store``) the weights read from the store."""
+  if store is not None:
+    from .loading import open_for, read_all  # noqa: PLC0415 - stores only when asked
+
+    with open_for(
+      split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
+    ) as opened:
+      return read_all(split, opened)
+  abstract = [
+    path_str(leaf.path)
+    for leaf, v in zip(split.leaves, split.values, strict=True)
+    if isinstance(v, jax.ShapeDtypeStruct)
+  ]
+  if abstract:
+    raise PlacementError(
+      f"the model is abstract ({len(abstract)} parameters have no values, e.g. "
+      f"{abstract[0]!r}); pass store=<path> written by jax_residency.save to read its weights"
+    )
+  return split.values
 
 
 def _not_looped(split: SplitModel) -> PlacementError:

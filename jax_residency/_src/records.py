@@ -120,13 +120,12 @@ def single_device_mesh() -> Any:
   return jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("devices",))
 
 
-def load_concrete(abstract: Any, store: Any, *, desc: str = "loading units") -> Any:
+def load_concrete(abstract: Any, store: Any) -> Any:
   """The model ``abstract`` with its weights read from ``store`` (each byte once)."""
   import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  import tqdm  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
+  from .loading import read_all  # noqa: PLC0415
   from .model import split_model  # noqa: PLC0415
 
   split = split_model(abstract)
@@ -135,21 +134,6 @@ def load_concrete(abstract: Any, store: Any, *, desc: str = "loading units") -> 
     {leaf.path: (leaf.shape, leaf.dtype) for leaf in split.static_leaves()},
     strict=True,
   )
-  static = store.read_static()
-  values: list[Any] = [None] * len(split.leaves)
-  for i in split.static_index:
-    values[i] = static[split.leaves[i].path]
-  buffers = {i: np.empty(split.leaves[i].shape, split.leaves[i].dtype) for i in split.unit_index}
-  rel = {i: split.unit_rel_path(split.leaves[i]) for i in split.unit_index}
-  bar = tqdm.tqdm(total=split.unit_count, desc=desc, unit="unit", disable=None, leave=False)
-  with bar:
-    for u, tensors in store.read_units(range(split.unit_count)):
-      for i, buf in buffers.items():
-        buf[u] = tensors[rel[i]]
-      bar.update(1)
-  for i in split.unit_index:
-    values[i] = buffers.pop(i)
-  values = [jax.device_put(v) for v in values]
+  values = [jax.device_put(v) for v in read_all(split, store)]
   graphdef, state = nnx.split(abstract)
-  treedef = jax.tree.structure(state)
-  return nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
+  return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), values))

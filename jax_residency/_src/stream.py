@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from . import placement as pl
 from .errors import AdmissionError, PlacementError, StoreError
 from .ledger import Eviction, Reservation, ResidencyLedger, Tier
+from .loading import open_for
 from .model import SplitModel, path_str
 from .plan import ModelMetadata
 from .policy import DenseDiskStream
@@ -457,7 +458,6 @@ def place_dense(
 ) -> Any:
   """Opens ``store`` and builds a placed model that streams its units."""
   from .placed import PlacedModel, metadata_for  # noqa: PLC0415 - placed imports us lazily
-  from .store import UnitStore  # noqa: PLC0415
 
   specs = pl.resolve_specs(split.leaves, mesh, rules)
   static_shardings = [pl.sharding(mesh, specs[i], pl.DEVICE) for i in split.static_index]
@@ -467,20 +467,10 @@ def place_dense(
   ]
   metadata = metadata_for(split, policy, static_shardings, unit_shardings)
   split.values = []  # weights come from the store; never keep the caller's arrays
-  opened = UnitStore.open(
-    store, unit_prefix=split.unit_path_prefix, max_cached_shards=policy.max_cached_shards
+  opened = open_for(
+    split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
   )
   try:
-    opened.check_against(
-      {split.unit_rel_path(leaf): (leaf.shape[1:], leaf.dtype) for leaf in split.unit_leaves()},
-      {leaf.path: (leaf.shape, leaf.dtype) for leaf in split.static_leaves()},
-      strict=policy.strict_loading,
-    )
-    if opened.unit_count != split.unit_count:
-      raise StoreError(
-        f"the store at {store!r} holds {opened.unit_count} units but the model has "
-        f"{split.unit_count}; save this model again with jax_residency.save"
-      )
     stored_static = opened.read_static()
     static = pl.put([stored_static[leaf.path] for leaf in split.static_leaves()], static_shardings)
     if telemetry_factory is None:

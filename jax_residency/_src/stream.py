@@ -90,7 +90,14 @@ class DenseStreamEngine:
       self._read_index = {
         p: (b if b is not None else ()) for p, b in zip(self._rel_paths, boxes, strict=True)
       }
+    # Bytes of one unit as this process reads and holds it (its boxes only, on a
+    # multi-process mesh); the load-time budget check counted whole units.
     self._host_unit_bytes = metadata.unit_bytes[0] if metadata.unit_bytes else 0
+    if self._read_index is not None:
+      self._host_unit_bytes = sum(
+        _box_nbytes(leaf.shape[1:], leaf.dtype, self._read_index[p])
+        for p, leaf in zip(self._rel_paths, split.unit_leaves(), strict=True)
+      )
     self._device_unit_bytes = metadata.largest_device_unit_bytes
     self._unit_count = metadata.layer_count
     self._lookahead = opts.host_lookahead
@@ -418,6 +425,12 @@ def addressable_box(
       lo, hi, _ = (index[d] if index is not None else slice(None)).indices(n)
       starts[d], stops[d] = min(starts[d], lo), max(stops[d], hi)
   return tuple(slice(lo, hi) for lo, hi in zip(starts, stops, strict=True))
+
+
+def _box_nbytes(shape: tuple[int, ...], dtype: np.dtype, box: tuple[slice, ...]) -> int:
+  if box == ():
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  return int(np.prod([b.stop - b.start for b in box], dtype=np.int64)) * dtype.itemsize
 
 
 def from_local_box(

@@ -484,3 +484,25 @@ def test_buffer_pool_reuses_slabs_and_bounds_idle_ones() -> None:
 def test_tune_malloc_is_idempotent() -> None:
   first = readers.tune_malloc()
   assert readers.tune_malloc() is first
+
+
+def test_handle_cache_opens_misses_together_and_keeps_its_bound() -> None:
+  opened: list[str] = []
+
+  class Done:
+    def __init__(self, name: str):
+      self.name = name
+
+    def result(self) -> str:
+      return f"handle:{self.name}"
+
+  def open_async(name: str) -> Done:
+    opened.append(name)
+    return Done(name)
+
+  cache = readers.HandleCache(2, lambda name: f"handle:{name}")
+  names = ["a", "b", "c", "a"]
+  assert cache.get_many(names, open_async) == [f"handle:{n}" for n in names]
+  assert opened == ["a", "b", "c"]  # each miss opened once, all issued before waiting
+  assert cache.open_count == 2 and cache.names == ["b", "c"]
+  assert cache.get_many(["c"], open_async) == ["handle:c"] and opened == ["a", "b", "c"]

@@ -292,6 +292,32 @@ class HandleCache:
         self.evicted += 1
       return handle
 
+  def get_many(
+    self, names: Sequence[str], open_async: Callable[[str], Any]
+  ) -> list[ts.TensorStore]:
+    """Handles for ``names``; those not cached are opened concurrently.
+
+    ``open_async(name)`` returns a future of a handle. The returned handles are
+    the caller's to use even when more names were asked for than the cache
+    holds; the cache keeps only the ``capacity`` most recently used.
+    """
+    with self._lock:
+      cached = {n: self._handles[n] for n in names if n in self._handles}
+      for n in cached:
+        self._handles.move_to_end(n)
+    pending = {n: open_async(n) for n in dict.fromkeys(names) if n not in cached}
+    opened = {n: f.result() for n, f in pending.items()}
+    with self._lock:
+      for n, handle in opened.items():
+        self.opened += 1
+        self._handles[n] = handle
+        self._handles.move_to_end(n)
+      while len(self._handles) > self._capacity:
+        self._handles.popitem(last=False)
+        self.evicted += 1
+    found = {**cached, **opened}
+    return [found[n] for n in names]
+
   def clear(self) -> None:
     with self._lock:
       self._handles.clear()

@@ -258,8 +258,10 @@ class UnitStore:
         )
       requests = {tuple(p): tuple(s) if isinstance(s, tuple) else (s,) for p, s in index.items()}
     sources = []
-    for rel, idx in requests.items():
-      handle = self._handles.get(_name(self._prefix + rel))
+    handles = self._handles.get_many(
+      [_name(self._prefix + rel) for rel in requests], self._open_handle_async
+    )
+    for (rel, idx), handle in zip(requests.items(), handles, strict=True):
       try:
         sources.append((rel, handle[(int(i), *idx)]))
       except (IndexError, ValueError, TypeError) as e:
@@ -405,16 +407,30 @@ class UnitStore:
       raise errors.ClosedError(f"{self!r} was used after close(); open the store again.")
 
   def _open_handle(self, name: str) -> ts.TensorStore:
+    return self._open_handle_async(name).result()
+
+  def _open_handle_async(self, name: str) -> _Opening:
+    """A future of an open handle; opening errors surface as `StoreError`."""
     spec = {
       "driver": self._drivers[name],
       "kvstore": readers.array_kvstore(self._loc, name, use_ocdbt=self._use_ocdbt),
       "recheck_cached_data": False,
       "recheck_cached_metadata": False,
     }
+    return _Opening(ts.open(spec, context=self._context, read=True, open=True), name, self.path)
+
+
+class _Opening:
+  """A handle being opened; `result()` names the array and store on failure."""
+
+  def __init__(self, future: Any, name: str, path: str):
+    self._future, self._name, self._path = future, name, path
+
+  def result(self) -> ts.TensorStore:
     try:
-      return ts.open(spec, context=self._context, read=True, open=True).result()
+      return self._future.result()
     except ValueError as e:
-      raise errors.StoreError(f"Cannot open array {name!r} in {self.path}: {e}") from e
+      raise errors.StoreError(f"Cannot open array {self._name!r} in {self._path}: {e}") from e
 
 
 def _also(*, mismatched: int = 0, unexpected: int = 0) -> str:

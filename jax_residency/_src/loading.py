@@ -31,20 +31,25 @@ def open_for(split: SplitModel, path: str, *, strict: bool, max_cached_shards: i
     path, unit_prefix=split.unit_path_prefix, max_cached_shards=max_cached_shards
   )
   try:
-    store.check_against(
-      {split.unit_rel_path(leaf): (leaf.shape[1:], leaf.dtype) for leaf in split.unit_leaves()},
-      {leaf.path: (leaf.shape, leaf.dtype) for leaf in split.static_leaves()},
-      strict=strict,
-    )
-    if store.unit_count != split.unit_count:
-      raise StoreError(
-        f"the store at {path!r} holds {store.unit_count} units but the model has "
-        f"{split.unit_count}; save this model again with jax_residency.save"
-      )
+    check_for(split, store, strict=strict)
   except BaseException:
     store.close()
     raise
   return store
+
+
+def check_for(split: SplitModel, store: UnitStore, *, strict: bool) -> None:
+  """Checks an open ``store`` holds exactly the tensors ``split`` expects (see `open_for`)."""
+  store.check_against(
+    {split.unit_rel_path(leaf): (leaf.shape[1:], leaf.dtype) for leaf in split.unit_leaves()},
+    {leaf.path: (leaf.shape, leaf.dtype) for leaf in split.static_leaves()},
+    strict=strict,
+  )
+  if store.unit_count != split.unit_count:
+    raise StoreError(
+      f"the store at {store.path!r} holds {store.unit_count} units but the model has "
+      f"{split.unit_count}; save this model again with jax_residency.save"
+    )
 
 
 def read_all(split: SplitModel, store: UnitStore, *, progress: bool | None = None) -> list[Any]:

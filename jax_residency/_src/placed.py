@@ -30,7 +30,7 @@ from .policy import (
   LayerwiseHost,
 )
 from .telemetry import PassCounters, Report, Telemetry
-from .unit_loop import LoopContext
+from .unit_loop import LoopContext, not_looped_error
 
 
 class PlacedModel:
@@ -245,42 +245,31 @@ def _place_jitted(
   unit_kind = pl.PINNED_HOST if layerwise else pl.DEVICE
   if layerwise:
     pl.require_memory_kind(mesh, pl.PINNED_HOST)
-  specs = pl.resolve_specs(split.leaves, mesh, rules)
-  shardings = [pl.sharding(mesh, s, pl.DEVICE) for s in specs]
-  slice_shardings: list[jax.sharding.Sharding] = []
-  for i in split.unit_index:
-    leaf = split.leaves[i]
-    slice_spec = pl.unit_slice_spec(leaf, specs[i])
-    shardings[i] = pl.sharding(mesh, specs[i], unit_kind)
-    slice_shardings.append(pl.sharding(mesh, slice_spec, pl.DEVICE))
-
-  metadata = metadata_for(
-    split, policy, [shardings[i] for i in split.static_index], slice_shardings
-  )
-
-  static_sh = [shardings[i] for i in split.static_index]
-  unit_sh = [shardings[i] for i in split.unit_index]
+  placed_at = pl.layout(split, mesh, rules, unit_kind=unit_kind)
+  metadata = metadata_for(split, policy, placed_at.static, placed_at.unit_slices)
   values = _weights(split, policy, store)
   split.values = []  # the placement holds its own copies, not the caller's arrays
-  static = pl.put([values[i] for i in split.static_index], static_sh)
-  unit_values = pl.put([values[i] for i in split.unit_index], unit_sh)
+  static = pl.put([values[i] for i in split.static_index], placed_at.static)
+  unit_values = pl.put([values[i] for i in split.unit_index], placed_at.units)
   del values
   depth = policy.device_depth(split.unit_count)
 
   def forward(static_leaves: list[Any], unit_leaves: list[Any], *args: Any, **kwargs: Any) -> Any:
     loop = LoopContext(
-      kind=policy.execution_residency, depth=depth, unit_shardings=tuple(slice_shardings)
+      kind=policy.execution_residency, depth=depth, unit_shardings=tuple(placed_at.unit_slices)
     )
     try:
       out = split.forward(split.join(static_leaves, unit_leaves), loop, *args, **kwargs)
     except Exception as e:
       if loop.loops_run == 0:
         if "memory_space" in str(e) or "memory kind" in str(e):  # host layers used off-loop
-          raise _not_looped(split) from e
-        e.add_note(f"jax_residency: the layer loop had not run yet. {_not_looped(split)}")
+          raise not_looped_error(split.unit_prefix) from e
+        e.add_note(
+          f"jax_residency: the layer loop had not run yet. {not_looped_error(split.unit_prefix)}"
+        )
       raise
     if loop.loops_run == 0:
-      raise _not_looped(split)
+      raise not_looped_error(split.unit_prefix)
     return out
 
   jitted = jax.jit(forward)
@@ -340,14 +329,6 @@ def _weights(split: SplitModel, policy: LayerWeightResidency, store: str | None)
       f"{abstract[0]!r}); pass store=<path> written by jax_residency.save to read its weights"
     )
   return split.values
-
-
-def _not_looped(split: SplitModel) -> PlacementError:
-  return PlacementError(
-    f"the model's forward never ran its layer stack {'.'.join(split.unit_prefix)!r} "
-    "through jax_residency.scan_units (NNX) or jax_residency.linen.scan (Linen); replace "
-    "its nnx.scan / nn.scan with that call so the policy can place the layers"
-  )
 
 
 def metadata_for(

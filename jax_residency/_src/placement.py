@@ -10,6 +10,7 @@ fully-resident units on ``device``; layerwise units on ``pinned_host``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .errors import PlacementError, format_paths
-from .model import Leaf, path_str
+from .model import Leaf, SplitModel, path_str
 
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
@@ -104,6 +105,34 @@ def unit_slice_spec(leaf: Leaf, spec: PartitionSpec) -> PartitionSpec:
 
 def sharding(mesh: Mesh, spec: PartitionSpec, kind: str) -> NamedSharding:
   return NamedSharding(mesh, spec, memory_kind=kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where each leaf of a split model goes.
+
+  Attributes:
+    static: the static leaves, in ``device`` memory.
+    units: the stacked unit leaves, in the policy's unit memory kind.
+    unit_slices: one unit of each stacked leaf, in ``device`` memory (where a
+      unit is moved to when it runs).
+  """
+
+  static: list[NamedSharding]
+  units: list[NamedSharding]
+  unit_slices: list[NamedSharding]
+
+
+def layout(split: SplitModel, mesh: Mesh, rules: Rules | None, *, unit_kind: str) -> Layout:
+  """Derives every leaf's sharding from its partitioning metadata and the policy."""
+  specs = resolve_specs(split.leaves, mesh, rules)
+  return Layout(
+    static=[sharding(mesh, specs[i], DEVICE) for i in split.static_index],
+    units=[sharding(mesh, specs[i], unit_kind) for i in split.unit_index],
+    unit_slices=[
+      sharding(mesh, unit_slice_spec(split.leaves[i], specs[i]), DEVICE) for i in split.unit_index
+    ],
+  )
 
 
 def per_device_bytes(shape: tuple[int, ...], dtype: np.dtype, s: jax.sharding.Sharding) -> int:

@@ -125,15 +125,11 @@ def load_concrete(abstract: Any, store: Any) -> Any:
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from .loading import read_all  # noqa: PLC0415
+  from .loading import check_for, read_all  # noqa: PLC0415
   from .model import split_model  # noqa: PLC0415
 
   split = split_model(abstract)
-  store.check_against(
-    {split.unit_rel_path(leaf): (leaf.shape[1:], leaf.dtype) for leaf in split.unit_leaves()},
-    {leaf.path: (leaf.shape, leaf.dtype) for leaf in split.static_leaves()},
-    strict=True,
-  )
+  check_for(split, store, strict=True)
   values = [jax.device_put(v) for v in read_all(split, store)]
   graphdef, state = nnx.split(abstract)
   return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), values))

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from . import placement as pl
-from .errors import AdmissionError, PlacementError, StoreError
+from .errors import AdmissionError, StoreError
 from .ledger import Eviction, Reservation, ResidencyLedger, Tier
 from .loading import open_for
 from .model import SplitModel, path_str
@@ -40,6 +40,7 @@ from .prefetch import CancelToken, PrefetchWorker
 from .staged import StagedForward, run_staged, trace
 from .telemetry import PassCounters, Telemetry, TimelinePoint
 from .typing import ParamPath
+from .unit_loop import LoopContext, not_looped_error
 
 
 class UnitSource(Protocol):
@@ -159,17 +160,11 @@ class DenseStreamEngine:
       # bit for bit; on accelerators a plain per-step program avoids loop control.
       staged.in_loop = self._platform == "cpu"
       if staged.unit_loop_count == 0:
-        raise PlacementError(
-          f"the model's forward never ran its layer stack "
-          f"{'.'.join(self._split.unit_prefix)!r} through jax_residency.scan_units (NNX) or "
-          "jax_residency.linen.scan (Linen); replace its nnx.scan / nn.scan with that call"
-        )
+        raise not_looped_error(self._split.unit_prefix)
       self._staged[key] = staged
     return staged
 
   def _forward(self, static: list[Any], units: list[Any], args: Any, kwargs: Any) -> Any:
-    from .unit_loop import LoopContext  # noqa: PLC0415 - avoid an import cycle at load
-
     loop = LoopContext(
       kind=self._policy.execution_residency, depth=2, unit_shardings=tuple(self._unit_shardings)
     )
@@ -472,12 +467,8 @@ def place_dense(
   """Opens ``store`` and builds a placed model that streams its units."""
   from .placed import PlacedModel, metadata_for  # noqa: PLC0415 - placed imports us lazily
 
-  specs = pl.resolve_specs(split.leaves, mesh, rules)
-  static_shardings = [pl.sharding(mesh, specs[i], pl.DEVICE) for i in split.static_index]
-  unit_shardings = [
-    pl.sharding(mesh, pl.unit_slice_spec(split.leaves[i], specs[i]), pl.DEVICE)
-    for i in split.unit_index
-  ]
+  placed_at = pl.layout(split, mesh, rules, unit_kind=pl.DEVICE)
+  static_shardings, unit_shardings = placed_at.static, placed_at.unit_slices
   metadata = metadata_for(split, policy, static_shardings, unit_shardings)
   split.values = []  # weights come from the store; never keep the caller's arrays
   opened = open_for(

@@ -77,6 +77,15 @@ class LoopContext:
     return lax.scan(lambda c, ux: step(c, *ux), carry, (units, xs))
 
 
+def not_looped_error(unit_prefix: tuple[str, ...]) -> PlacementError:
+  """The error for a model whose forward never ran its layer stack through the loop."""
+  return PlacementError(
+    f"the model's forward never ran its layer stack {'.'.join(unit_prefix)!r} "
+    "through jax_residency.scan_units (NNX) or jax_residency.linen.scan (Linen); replace "
+    "its nnx.scan / nn.scan with that call so the policy can place the layers"
+  )
+
+
 _ACTIVE: contextvars.ContextVar[LoopContext | None] = contextvars.ContextVar(
   "jax_residency_loop", default=None
 )

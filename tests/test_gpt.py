@@ -120,6 +120,17 @@ def test_generation_is_identical_under_every_policy(
   assert cache.k.shape == (CFG.n_layers, 2, CFG.max_len, CFG.n_heads, CFG.head_dim)
 
 
+def test_generation_on_the_accelerator_step_path(
+  model, unit_bytes, prompt, expected, store, monkeypatch
+):
+  """Off CPU a dense stream compiles each unit step as its own program; tokens stay the same."""
+  from jax_residency._src import stream
+
+  monkeypatch.setattr(stream, "STEP_IN_LOOP_PLATFORMS", frozenset())
+  with jr.place(model, policy("dense-small-host", unit_bytes), store=store) as placed:
+    np.testing.assert_array_equal(models.generate(placed, prompt, STEPS), expected)
+
+
 def test_decoding_with_the_cache_equals_a_full_forward(model, prompt, expected):
   """Logits of one-token steps over the cache = logits of the whole sequence at once."""
   step = nnx.jit(lambda m, t, c, p: m(t, c, p))

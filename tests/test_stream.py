@@ -84,6 +84,34 @@ def test_parity_on_a_sharded_mesh(tokens, tmp_path):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("host_units, lookahead", [(0, 0), (3, 2)])
+def test_accelerator_step_path_keeps_parity(
+  model, tokens, store, host_units, lookahead, monkeypatch
+):
+  """Off CPU each unit step is a plain jitted program (no one-trip while loop).
+
+  This machine has no accelerator, so run that path on CPU: it compiles the
+  step on its own, so parity is to rounding rather than bit for bit.
+  """
+  from jax_residency._src import staged, stream
+
+  monkeypatch.setattr(stream, "STEP_IN_LOOP_PLATFORMS", frozenset())
+  whiles = []
+  compile_step = staged._compile_step
+  monkeypatch.setattr(
+    staged,
+    "_compile_step",
+    lambda closed, n, *, in_loop: (
+      whiles.append(in_loop) or compile_step(closed, n, in_loop=in_loop)
+    ),
+  )
+  expected = model(tokens)
+  with jr.place(model, dense(host_units, lookahead), store=store, mesh=MESH1) as placed:
+    for _ in range(2):
+      np.testing.assert_allclose(placed(tokens), expected, rtol=1e-5, atol=1e-5)
+  assert whiles == [False]  # one step program, compiled once, without the loop
+
+
 def test_memory_store_and_abstract_model(model, tokens):
   path = "memory://stream-test/toy"
   jr.save(model, path, progress=False)

@@ -43,6 +43,12 @@ from .typing import ParamPath
 from .unit_loop import LoopContext, not_looped_error
 
 
+#: Platforms whose unit steps run inside a one-trip while loop. On CPU that
+#: compiles each step as the plain model's scanned loop body, bit for bit; on
+#: accelerators a plain per-step program avoids the loop control.
+STEP_IN_LOOP_PLATFORMS = frozenset({"cpu"})
+
+
 class UnitSource(Protocol):
   """What the engine needs from a unit store."""
 
@@ -156,9 +162,7 @@ class DenseStreamEngine:
         jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self._split.unit_leaves()
       ]
       staged = trace(self._forward, self._static, unit_specs, (args, kwargs))
-      # On CPU, run each step inside a while loop so it is the plain model's math
-      # bit for bit; on accelerators a plain per-step program avoids loop control.
-      staged.in_loop = self._platform == "cpu"
+      staged.in_loop = self._platform in STEP_IN_LOOP_PLATFORMS
       if staged.unit_loop_count == 0:
         raise not_looped_error(self._split.unit_prefix)
       self._staged[key] = staged

@@ -26,7 +26,7 @@ from jax_residency._src.ledger import (
   Tier,
   TierMetrics,
 )
-from jax_residency._src.policy import CacheEvictionPolicy
+from jax_residency._src.options import CacheEvictionPolicy
 
 LRU = CacheEvictionPolicy.LEAST_RECENTLY_USED
 LFU = CacheEvictionPolicy.LEAST_FREQUENTLY_USED

@@ -27,18 +27,20 @@ from jax_residency._src.errors import (
   ZeroPrefetchDepthError,
   ZeroQueueCapacityError,
 )
-from jax_residency._src.policy import (
+from jax_residency._src.options import (
   DEFAULT_MAX_CACHED_SHARDS,
-  DENSE_TRANSFER_WINDOW,
   CacheEvictionPolicy,
-  DenseDiskStream,
   DenseDiskStreamLoadOptions,
+  LayerwiseLoadOptions,
+  OffloadConfig,
+)
+from jax_residency._src.policy import (
+  DENSE_TRANSFER_WINDOW,
+  DenseDiskStream,
   ExecutionResidency,
   FullyResident,
   LayerWeightResidency,
   LayerwiseHost,
-  LayerwiseLoadOptions,
-  OffloadConfig,
   OrdinaryWeightResidency,
 )
 
@@ -107,7 +109,7 @@ def test_enums():
   assert repr(LFU) == "CacheEvictionPolicy.LEAST_FREQUENTLY_USED"
 
 
-@pytest.mark.parametrize("module", ["policy.py", "sizes.py", "errors.py"])
+@pytest.mark.parametrize("module", ["policy.py", "options.py", "sizes.py", "errors.py"])
 def test_policy_modules_do_not_import_jax(module):
   source = pathlib.Path(errors.__file__).with_name(module).read_text()
   imported = []

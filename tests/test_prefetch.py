@@ -10,7 +10,7 @@ import pytest
 
 from jax_residency._src.errors import ClosedError, PrefetchError, ZeroQueueCapacityError
 from jax_residency._src.ledger import ResidencyLedger, Tier
-from jax_residency._src.policy import CacheEvictionPolicy
+from jax_residency._src.options import CacheEvictionPolicy
 from jax_residency._src.prefetch import CancelToken, PrefetchWorker, WorkerMetrics
 
 TIMEOUT = 10.0  # generous upper bound for every blocking step; never reached when passing

@@ -388,9 +388,10 @@ def _plan(
   n: int, unit: int, static: int, device: int | None, host: int | None, lookahead: int
 ) -> list[dict[str, Any]]:
   """Every policy against the budgets: the library's load-time verdict, and its arithmetic."""
-  from . import policy as P  # noqa: PLC0415
   from .errors import BudgetTooSmallError  # noqa: PLC0415
+  from .options import DenseDiskStreamLoadOptions, LayerwiseLoadOptions, OffloadConfig  # noqa: PLC0415
   from .plan import check_budgets, largest_window  # noqa: PLC0415
+  from .policy import DenseDiskStream, LayerwiseHost  # noqa: PLC0415
 
   sizes = [unit] * n
 
@@ -412,14 +413,14 @@ def _plan(
     return True
 
   def layerwise(depth: int) -> Any:
-    offload = P.OffloadConfig(
+    offload = OffloadConfig(
       device_budget_bytes=device, host_budget_bytes=host, prefetch_depth=depth
     )
-    return P.LayerwiseHost(P.LayerwiseLoadOptions(offload=offload))
+    return LayerwiseHost(LayerwiseLoadOptions(offload=offload))
 
   def dense(look: int) -> Any:
-    return P.DenseDiskStream(
-      P.DenseDiskStreamLoadOptions(
+    return DenseDiskStream(
+      DenseDiskStreamLoadOptions(
         device_budget_bytes=device,
         host_budget_bytes=host,
         host_lookahead=look,
@@ -560,7 +561,8 @@ def _plan_summary(plans: list[dict[str, Any]]) -> str:
 
 
 def _policy_from_args(args: argparse.Namespace) -> Any:
-  from . import policy as P  # noqa: PLC0415
+  from .options import DenseDiskStreamLoadOptions, LayerwiseLoadOptions, OffloadConfig  # noqa: PLC0415
+  from .policy import DenseDiskStream, FullyResident, LayerwiseHost  # noqa: PLC0415
 
   given = {
     "--device-budget": args.device_budget is not _UNSET,
@@ -578,11 +580,11 @@ def _policy_from_args(args: argparse.Namespace) -> Any:
   if extra:
     raise CommandError(f"{', '.join(extra)} does not apply to --policy {args.policy}")
   if args.policy == "fully_resident":
-    return P.FullyResident()
+    return FullyResident()
   if args.policy == "layerwise_host":
-    return P.LayerwiseHost(
-      P.LayerwiseLoadOptions(
-        offload=P.OffloadConfig(
+    return LayerwiseHost(
+      LayerwiseLoadOptions(
+        offload=OffloadConfig(
           device_budget_bytes=args.device_budget if given["--device-budget"] else None,
           host_budget_bytes=args.host_budget if given["--host-budget"] else None,
           prefetch_depth=args.prefetch_depth or 1,
@@ -591,12 +593,12 @@ def _policy_from_args(args: argparse.Namespace) -> Any:
         sample_backend_memory=True,
       )
     )
-  defaults = P.DenseDiskStreamLoadOptions()
+  defaults = DenseDiskStreamLoadOptions()
   host = args.host_budget if given["--host-budget"] else defaults.host_budget_bytes
   device = args.device_budget if given["--device-budget"] else defaults.device_budget_bytes
   direct = host == 0
-  return P.DenseDiskStream(
-    P.DenseDiskStreamLoadOptions(
+  return DenseDiskStream(
+    DenseDiskStreamLoadOptions(
       device_budget_bytes=device,
       host_budget_bytes=host,
       host_lookahead=args.lookahead if args.lookahead is not None else (0 if direct else 2),

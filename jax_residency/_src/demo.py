@@ -216,8 +216,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from . import policy as P  # noqa: PLC0415
   from .model import split_model  # noqa: PLC0415
+  from .options import DenseDiskStreamLoadOptions, LayerwiseLoadOptions, OffloadConfig  # noqa: PLC0415
+  from .policy import DenseDiskStream, FullyResident, LayerwiseHost  # noqa: PLC0415
   from .toy import ToyConfig  # noqa: PLC0415
 
   started = time.perf_counter()
@@ -243,8 +244,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
   window = min(2, split.unit_count)
   device_budget = static_bytes + window * unit_bytes
   host_units = min(3, split.unit_count)
-  dense = P.DenseDiskStream(
-    P.DenseDiskStreamLoadOptions(
+  dense = DenseDiskStream(
+    DenseDiskStreamLoadOptions(
       device_budget_bytes=device_budget,
       host_budget_bytes=host_units * unit_bytes,
       host_lookahead=min(2, host_units),
@@ -253,9 +254,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
       sample_backend_memory=True,
     )
   )
-  layerwise = P.LayerwiseHost(
-    P.LayerwiseLoadOptions(
-      offload=P.OffloadConfig(device_budget_bytes=device_budget, prefetch_depth=window),
+  layerwise = LayerwiseHost(
+    LayerwiseLoadOptions(
+      offload=OffloadConfig(device_budget_bytes=device_budget, prefetch_depth=window),
       sample_process_memory=True,
       sample_backend_memory=True,
     )
@@ -269,7 +270,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
   with open_store(path) as store:
     model = load_concrete(abstract, store)
   expected = np.asarray(jax.block_until_ready(model(tokens)))
-  runs["fully_resident"] = _run_policy("fully_resident", model, P.FullyResident(), tokens)
+  runs["fully_resident"] = _run_policy("fully_resident", model, FullyResident(), tokens)
   runs["layerwise_host"] = _run_policy("layerwise_host", model, layerwise, tokens)
   ordered = [runs[name] for name in POLICY_NAMES]
   for run in ordered:

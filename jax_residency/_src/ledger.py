@@ -40,7 +40,7 @@ from jax_residency._src.errors import (
   ResidencyRuntimeError,
   WeightResidencyPolicyError,
 )
-from jax_residency._src.policy import CacheEvictionPolicy
+from jax_residency._src.options import CacheEvictionPolicy
 
 
 class Tier(enum.Enum):
@@ -269,7 +269,7 @@ class ResidencyLedger:
   `is_pending` first). Explicit `evict` of a leased or protected entry raises.
 
   Example:
-    >>> from jax_residency._src.policy import CacheEvictionPolicy
+    >>> from jax_residency._src.options import CacheEvictionPolicy
     >>> ledger = ResidencyLedger(host_budget_bytes=200, device_budget_bytes=None,
     ...                          eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED)
     >>> for unit in range(3):

@@ -14,7 +14,6 @@ Exit codes: 0 success; 1 a check failed (demo parity, or nothing fits in
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
@@ -23,6 +22,7 @@ from typing import Any, NoReturn
 
 from .console import PROG, CommandError, emit, emit_json, fmt_bytes, one_line, plural, table
 from .demo import DEMO_CONFIG, DEMO_TOKENS, POLICY_NAMES, cmd_demo
+from .planning import plan_budgets
 from .records import (
   MODEL_FILE,
   abstract_from_factory,
@@ -346,215 +346,25 @@ def _nbytes(shape: Sequence[int], dtype: Any) -> int:
 # --- plan --------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Tier:
-  """One tier of one plan: static + window (``units`` of ``unit_bytes``) against a budget."""
-
-  tier: str
-  static: int
-  units: int
-  unit_bytes: int
-  window: int
-  budget: int | None
-  note: str = ""
-
-  @property
-  def required(self) -> int:
-    return self.static + self.window
-
-  @property
-  def fits(self) -> bool:
-    return self.budget is None or self.required <= self.budget
-
-  def arithmetic(self) -> str:
-    window = f"{self.units} x {fmt_bytes(self.unit_bytes)}"
-    text = f"{fmt_bytes(self.static)} + {window}" if self.tier == "device" else window
-    return f"{text} = {fmt_bytes(self.required)}"
-
-  def to_dict(self) -> dict[str, Any]:
-    return {
-      "tier": self.tier,
-      "static_bytes": self.static,
-      "window_units": self.units,
-      "window_bytes": self.window,
-      "required_bytes": self.required,
-      "budget_bytes": self.budget,
-      "fits": self.fits,
-      "note": self.note,
-    }
-
-
-def _plan(
-  n: int, unit: int, static: int, device: int | None, host: int | None, lookahead: int
-) -> list[dict[str, Any]]:
-  """Every policy against the budgets: the library's load-time verdict, and its arithmetic."""
-  from .errors import BudgetTooSmallError  # noqa: PLC0415
-  from .options import DenseDiskStreamLoadOptions, LayerwiseLoadOptions, OffloadConfig  # noqa: PLC0415
-  from .plan import check_budgets, largest_window  # noqa: PLC0415
-  from .policy import DenseDiskStream, LayerwiseHost  # noqa: PLC0415
-
-  sizes = [unit] * n
-
-  def tier(name: str, units: int, budget: int | None, static_bytes: int = 0) -> _Tier:
-    return _Tier(name, static_bytes, units, unit, largest_window(sizes, units), budget)
-
-  def accepted(policy: Any) -> bool:
-    """What ``place()`` decides before anything moves."""
-    try:
-      check_budgets(
-        policy,
-        static_device_bytes=static,
-        unit_bytes=sizes,
-        device_unit_bytes=sizes,
-        host_unit_bytes=sizes,
-      )
-    except BudgetTooSmallError:
-      return False
-    return True
-
-  def layerwise(depth: int) -> Any:
-    offload = OffloadConfig(
-      device_budget_bytes=device, host_budget_bytes=host, prefetch_depth=depth
-    )
-    return LayerwiseHost(LayerwiseLoadOptions(offload=offload))
-
-  def dense(look: int) -> Any:
-    return DenseDiskStream(
-      DenseDiskStreamLoadOptions(
-        device_budget_bytes=device,
-        host_budget_bytes=host,
-        host_lookahead=look,
-        background_queue_capacity=2 if look else 0,
-      )
-    )
-
-  full = [tier("device", n, device, static)]
-  plans: list[dict[str, Any]] = [
-    {"policy": "fully_resident", "setting": "", "tiers": full, "fits": full[0].fits}
-  ]
-
-  # LayerwiseHost keeps every unit in host memory. (check_budgets skips a host budget
-  # of 0, so the host tier is checked here as well.)
-  host_all = tier("host", n, host)
-  host_all.note = "LayerwiseHost keeps every unit in host memory"
-  depths = [d for d in range(1, n + 1) if accepted(layerwise(d))] if host_all.fits else []
-  depth = (min(2, n) if device is None else depths[-1]) if depths else 1
-  plans.append(
-    {
-      "policy": "layerwise_host",
-      "setting": f"prefetch_depth {depth}",
-      "depths": [depths[0], depths[-1]] if depths else None,
-      "tiers": [tier("device", depth, device, static), host_all],
-      "fits": bool(depths),
-    }
-  )
-
-  window = min(2, n)
-  if host == 0:
-    setting, look, look_max = "direct disk-to-device", 0, None
-  else:
-    look = min(lookahead, n)
-    setting = f"host_lookahead {look}"
-    look_max = max((k for k in range(1, n + 1) if accepted(dense(k))), default=None)
-  host_window = tier("host", look, host)
-  if not host_window.fits:
-    host_window.note = (
-      f"host_lookahead <= {look_max} fits"
-      if look_max
-      else "--host-budget 0 streams disk-to-device without a host cache"
-    )
-  plans.append(
-    {
-      "policy": "dense_disk_stream",
-      "setting": setting,
-      "lookahead_max": look_max,
-      "tiers": [tier("device", window, device, static), host_window],
-      "fits": accepted(dense(look)),
-    }
-  )
-  return plans
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
   with open_store(args.path, units=args.units, streamable=False) as store:
     n, unit, static = store.unit_count, store.unit_nbytes, store.static_nbytes
     streamable = bool(store.chunked_per_unit)
-  plans = _plan(n, unit, static, args.device_budget, args.host_budget, args.lookahead)
-  if not streamable:
-    dense = plans[-1]
-    dense["fits"] = False
-    dense["note"] = f"the store is not one chunk per unit; run `{PROG} rechunk` first"
-  fitting = [p for p in plans if p["fits"]]
-  summary = _plan_summary(plans)
+  plan = plan_budgets(
+    args.path,
+    units=n,
+    unit_bytes=unit,
+    static_bytes=static,
+    device_budget=args.device_budget,
+    host_budget=args.host_budget,
+    lookahead=args.lookahead,
+    streamable=streamable,
+  )
   if args.json:
-    emit_json(
-      {
-        "path": args.path,
-        "units": n,
-        "unit_bytes": unit,
-        "static_bytes": static,
-        "device_budget_bytes": args.device_budget,
-        "host_budget_bytes": args.host_budget,
-        "plans": [{**p, "tiers": [t.to_dict() for t in p["tiers"]]} for p in plans],
-        "fits": [p["policy"] for p in fitting],
-        "summary": summary,
-      }
-    )
-    return 0 if fitting else 1
-  lines = [
-    f"store: {args.path} ({n} units x {fmt_bytes(unit)} = {fmt_bytes(n * unit)}, "
-    f"static {fmt_bytes(static)})",
-    f"budgets: device {fmt_bytes(args.device_budget)}, host {fmt_bytes(args.host_budget)} "
-    "(bytes per device; one device)",
-    "",
-  ]
-  rows = []
-  for p in plans:
-    label = f"{p['policy']} {p['setting']}".strip()
-    for k, t in enumerate(p["tiers"]):
-      verdict = "yes" if t.fits else "NO"
-      rows.append(
-        [
-          label if k == 0 else "",
-          t.tier,
-          t.arithmetic() if t.units or t.tier == "device" else "-",
-          fmt_bytes(t.budget),
-          verdict + (f" ({t.note})" if t.note and not t.fits else ""),
-        ]
-      )
-    if p.get("note"):
-      rows.append(["", "", p["note"], "", "NO"])
-  lines += table(("policy", "tier", "static + window = required", "budget", "fits"), rows)
-  lines += ["", summary]
-  emit("\n".join(lines))
-  return 0 if fitting else 1
-
-
-def _plan_summary(plans: list[dict[str, Any]]) -> str:
-  fits = []
-  for p in plans:
-    if not p["fits"]:
-      continue
-    if p["policy"] == "layerwise_host" and p.get("depths"):
-      lo, hi = p["depths"]
-      fits.append(f"layerwise_host (prefetch_depth {lo}" + (f"..{hi})" if hi > lo else ")"))
-    elif p["policy"] == "dense_disk_stream":
-      extra = ""
-      if p.get("lookahead_max") is not None:
-        extra = f", up to {p['lookahead_max']}"
-      fits.append(f"dense_disk_stream ({p['setting']}{extra})")
-    else:
-      fits.append(p["policy"])
-  if fits:
-    return "fits: " + ", ".join(fits)
-  reasons = []
-  for p in plans:
-    bad = [t for t in p["tiers"] if not t.fits]
-    why = "; ".join(
-      f"{t.tier} needs {fmt_bytes(t.required)} > {fmt_bytes(t.budget)}" for t in bad
-    ) or p.get("note", "")
-    reasons.append(f"{p['policy']}: {why}")
-  return "nothing fits. " + ". ".join(reasons)
+    emit_json(plan.to_dict())
+  else:
+    emit(str(plan))
+  return 0 if plan.fitting else 1
 
 
 # --- run ---------------------------------------------------------------------

@@ -172,13 +172,14 @@ def test_host_budget_exactly_all_units_fits(nnx_toy, mesh1):
     assert placed.metadata.largest_host_unit_bytes == unit
 
 
-def test_host_budget_counts_each_device_copy(nnx_toy):
-  """Replicated over 8 devices (the default mesh), each device addresses its own host copy."""
+def test_host_budget_counts_each_device_copy(nnx_toy, mesh_8):
+  """Replicated over 8 devices, each device addresses its own host copy."""
   _, unit, n = toy_sizes(nnx_toy)
   replicated = 8 * n * unit
+  mesh = jax.sharding.Mesh(mesh_8.devices, ("devices",))  # nothing is sharded over it
   with pytest.raises(jr.HostBudgetTooSmallError, match=f"window={replicated} "):
-    jr.place(nnx_toy, layerwise(1, host_budget_bytes=replicated - 1))
-  with jr.place(nnx_toy, layerwise(1, host_budget_bytes=replicated)):
+    jr.place(nnx_toy, layerwise(1, host_budget_bytes=replicated - 1), mesh=mesh)
+  with jr.place(nnx_toy, layerwise(1, host_budget_bytes=replicated), mesh=mesh):
     pass
 
 

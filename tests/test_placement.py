@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 import jax_residency as jr
+from jax_residency.toy import ToyTransformer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -93,7 +94,7 @@ def case(request: pytest.FixtureRequest, tokens: jax.Array) -> Callable[[str], d
       case "linen":
         model, variables = fx("linen_toy")
         return linen_case(model, variables, None)
-      case "nnx_sharded_data2_model4":
+      case "nnx_toy_sharded_data2_model4":
         return nnx_case(fx("nnx_toy_sharded"), fx("mesh_2x4"))
       case "linen_sharded_model8":
         model, variables = fx("linen_sharded_toy")
@@ -126,7 +127,7 @@ def placed_output(case: Callable[[str], dict[str, Any]]) -> Callable[[str, str],
 VARIANTS = [
   "nnx",
   "linen",
-  "nnx_sharded_data2_model4",
+  "nnx_toy_sharded_data2_model4",
   "linen_sharded_model8",
 ]
 
@@ -319,16 +320,60 @@ def test_fully_resident_everything_on_device(nnx_toy, mesh1):
 
 
 def test_layerwise_host_bytes_count_every_replica(nnx_toy):
-  """On the default mesh (8 devices, replicated) each device addresses its own host copy."""
+  """Replicated over 8 devices, each device addresses its own host copy."""
   _, units = _param_leaves(nnx_toy)
   unit_bytes = sum(a.size * a.dtype.itemsize for a in units)
+  replicated = Mesh(np.array(jax.devices()), ("devices",))
   with NewArrays() as new:
-    placed = jr.place(nnx_toy, layerwise(2))
+    placed = jr.place(nnx_toy, layerwise(2), mesh=replicated)
   with placed:
     assert placed.mesh.devices.size == 8
     assert _nbytes(new.kind("pinned_host")) == 8 * unit_bytes
     assert placed.metadata.largest_host_unit_bytes * 4 == 8 * unit_bytes
     assert placed.metadata.total_unit_bytes == unit_bytes
+
+
+def test_default_mesh_is_where_the_plain_model_runs(nnx_toy, tokens):
+  """No mesh given: the one device the model's arrays are on, as the plain model runs.
+
+  conftest.py gives this process 8 devices; replicating over all of them would
+  keep 8 host copies of every unit.
+  """
+  on_3 = jax.device_put(nnx_toy, jax.devices()[3])
+  with NewArrays() as new:
+    placed = jr.place(on_3, layerwise(2))
+  with placed:
+    assert list(placed.mesh.devices.flat) == [jax.devices()[3]]
+    np.testing.assert_array_equal(placed(tokens), nnx.jit(lambda m, t: m(t))(nnx_toy, tokens))
+    assert {d for a in new.arrays for d in a.sharding.device_set} == {jax.devices()[3]}
+    assert _nbytes(new.kind("pinned_host")) == sum(placed.metadata.unit_bytes)  # one copy
+
+
+def test_default_mesh_of_an_abstract_model_is_the_default_device(nnx_toy, cfg, tmp_path):
+  path = str(tmp_path / "store")
+  jr.save(nnx_toy, path, progress=False)
+  abstract = nnx.eval_shape(lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0)))
+  with jax.default_device(jax.devices()[5]):
+    with jr.place(abstract, jr.FullyResident(), store=path) as placed:
+      assert list(placed.mesh.devices.flat) == [jax.devices()[5]]
+  with jr.place(abstract, jr.FullyResident(), store=path) as placed:
+    assert list(placed.mesh.devices.flat) == [jax.local_devices()[0]]
+
+
+def test_default_mesh_follows_set_mesh_and_sharded_arrays(nnx_toy_sharded, mesh_2x4, tokens):
+  """The mesh set with ``jax.set_mesh`` wins; else the mesh the model is already sharded over."""
+  with jax.set_mesh(mesh_2x4):
+    with jr.place(nnx_toy_sharded, jr.FullyResident()) as placed:
+      assert placed.mesh == mesh_2x4
+  on_mesh = {
+    a.sharding.mesh for a in jax.tree.leaves(nnx.state(nnx_toy_sharded)) if isinstance(a, jax.Array)
+  }
+  assert on_mesh == {mesh_2x4}  # how the fixture built it, so the default follows it
+  with jr.place(nnx_toy_sharded, layerwise(2)) as placed:
+    assert placed.mesh == mesh_2x4
+    np.testing.assert_allclose(
+      placed(tokens), nnx.jit(lambda m, t: m(t))(nnx_toy_sharded, tokens), rtol=1e-5, atol=1e-5
+    )
 
 
 def _spec_key(spec: PartitionSpec) -> tuple[Any, ...]:
@@ -339,7 +384,7 @@ def _spec_key(spec: PartitionSpec) -> tuple[Any, ...]:
 
 
 @pytest.mark.parametrize("policy", ["fully_resident", "layerwise_k2"])
-@pytest.mark.parametrize("variant", ["nnx_sharded", "linen_sharded", "linen_logical"])
+@pytest.mark.parametrize("variant", ["nnx_toy_sharded", "linen_sharded", "linen_logical"])
 def test_units_keep_their_partitioning(request, mlir, tokens, variant, policy):
   """Each unit leaf is sharded over ``model`` as its metadata says, in the policy's memory.
 
@@ -347,7 +392,7 @@ def test_units_keep_their_partitioning(request, mlir, tokens, variant, policy):
   arrays, so live arrays cannot tell what it holds).
   """
   fx = request.getfixturevalue
-  if variant == "nnx_sharded":
+  if variant == "nnx_toy_sharded":
     model, mesh = fx("nnx_toy_sharded"), fx("mesh_2x4")
     kwargs: dict[str, Any] = dict(mesh=mesh)
     stack = nnx.state(model)["layers"]

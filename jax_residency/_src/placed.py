@@ -173,7 +173,9 @@ def place(
     policy: a :class:`LayerWeightResidency` or options convertible by
       ``LayerWeightResidency.of``; default :class:`FullyResident`.
     params: a Linen model's variables (``model.init(...)``).
-    mesh: the mesh to place on; default all local devices, replicated.
+    mesh: the mesh to place on. Default: the mesh set with ``jax.set_mesh``,
+      else the mesh (or the one device) the model's arrays are already on, else
+      the default device alone, as the plain model runs.
     units: path of the stacked layer module (``"layers"``); default: the first
       of the common names that is a layer stack, else the only candidate.
     rules: logical-to-mesh axis rules for models with logical partitioning.
@@ -212,7 +214,7 @@ def place(
   if isinstance(sequence_axis, bool) or not isinstance(sequence_axis, int):
     raise PlacementError(f"sequence_axis={sequence_axis!r}: pass an int axis (default 1)")
   split = split_model(model, params=params, units=units)
-  mesh = pl.default_mesh() if mesh is None else mesh
+  mesh = pl.default_mesh(split.values) if mesh is None else mesh
   match policy:
     case DenseDiskStream():
       from .stream import place_dense  # noqa: PLC0415 - only dense placements need stores

@@ -27,9 +27,40 @@ PINNED_HOST = "pinned_host"
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
-def default_mesh() -> Mesh:
-  """All local devices on one axis; parameters are replicated over it."""
-  return Mesh(np.array(jax.local_devices()), ("devices",))
+def default_mesh(values: Sequence[Any] = ()) -> Mesh:
+  """The mesh a placement uses when it is given none.
+
+  In order: the mesh set with ``jax.set_mesh``; the mesh the model's arrays
+  (``values``) are already sharded over, or the one device they all sit on;
+  else the default device alone (``jax_default_device``, or the first local
+  device), which is where the plain model runs. Replicating over every local
+  device instead would keep a copy of each unit per device and move each unit
+  once per device, for nothing at batch sizes one device handles: pass a mesh
+  to shard or replicate.
+  """
+  ambient = jax.sharding.get_mesh()
+  if not ambient.empty:
+    return ambient
+  shardings = {v.sharding for v in values if isinstance(v, jax.Array)}
+  meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
+  devices = {d for s in shardings for d in s.device_set}
+  if len(meshes) == 1 and all(isinstance(s, NamedSharding) for s in shardings):
+    (mesh,) = meshes
+    if isinstance(mesh, Mesh) and len(devices) > 1:
+      return mesh
+  if len(devices) == 1:
+    return Mesh(np.array(list(devices)), ("devices",))
+  return Mesh(np.array([default_device()]), ("devices",))
+
+
+def default_device() -> jax.Device:
+  """Where JAX puts an array given no device: ``jax_default_device``, else the first local one."""
+  chosen: Any = getattr(jax.config, "jax_default_device", None)
+  if isinstance(chosen, jax.Device):
+    return chosen
+  if isinstance(chosen, str):
+    return jax.local_devices(backend=chosen)[0]
+  return jax.local_devices()[0]
 
 
 def memory_kinds(mesh: Mesh) -> set[str]:

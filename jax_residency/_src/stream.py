@@ -42,7 +42,6 @@ from .telemetry import PassCounters, Telemetry, TimelinePoint
 from .typing import ParamPath
 from .unit_loop import LoopContext, not_looped_error
 
-
 #: Platforms whose unit steps run inside a one-trip while loop. On CPU that
 #: compiles each step as the plain model's scanned loop body, bit for bit; on
 #: accelerators a plain per-step program avoids the loop control.

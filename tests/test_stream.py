@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import jax_residency as jr
@@ -98,13 +99,12 @@ def test_accelerator_step_path_keeps_parity(
   monkeypatch.setattr(stream, "STEP_IN_LOOP_PLATFORMS", frozenset())
   whiles = []
   compile_step = staged._compile_step
-  monkeypatch.setattr(
-    staged,
-    "_compile_step",
-    lambda closed, n, *, in_loop: (
-      whiles.append(in_loop) or compile_step(closed, n, in_loop=in_loop)
-    ),
-  )
+
+  def spy(*args, in_loop):
+    whiles.append(in_loop)
+    return compile_step(*args, in_loop=in_loop)
+
+  monkeypatch.setattr(staged, "_compile_step", spy)
   expected = model(tokens)
   with jr.place(model, dense(host_units, lookahead), store=store, mesh=MESH1) as placed:
     for _ in range(2):
@@ -316,3 +316,98 @@ def test_abstract_model_without_a_store_is_a_clear_error():
   abstract = nnx.eval_shape(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
   with pytest.raises(jr.PlacementError, match="store="):
     jr.place(abstract, jr.FullyResident(), mesh=MESH1)
+
+
+class _Layer(nn.Module):
+  @nn.compact
+  def __call__(self, h: jax.Array, extra: jax.Array) -> tuple[jax.Array, jax.Array]:
+    h = jnp.tanh(nn.Dense(h.shape[-1], name="dense")(h) + extra)
+    return h, h.sum(axis=-1)  # a per-step output, stacked by the loop
+
+
+class _ReverseStack(nn.Module):
+  """A reversed Linen scan with a per-step input and output beside the units."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array, extra: jax.Array) -> tuple[jax.Array, jax.Array]:
+    stack = jr.linen.scan(
+      _Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=5, reverse=True
+    )
+    return stack(name="layers")(x, extra)
+
+
+@pytest.fixture(scope="module")
+def reverse_stack(tmp_path_factory):
+  model = _ReverseStack()
+  x = jax.random.normal(jax.random.key(0), (3, 16))
+  extra = jax.random.normal(jax.random.key(1), (5, 3, 16))
+  variables = model.init(jax.random.key(2), x, extra)
+  path = str(tmp_path_factory.mktemp("reverse") / "store")
+  jr.save(model, path, params=variables, progress=False)
+  unit = sum(a.nbytes for a in jax.tree.leaves(variables)) // 5
+  return model, variables, (x, extra), path, unit
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_reversed_loop_under_layerwise_host(reverse_stack, depth):
+  """``reverse=True`` runs the pipelined host loop from the last unit down."""
+  model, variables, args, _, _ = reverse_stack
+  policy = jr.LayerwiseHost(jr.LayerwiseLoadOptions(offload=jr.OffloadConfig(prefetch_depth=depth)))
+  want = jax.jit(model.apply)(variables, *args)
+  with jr.place(model, policy, params=variables, mesh=MESH1) as placed:
+    got = placed(*args)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_reversed_loop_streams_in_loop_order(reverse_stack):
+  """Stacked inputs are sliced, outputs written, and units read ahead in the loop's order."""
+  model, variables, args, path, unit = reverse_stack
+  policy = jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(
+      host_budget_bytes=2 * unit, host_lookahead=1, background_queue_capacity=1
+    )
+  )
+  h, ys = model.apply(variables, *args)
+  with jr.place(model, policy, params=variables, store=path, mesh=MESH1) as placed:
+    got_h, got_ys = placed(*args)
+    report = placed.report().passes[-1]
+  assert got_ys.shape == (5, 3)
+  np.testing.assert_array_equal(got_ys, ys)
+  np.testing.assert_array_equal(got_h, h)
+  assert [p.unit for p in report.timeline] == [4, 3, 2, 1, 0]
+  assert report.bytes_read == 5 * unit  # nothing read ahead in the wrong direction
+  assert report.worker.evicted_before_use == 0
+  assert report.worker.submitted >= 3  # units 3..1 were read ahead, not on demand
+
+
+class _ReverseNNX(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs) -> None:
+    self.layers = nnx.vmap(lambda k: nnx.Linear(16, 16, rngs=nnx.Rngs(k)))(
+      jax.random.split(rngs.params(), 4)
+    )
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jr.scan_units(lambda h, layer: jnp.tanh(layer(h)), x, self.layers, reverse=True)
+
+
+def test_scan_units_reverse_under_every_policy(tmp_path):
+  model = _ReverseNNX(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 16))
+  h = x  # the loop runs layer 3 first
+  for i in reversed(range(4)):
+    h = jnp.tanh(h @ model.layers.kernel[i] + model.layers.bias[i])
+  np.testing.assert_allclose(model(x), h, rtol=1e-6, atol=1e-6)
+  path = str(tmp_path / "store")
+  jr.save(model, path, progress=False)
+  policies = [
+    jr.FullyResident(),
+    jr.LayerwiseHost(jr.LayerwiseLoadOptions(offload=jr.OffloadConfig(prefetch_depth=2))),
+    jr.DenseDiskStream(
+      jr.DenseDiskStreamLoadOptions(
+        host_budget_bytes=0, host_lookahead=0, background_queue_capacity=0
+      )
+    ),
+  ]
+  for policy in policies:
+    with jr.place(model, policy, store=path, mesh=MESH1) as placed:
+      np.testing.assert_allclose(placed(x), h, rtol=1e-6, atol=1e-6)

@@ -25,7 +25,8 @@ def scan(target: type[nn.Module], **scan_kwargs: Any) -> type[nn.Module]:
     target: the block module class; its ``__call__(carry, *xs)`` returns
       ``(carry, y)`` as ``nn.scan`` requires.
     **scan_kwargs: passed to ``nn.scan`` (``variable_axes={"params": 0}``,
-      ``split_rngs``, ``length``...). Placed runs need the default ``in_axes=0``.
+      ``split_rngs``, ``length``, ``reverse``...). Placed runs need the default
+      ``in_axes=0`` and ``out_axes=0``.
 
   Returns:
     A module class: ``nn.scan(target, **scan_kwargs)`` outside a placement.
@@ -46,6 +47,8 @@ def scan(target: type[nn.Module], **scan_kwargs: Any) -> type[nn.Module]:
   """
   scanned: Any = nn.scan(target, **scan_kwargs)
   in_axes = scan_kwargs.get("in_axes", 0)
+  out_axes = scan_kwargs.get("out_axes", 0)
+  reverse = bool(scan_kwargs.get("reverse", False))
   init_fields = [
     f.name for f in dataclasses.fields(target) if f.init and f.name not in ("parent", "name")
   ]
@@ -56,10 +59,11 @@ def scan(target: type[nn.Module], **scan_kwargs: Any) -> type[nn.Module]:
       path = tuple(self.scope.path) if self.scope is not None else ()
       if ctx is None or self.is_initializing() or not ctx.claims(path):
         return super().__call__(carry, *xs)
-      if in_axes != 0:
+      if in_axes != 0 or out_axes != 0:
         raise PlacementError(
           f"jax_residency.linen.scan at {'/'.join(path)!r}: placed runs scan every input "
-          f"along axis 0, but in_axes={in_axes!r}; close over broadcast inputs instead"
+          f"and output along axis 0, but in_axes={in_axes!r}, out_axes={out_axes!r}; close "
+          "over broadcast inputs and move output axes after the loop instead"
         )
       block = target(**{name: getattr(self, name) for name in init_fields}, parent=None)
       params = self.variables["params"]
@@ -67,7 +71,7 @@ def scan(target: type[nn.Module], **scan_kwargs: Any) -> type[nn.Module]:
       def step(c: Any, unit_params: Any, x: Any) -> tuple[Any, Any]:
         return block.apply({"params": unit_params}, c, *x)
 
-      return ctx.run(step, carry, params, xs)
+      return ctx.run(step, carry, params, xs, reverse=reverse)
 
   ResidencyScan.__name__ = scanned.__name__
   ResidencyScan.__qualname__ = scanned.__qualname__

@@ -23,10 +23,12 @@ from jax.extend import core as jcore
 
 from .errors import PlacementError
 
-#: ``fetch(i) -> unit leaves`` in the unit stack's leaf order.
-Fetch = Callable[[int], Sequence[jax.Array]]
-#: Called after step ``i`` has been dispatched (to start moving the next units).
-AfterStep = Callable[[int], None]
+#: ``fetch(i, upcoming) -> unit leaves`` in the unit stack's leaf order;
+#: ``upcoming`` is the units the loop runs after ``i``, in its order.
+Fetch = Callable[[int, range], Sequence[jax.Array]]
+#: ``after_step(i, upcoming)``, called once step ``i`` has been dispatched (to
+#: start moving the units that come next).
+AfterStep = Callable[[int, range], None]
 
 
 @dataclasses.dataclass
@@ -168,8 +170,17 @@ def run_staged(
   return jax.tree.unflatten(staged.out_tree, [read(v) for v in jaxpr.outvars])
 
 
-def _compile_step(closed: jcore.ClosedJaxpr, num_carry: int, *, in_loop: bool) -> Any:
-  """Compiles one step of the unit loop: ``(consts, carry, xs) -> carry + ys``.
+def _compile_step(
+  closed: jcore.ClosedJaxpr, num_carry: int, unit_xs: frozenset[int], *, in_loop: bool
+) -> Any:
+  """Compiles step ``i`` of a unit loop: ``(consts, carry, units, others, ys, i) -> (carry, ys)``.
+
+  The loop's scanned inputs are this step's unit leaves (``unit_xs``: their
+  positions among the scanned inputs) and the other stacked inputs
+  (``others``, e.g. a per-layer KV cache), which the step slices at ``i``. Its
+  per-step outputs are written in place (donated) into the stacked ``ys``
+  buffers at ``i``, as ``lax.scan`` does, so no step costs a host-side slice
+  or the loop a final stack.
 
   With ``in_loop``, the step runs inside a ``while_loop`` whose trip count (1)
   is only known at run time. XLA then compiles the body exactly as it does in
@@ -177,23 +188,48 @@ def _compile_step(closed: jcore.ClosedJaxpr, num_carry: int, *, in_loop: bool) -
   and compiled differently), so results are bit-identical to the plain model.
   """
   fun = jcore.jaxpr_as_fun(closed)
+
+  def step(
+    consts: list[Any], carry: list[Any], units: list[Any], others: list[Any], ys: list[Any], i: Any
+  ) -> tuple[list[Any], list[Any]]:
+    unit_iter, other_iter = iter(units), iter(others)
+    xs = [
+      next(unit_iter)
+      if j in unit_xs
+      else jax.lax.dynamic_index_in_dim(next(other_iter), i, keepdims=False)
+      for j in range(len(units) + len(others))
+    ]
+    outs = fun(*consts, *carry, *xs)
+    ys = [
+      jax.lax.dynamic_update_index_in_dim(b, y, i, 0)
+      for b, y in zip(ys, outs[num_carry:], strict=True)
+    ]
+    return list(outs[:num_carry]), ys
+
   if not in_loop:
-    return jax.jit(lambda consts, carry, xs: fun(*consts, *carry, *xs))
-  y_avals = closed.out_avals[num_carry:]
+    return jax.jit(step, donate_argnums=4)
 
-  def looped(consts: list[Any], carry: list[Any], xs: list[Any], trips: Any) -> list[Any]:
+  def looped(
+    consts: list[Any],
+    carry: list[Any],
+    units: list[Any],
+    others: list[Any],
+    ys: list[Any],
+    i: Any,
+    trips: Any,
+  ) -> tuple[list[Any], list[Any]]:
     def body(state: tuple[Any, list[Any], list[Any]]) -> tuple[Any, list[Any], list[Any]]:
-      i, c, _ = state
-      outs = fun(*consts, *c, *xs)
-      return i + 1, list(outs[:num_carry]), list(outs[num_carry:])
+      t, c, b = state
+      return t + 1, *step(consts, c, units, others, b, i)
 
-    ys0 = [jnp.zeros(a.shape, a.dtype) for a in y_avals]
-    _, c, ys = jax.lax.while_loop(lambda s: s[0] < trips, body, (jnp.int32(0), list(carry), ys0))
-    return c + ys
+    _, c, b = jax.lax.while_loop(lambda s: s[0] < trips, body, (jnp.int32(0), carry, ys))
+    return c, b
 
-  compiled = jax.jit(looped)
+  compiled = jax.jit(looped, donate_argnums=4)
   one = np.int32(1)
-  return lambda consts, carry, xs: compiled(consts, carry, xs, one)
+  return lambda consts, carry, units, others, ys, i: compiled(
+    consts, carry, units, others, ys, i, one
+  )
 
 
 def _last_uses(jaxpr: jcore.Jaxpr) -> dict[jcore.Var, int]:
@@ -226,28 +262,23 @@ def _run_unit_loop(
   num_consts, num_carry, length = p["num_consts"], p["num_carry"], p["length"]
   if length != unit_count:
     raise PlacementError(f"the unit loop runs {length} steps but the store has {unit_count} units")
+  first_x = num_consts + num_carry
+  unit_xs = frozenset(pos - first_x for pos in operands)
   body = staged.bodies.get(k)
   if body is None:
-    body = _compile_step(p["jaxpr"], num_carry, in_loop=staged.in_loop)
+    body = _compile_step(p["jaxpr"], num_carry, unit_xs, in_loop=staged.in_loop)
     staged.bodies[k] = body
   invals: list[Any] = [None if pos in operands else read(v) for pos, v in enumerate(eqn.invars)]
   consts = invals[:num_consts]
-  carry = invals[num_consts : num_consts + num_carry]
-  xs = invals[num_consts + num_carry :]
-  first_x = num_consts + num_carry
+  carry = invals[num_consts:first_x]
+  others = [x for j, x in enumerate(invals[first_x:]) if j not in unit_xs]
+  unit_leaves = [operands[first_x + j] for j in sorted(unit_xs)]
+  # Each step writes its outputs into these stacked buffers at its index, as scan does.
+  ys = [jnp.zeros((length, *a.shape), a.dtype) for a in p["jaxpr"].out_avals[num_carry:]]
   steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
-  ys: list[list[Any]] = []
-  for i in steps:
-    unit = fetch(i)
-    x_i = [
-      unit[operands[first_x + j]] if (first_x + j) in operands else x[i] for j, x in enumerate(xs)
-    ]
-    outs = body(consts, carry, x_i)
-    carry, y = list(outs[:num_carry]), list(outs[num_carry:])
-    ys.append(y)
-    after_step(i)
-  if p["reverse"]:
-    ys.reverse()
-  n_ys = len(eqn.outvars) - num_carry
-  stacked = [jnp.stack([y[j] for y in ys]) for j in range(n_ys)]
-  return carry + stacked
+  for s, i in enumerate(steps):
+    upcoming = steps[s + 1 :]
+    unit = fetch(i, upcoming)
+    carry, ys = body(consts, carry, [unit[j] for j in unit_leaves], others, ys, np.int32(i))
+    after_step(i, upcoming)
+  return list(carry) + list(ys)

@@ -202,8 +202,8 @@ class DenseStreamEngine:
 
   # --- the unit loop's callbacks --------------------------------------------
 
-  def _fetch(self, i: int) -> list[jax.Array]:
-    self.ledger.protect(Tier.DEVICE, self._device_window(i))
+  def _fetch(self, i: int, upcoming: range) -> list[jax.Array]:
+    self.ledger.protect(Tier.DEVICE, (i, *upcoming[:1]))
     arrays = self.ledger.get(Tier.DEVICE, i)
     if arrays is None:
       arrays = self._load_device(i)
@@ -217,20 +217,16 @@ class DenseStreamEngine:
       self._counters.timeline.append(point)
     return arrays
 
-  def _after_step(self, i: int) -> None:
-    ahead = range(i + 1, min(i + 1 + self._lookahead, self._unit_count))
+  def _after_step(self, i: int, upcoming: range) -> None:
+    ahead = upcoming[: self._lookahead]
     if self.worker is not None:
       self.ledger.protect(Tier.HOST, ahead)
       for j in ahead:
         if not (self.ledger.contains(Tier.HOST, j) or self.ledger.is_pending(Tier.HOST, j)):
           self.worker.submit(j)
-    nxt = i + 1
-    if nxt < self._unit_count and not self.ledger.contains(Tier.DEVICE, nxt):
-      self.ledger.protect(Tier.DEVICE, (i, nxt))
-      self._load_device(nxt)
-
-  def _device_window(self, i: int) -> tuple[int, ...]:
-    return tuple(j for j in (i, i + 1) if j < self._unit_count)
+    if upcoming and not self.ledger.contains(Tier.DEVICE, upcoming[0]):
+      self.ledger.protect(Tier.DEVICE, (i, upcoming[0]))
+      self._load_device(upcoming[0])
 
   # --- moving units ------------------------------------------------------------
 

@@ -64,17 +64,30 @@ class LoopContext:
       return units == self.units_ref
     return units is self.units_ref
 
-  def run(self, step: Step, carry: Any, units: Any, xs: Any) -> tuple[Any, Any]:
-    """Runs ``step`` over the stacked ``units`` (and ``xs``) as the policy asks."""
+  def run(
+    self, step: Step, carry: Any, units: Any, xs: Any, *, reverse: bool = False
+  ) -> tuple[Any, Any]:
+    """Runs ``step`` over the stacked ``units`` (and ``xs``) as the policy asks.
+
+    With ``reverse``, from the last unit to the first (as ``lax.scan``'s
+    ``reverse``: ``ys[i]`` is still unit ``i``'s output).
+    """
     self.loops_run += 1
     length = _leading_dim(units)
     if self.kind is ExecutionResidency.LAYERWISE_HOST:
       return _pipelined_host_scan(
-        step, carry, units, xs, depth=self.depth, shardings=self.unit_shardings, length=length
+        step,
+        carry,
+        units,
+        xs,
+        depth=self.depth,
+        shardings=self.unit_shardings,
+        length=length,
+        reverse=reverse,
       )
     # FULLY_RESIDENT runs the plain scan; DENSE_DISK_STREAM traces it so the
     # streaming engine can find it in the jaxpr and run it unit by unit.
-    return lax.scan(lambda c, ux: step(c, *ux), carry, (units, xs))
+    return lax.scan(lambda c, ux: step(c, *ux), carry, (units, xs), reverse=reverse)
 
 
 def not_looped_error(unit_prefix: tuple[str, ...]) -> PlacementError:
@@ -137,6 +150,7 @@ def _pipelined_host_scan(
   depth: int,
   shardings: tuple[jax.sharding.Sharding, ...],
   length: int,
+  reverse: bool = False,
 ) -> tuple[Any, Any]:
   k = max(1, min(depth, length))
   if k == 1:
@@ -145,23 +159,28 @@ def _pipelined_host_scan(
       i, x = ix
       return step(c, _fetch(units, i, shardings), x)
 
-    return lax.scan(body1, carry, (jnp.arange(length), xs))
+    return lax.scan(body1, carry, (jnp.arange(length), xs), reverse=reverse)
 
   # Prologue: units 0 .. k-2 start moving before the loop. Every step then
   # computes the oldest carried unit while the move of unit i + k - 1 is issued.
   # All `length` steps run in the one loop (the last k-1 re-issue the final
   # unit's index rather than leaving the loop), so each layer's math is compiled
   # exactly as in the plain model's scan.
-  window = tuple(_fetch(units, j, shardings) for j in range(k - 1))
+  # A reversed loop runs the same pipeline from the last unit down.
+  order = range(length - 1, -1, -1) if reverse else range(length)
+  window = tuple(_fetch(units, j, shardings) for j in order[: k - 1])
+
+  def ahead(i: Any) -> Any:
+    return jnp.maximum(i - (k - 1), 0) if reverse else jnp.minimum(i + (k - 1), length - 1)
 
   def body(state: tuple[Any, tuple[Any, ...]], ix: tuple[Any, Any]) -> tuple[Any, Any]:
     c, buf = state
     i, x = ix
-    incoming = _fetch(units, jnp.minimum(i + (k - 1), length - 1), shardings)
+    incoming = _fetch(units, ahead(i), shardings)
     c, y = step(c, buf[0], x)
     return (c, buf[1:] + (incoming,)), y
 
-  (carry, _), ys = lax.scan(body, (carry, window), (jnp.arange(length), xs))
+  (carry, _), ys = lax.scan(body, (carry, window), (jnp.arange(length), xs), reverse=reverse)
   return carry, ys
 
 
@@ -172,6 +191,7 @@ def scan_units(
   xs: Any = None,
   *,
   outputs: bool = False,
+  reverse: bool = False,
 ) -> Any:
   """Runs ``body`` over the layers of a stacked NNX module.
 
@@ -188,6 +208,7 @@ def scan_units(
     xs: optional per-layer inputs stacked on axis 0 (e.g. a KV cache).
     outputs: whether ``body`` returns ``(carry, y)``; then the per-layer ``y``
       are stacked and returned with the carry.
+    reverse: run from the last layer to the first (``ys`` stay in layer order).
 
   Returns:
     The final carry, or ``(carry, ys)`` when ``outputs=True``.
@@ -213,10 +234,15 @@ def scan_units(
   if ctx is None or not ctx.claims(units):
     if xs is None:
       c, ys = nnx.scan(
-        lambda c, layer: call(c, layer, None), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0)
+        lambda c, layer: call(c, layer, None),
+        in_axes=(nnx.Carry, 0),
+        out_axes=(nnx.Carry, 0),
+        reverse=reverse,
       )(carry, units)
     else:
-      c, ys = nnx.scan(call, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))(carry, units, xs)
+      c, ys = nnx.scan(call, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), reverse=reverse)(
+        carry, units, xs
+      )
     return (c, ys) if outputs else c
 
   graphdef, state = nnx.split(units)
@@ -224,5 +250,5 @@ def scan_units(
   def step(c: Any, unit_state: Any, x: Any) -> tuple[Any, Any]:
     return call(c, nnx.merge(graphdef, unit_state), x)
 
-  c, ys = ctx.run(step, carry, state, xs)
+  c, ys = ctx.run(step, carry, state, xs, reverse=reverse)
   return (c, ys) if outputs else c

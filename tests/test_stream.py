@@ -411,3 +411,30 @@ def test_scan_units_reverse_under_every_policy(tmp_path):
   for policy in policies:
     with jr.place(model, policy, store=path, mesh=MESH1) as placed:
       np.testing.assert_allclose(placed(x), h, rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_model_under_every_policy(tokens, tmp_path):
+  """Half-precision weights are stored, placed and streamed as they are."""
+  cfg = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4, dtype="bfloat16")
+  model = ToyTransformer(cfg, rngs=nnx.Rngs(0))
+  path = str(tmp_path / "bf16")
+  jr.save(model, path, progress=False)
+  jitted, eager = nnx.jit(lambda m, t: m(t))(model, tokens), model(tokens)
+  unit = cfg.unit_bytes()
+  dense_policy = jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(
+      host_budget_bytes=2 * unit, host_lookahead=1, background_queue_capacity=1
+    )
+  )
+  for policy, want in [
+    (jr.FullyResident(), jitted),
+    (jr.LayerwiseHost(), jitted),
+    (dense_policy, eager),
+  ]:
+    with jr.place(model, policy, store=path, mesh=MESH1) as placed:
+      out = placed(tokens)
+      assert out.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(out, want)
+      assert placed.metadata.total_unit_bytes == 4 * unit
+    if policy is dense_policy:
+      assert placed.report().total.bytes_read == 4 * unit

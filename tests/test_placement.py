@@ -376,6 +376,16 @@ def test_default_mesh_follows_set_mesh_and_sharded_arrays(nnx_toy_sharded, mesh_
     )
 
 
+def test_default_mesh_keeps_a_one_device_mesh_the_model_is_sharded_over(cfg, tokens):
+  """Partitioning names resolve against the mesh the model was built on, even one device."""
+  mesh = Mesh(np.array(jax.devices()[2:3]), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    model = ToyTransformer(cfg, rngs=nnx.Rngs(0), sharded=True)
+  with jr.place(model, layerwise(2)) as placed:
+    assert placed.mesh == mesh
+    np.testing.assert_array_equal(placed(tokens), nnx.jit(lambda m, t: m(t))(model, tokens))
+
+
 def _spec_key(spec: PartitionSpec) -> tuple[Any, ...]:
   parts = list(spec)
   while parts and parts[-1] is None:

@@ -46,7 +46,7 @@ def default_mesh(values: Sequence[Any] = ()) -> Mesh:
   devices = {d for s in shardings for d in s.device_set}
   if len(meshes) == 1 and all(isinstance(s, NamedSharding) for s in shardings):
     (mesh,) = meshes
-    if isinstance(mesh, Mesh) and len(devices) > 1:
+    if isinstance(mesh, Mesh):  # its axis names are the ones the model's metadata uses
       return mesh
   if len(devices) == 1:
     return Mesh(np.array(list(devices)), ("devices",))

@@ -174,6 +174,14 @@ class _Options:
       kwargs[key] = value
     return cast(Any, cls)(**kwargs)
 
+  def _check_budgets(self) -> str:
+    """Validates ``device_budget_bytes`` / ``host_budget_bytes`` (parsing size strings); returns
+    the class name errors are reported under."""
+    owner = type(self).__name__
+    for name in ("device_budget_bytes", "host_budget_bytes"):
+      object.__setattr__(self, name, _budget(owner, name, getattr(self, name)))
+    return owner
+
   def __repr__(self) -> str:
     parts = []
     for f in dataclasses.fields(self):
@@ -215,12 +223,8 @@ class OffloadConfig(_Options):
   eviction_policy: CacheEvictionPolicy = CacheEvictionPolicy.LEAST_RECENTLY_USED
 
   def __post_init__(self) -> None:
-    owner = type(self).__name__
+    owner = self._check_budgets()
     set_ = object.__setattr__
-    set_(
-      self, "device_budget_bytes", _budget(owner, "device_budget_bytes", self.device_budget_bytes)
-    )
-    set_(self, "host_budget_bytes", _budget(owner, "host_budget_bytes", self.host_budget_bytes))
     depth = check_int(owner, "prefetch_depth", self.prefetch_depth, 1)
     if depth < 1:
       raise ZeroPrefetchDepthError(
@@ -331,12 +335,8 @@ class DenseDiskStreamLoadOptions(_Options):
   sample_process_memory: bool = False
 
   def __post_init__(self) -> None:
-    owner = type(self).__name__
+    owner = self._check_budgets()
     set_ = object.__setattr__
-    set_(
-      self, "device_budget_bytes", _budget(owner, "device_budget_bytes", self.device_budget_bytes)
-    )
-    set_(self, "host_budget_bytes", _budget(owner, "host_budget_bytes", self.host_budget_bytes))
     set_(self, "host_lookahead", check_int(owner, "host_lookahead", self.host_lookahead, 2))
     set_(
       self,

@@ -120,6 +120,16 @@ def test_generation_is_identical_under_every_policy(
   assert cache.k.shape == (CFG.n_layers, 2, CFG.max_len, CFG.n_heads, CFG.head_dim)
 
 
+@pytest.mark.parametrize("name", ["fully-resident", "layerwise-host-2", "dense-small-host"])
+def test_generation_on_eight_devices(name, model, unit_bytes, prompt, expected, store):
+  """Replicated over a (data=2, model=4) mesh: the KV cache and tokens stay the same."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  dense = name.startswith("dense")
+  with jr.place(model, policy(name, unit_bytes), mesh=mesh, store=store if dense else None) as p:
+    np.testing.assert_array_equal(models.generate(p, prompt, STEPS), expected)
+    assert p.mesh.devices.size == 8
+
+
 def test_generation_on_the_accelerator_step_path(
   model, unit_bytes, prompt, expected, store, monkeypatch
 ):

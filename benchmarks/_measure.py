@@ -14,8 +14,15 @@ MiB = 1 << 20
 BUDGET = 256 * MiB
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+  """The toy transformer's size flags that :func:`config` reads (a 2.1 GiB, 20-unit default)."""
+  parser.add_argument("--layers", type=int, default=20)
+  parser.add_argument("--d-model", type=int, default=1536)
+  parser.add_argument("--d-ff", type=int, default=6144)
+
+
 def config(args: argparse.Namespace):
-  """The benchmark's toy transformer (``--d-model``, ``--d-ff``, ``--layers``)."""
+  """The benchmark's toy transformer, sized by :func:`add_model_args`' flags."""
   from jax_residency.toy import ToyConfig
 
   return ToyConfig(

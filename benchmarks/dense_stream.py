@@ -32,6 +32,7 @@ import time
 from _measure import (  # benchmarks/ is on sys.path when a script here runs
   BUDGET,
   MiB,
+  add_model_args,
   config,
   dense_policy,
   drop_page_cache,
@@ -164,9 +165,7 @@ def main() -> None:
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
   parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "jax_residency_bench"))
-  parser.add_argument("--layers", type=int, default=20)
-  parser.add_argument("--d-model", type=int, default=1536)
-  parser.add_argument("--d-ff", type=int, default=6144)
+  add_model_args(parser)
   parser.add_argument("--tokens", type=int, default=16)
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.add_argument("--child", help=argparse.SUPPRESS)

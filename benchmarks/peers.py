@@ -90,6 +90,7 @@ import time
 from _measure import (  # benchmarks/ is on sys.path when a script here runs
   BUDGET,
   MiB,
+  add_model_args,
   config,
   dense_policy,
   drop_page_cache,
@@ -536,9 +537,7 @@ def main() -> None:
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
   parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "jax_residency_peers"))
-  parser.add_argument("--layers", type=int, default=20)
-  parser.add_argument("--d-model", type=int, default=1536)
-  parser.add_argument("--d-ff", type=int, default=6144)
+  add_model_args(parser)
   parser.add_argument("--tokens", type=int, default=32)
   parser.add_argument("--repeat", type=int, default=3, help="runs; figures are medians")
   parser.add_argument("--json", action="store_true", help="print one JSON object")

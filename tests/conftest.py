@@ -55,6 +55,18 @@ def auto_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
 # --- small models the tests need besides the toy ---------------------------
 
 
+class ReversedStack(nnx.Module):
+  """Four tanh-Linear layers that ``scan_units`` runs last to first."""
+
+  def __init__(self, rngs: nnx.Rngs) -> None:
+    self.layers = nnx.vmap(lambda k: nnx.Linear(16, 16, rngs=nnx.Rngs(k)))(
+      jax.random.split(rngs.params(), 4)
+    )
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jr.scan_units(lambda h, layer: jnp.tanh(layer(h)), x, self.layers, reverse=True)
+
+
 class FloatBlock(nnx.Module):
   """A pre-norm residual MLP block with float inputs (differentiable end to end)."""
 
@@ -221,6 +233,11 @@ def mesh_2x4() -> Mesh:
 @pytest.fixture(scope="session")
 def mesh_8() -> Mesh:
   return auto_mesh((8,), ("model",))
+
+
+@pytest.fixture(scope="session")
+def reversed_stack() -> ReversedStack:
+  return ReversedStack(nnx.Rngs(0))
 
 
 @pytest.fixture(scope="session")

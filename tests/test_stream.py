@@ -380,18 +380,8 @@ def test_reversed_loop_streams_in_loop_order(reverse_stack):
   assert report.worker.submitted >= 3  # units 3..1 were read ahead, not on demand
 
 
-class _ReverseNNX(nnx.Module):
-  def __init__(self, rngs: nnx.Rngs) -> None:
-    self.layers = nnx.vmap(lambda k: nnx.Linear(16, 16, rngs=nnx.Rngs(k)))(
-      jax.random.split(rngs.params(), 4)
-    )
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return jr.scan_units(lambda h, layer: jnp.tanh(layer(h)), x, self.layers, reverse=True)
-
-
-def test_scan_units_reverse_under_every_policy(tmp_path):
-  model = _ReverseNNX(nnx.Rngs(0))
+def test_scan_units_reverse_under_every_policy(reversed_stack, tmp_path):
+  model = reversed_stack
   x = jax.random.normal(jax.random.key(1), (2, 16))
   h = x  # the loop runs layer 3 first
   for i in reversed(range(4)):

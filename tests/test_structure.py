@@ -98,21 +98,11 @@ def test_layerwise_places_each_unit_inside_the_loop(toy_on, tokens, mlir, platfo
   assert len(carried) == (depth - 1) * n_leaves
 
 
-class _Reversed(nnx.Module):
-  def __init__(self, rngs: nnx.Rngs) -> None:
-    self.layers = nnx.vmap(lambda k: nnx.Linear(16, 16, rngs=nnx.Rngs(k)))(
-      jax.random.split(rngs.params(), 4)
-    )
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return jr.scan_units(lambda h, layer: jnp.tanh(layer(h)), x, self.layers, reverse=True)
-
-
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_reversed_loop_keeps_the_pipeline(mlir, mesh1, platform, depth):
+def test_reversed_loop_keeps_the_pipeline(reversed_stack, mlir, mesh1, platform, depth):
   """A reversed layer loop has the same structure: unit moves inside it, k-1 before it."""
-  model = _Reversed(nnx.Rngs(0))
+  model = reversed_stack
   n_leaves = len(unit_leaves(model))
   with jr.place(model, layerwise(depth), mesh=mesh1) as placed:
     m = mlir(placed.lower(jnp.ones((2, 16)), platforms=(platform,)).as_text())

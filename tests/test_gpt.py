@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -164,3 +165,54 @@ def test_generate_checks_lengths(model, prompt):
   with pytest.raises(ValueError, match="steps=0"):
     models.generate(model, prompt, 0)
   assert models.generate(model, prompt[0], 1).shape == (1, 1)  # a 1-D prompt is one sequence
+
+
+TIED = dataclasses.replace(CFG, tie_head=True)
+
+
+@pytest.fixture(scope="module")
+def tied() -> models.GPT:
+  return models.init_gpt(TIED, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tied_store(tied: models.GPT, tmp_path_factory: pytest.TempPathFactory) -> str:
+  path = str(tmp_path_factory.mktemp("gpt-tied") / "store")
+  jr.save(tied, path, progress=False)
+  return path
+
+
+def test_a_tied_head_is_the_embedding_transposed(tied, model, prompt):
+  """No head parameter; the logits equal an untied model's whose head is ``embedding.T``."""
+  params = nnx.to_pure_dict(nnx.state(tied, nnx.Param))
+  assert "head" not in params and set(params) == {"embed", "pos_embed", "layers", "norm"}
+  head = CFG.d_model * CFG.vocab_size + CFG.vocab_size  # the untied head's kernel + bias
+
+  def static(m: models.GPT) -> int:
+    params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
+    return sum(x.nbytes for k, v in params.items() if k != "layers" for x in jax.tree.leaves(v))
+
+  assert static(model) - static(tied) == head * np.dtype(CFG.dtype).itemsize
+  untied = models.init_gpt(CFG, seed=0)
+  nnx.update(untied, nnx.state(tied, nnx.Param))  # every parameter but the head
+  untied.head.kernel[...] = tied.embed.embedding[...].T
+  want, _ = untied(prompt)
+  got, _ = tied(prompt)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tied_expected(tied: models.GPT, prompt: jax.Array) -> jax.Array:
+  return models.generate(tied, prompt, STEPS)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_tied_model_generates_the_same_tokens_under_every_policy(
+  name, tied, prompt, tied_expected, tied_store
+):
+  unit = sum(x.nbytes for x in jax.tree.leaves(nnx.state(tied.layers))) // TIED.n_layers
+  dense = name.startswith("dense")
+  with jr.place(tied, policy(name, unit), store=tied_store if dense else None) as placed:
+    np.testing.assert_array_equal(models.generate(placed, prompt, STEPS), tied_expected)
+    assert "embed.embedding" in placed.arrays()
+    assert not any(k.startswith("head") for k in placed.arrays())

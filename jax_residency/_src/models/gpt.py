@@ -7,7 +7,8 @@ layers the same way in prefill and in decode. Caches have a fixed length
 (``max_len``), so every decode step has the same shapes and compiles once.
 
 Static parameters: token and learned position embeddings, final LayerNorm, the
-output head. Units: the pre-norm causal attention + GELU MLP blocks.
+output head (none with ``GPTConfig.tie_head``: the logits then use the token
+embedding's transpose). Units: the pre-norm causal attention + GELU MLP blocks.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class GPTConfig:
     n_layers: stacked blocks (units).
     max_len: positions the model and its KV cache hold (prompt + generated).
     dtype: parameter, compute and cache dtype.
+    tie_head: compute the logits with the token embedding's transpose
+      (``x @ embed.embedding.T``, as GPT-2 does) instead of a separate
+      ``head`` Linear; the static parameters shrink by ``vocab_size * d_model``.
   """
 
   vocab_size: int = 256
@@ -46,6 +50,7 @@ class GPTConfig:
   n_layers: int = 4
   max_len: int = 64
   dtype: str = "float32"
+  tie_head: bool = False
 
   def __post_init__(self) -> None:
     if self.d_model % self.n_heads:
@@ -140,7 +145,8 @@ class GPT(nnx.Module):
 
     self.layers = make(jax.random.split(rngs.params(), cfg.n_layers))
     self.norm = nnx.LayerNorm(cfg.d_model, param_dtype=dt, dtype=dt, rngs=rngs)
-    self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, param_dtype=dt, dtype=dt, rngs=rngs)
+    if not cfg.tie_head:
+      self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, param_dtype=dt, dtype=dt, rngs=rngs)
 
   def __call__(
     self, tokens: jax.Array, cache: KVCache | None = None, pos: Any = 0
@@ -165,7 +171,8 @@ class GPT(nnx.Module):
       return block(h, layer_cache, pos)
 
     x, cache = scan_units(body, x, self.layers, xs=cache, outputs=True)
-    return self.head(self.norm(x)), cache
+    x = self.norm(x)
+    return (self.embed.attend(x) if self.config.tie_head else self.head(x)), cache
 
 
 def init_gpt(cfg: GPTConfig, seed: int = 0) -> GPT:

@@ -136,6 +136,9 @@ def test_demo_parity_marks():
 
 
 def test_demo_cache_dir_defaults(monkeypatch, tmp_path):
+  monkeypatch.setenv("JAX_RESIDENCY_CACHE_DIR", str(tmp_path / "jr"))
+  assert demo_mod.cache_root(None) == str(tmp_path / "jr")
+  monkeypatch.delenv("JAX_RESIDENCY_CACHE_DIR")
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
   assert demo_mod.cache_root(None) == str(tmp_path / "xdg" / "jax_residency")
   monkeypatch.delenv("XDG_CACHE_HOME")

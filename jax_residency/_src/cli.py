@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument(
     "--cache-dir",
     metavar="DIR",
-    help="directory for demo stores (default: $XDG_CACHE_HOME/jax_residency or "
-    "~/.cache/jax_residency)",
+    help="directory for demo stores (default: $JAX_RESIDENCY_CACHE_DIR, else "
+    "$XDG_CACHE_HOME/jax_residency, else ~/.cache/jax_residency)",
   )
   demo.add_argument(
     "--layers",

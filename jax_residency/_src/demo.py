@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .cache_dir import library_cache_dir
 from .console import (
   CommandError,
   can_encode,
@@ -54,10 +55,10 @@ POLICY_NAMES = ("fully_resident", "layerwise_host", "dense_disk_stream")
 
 
 def cache_root(cache_dir: str | None) -> str:
+  """``--cache-dir`` if given, else the library's cache directory."""
   if cache_dir:
     return os.path.abspath(os.path.expanduser(cache_dir))
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "jax_residency")
+  return library_cache_dir()
 
 
 def demo_store_path(root: str, config: Any) -> str:

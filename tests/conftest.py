@@ -2,7 +2,9 @@
 
 The device count must be fixed before JAX creates its CPU backend, so it is set
 here, at conftest import, before any test module touches a device (optax
-``_src/sharding_test.py``, equinox ``tests/conftest.py``).
+``_src/sharding_test.py``, equinox ``tests/conftest.py``). The library's default
+persistent compilation cache is switched off here too, for the same reason: it
+must be off before anything is placed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ N_DEVICES = 8
 _FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+# The suite never writes compiled programs into the user's cache directory: place()
+# leaves JAX's persistent compilation cache off (tests/test_compile_cache.py turns it
+# on in subprocesses, under temporary directories). Child processes inherit this.
+os.environ["JAX_RESIDENCY_COMPILATION_CACHE"] = "0"
 
 import jax  # noqa: E402 - must follow the XLA_FLAGS update above
 

@@ -1,0 +1,118 @@
+"""JAX's persistent compilation cache, on by default under the library's cache directory.
+
+A placed model's first pass compiles its XLA programs; with the persistent cache
+a second process loads them from disk instead. :func:`enable_default_cache`
+points JAX's cache at ``<library cache dir>/xla`` (see :mod:`.cache_dir`) unless
+the user configured a cache themselves or opted out with
+``JAX_RESIDENCY_COMPILATION_CACHE=0``.
+
+JAX's cache settings are process-wide: once enabled, every program the process
+compiles afterwards may be cached, not only the placed model's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from typing import Any
+
+import jax
+
+from .cache_dir import library_cache_dir
+
+#: Set to ``0`` (or ``false`` / ``no`` / ``off``) to leave JAX's compilation cache alone.
+OPT_OUT_ENV = "JAX_RESIDENCY_COMPILATION_CACHE"
+_OFF = frozenset({"0", "false", "no", "off"})
+
+#: Subdirectory of the library cache directory that holds compiled programs.
+SUBDIR = "xla"
+
+#: Programs are cached however quickly they compiled (JAX's default is 1 s). A dense
+#: stream's first pass compiles its per-unit step and a dozen small programs for the
+#: parts outside the layer loop, each in 10-90 ms on CPU; with a 1 s floor none of
+#: them is cached and a new process compiles them all again. Loading one from disk
+#: takes about 2 ms.
+MIN_COMPILE_TIME_SECS = 0.0
+
+#: The cache evicts least recently used entries beyond this size (JAX's default is
+#: no limit). Applied only where ``filelock``, which JAX needs for eviction, imports.
+MAX_SIZE_BYTES = 1 << 30
+
+#: JAX's defaults for the two settings above: a value other than these, or one
+#: given through JAX's own environment variable, is the user's and is left alone.
+_JAX_DEFAULTS = {
+  "jax_persistent_cache_min_compile_time_secs": 1.0,
+  "jax_compilation_cache_max_size": -1,
+}
+
+_lock = threading.Lock()
+_enabled: str | None = None
+
+
+def opted_out() -> bool:
+  """Whether ``JAX_RESIDENCY_COMPILATION_CACHE`` turns the default cache off."""
+  return os.environ.get(OPT_OUT_ENV, "").strip().lower() in _OFF
+
+
+def _config(name: str) -> Any:
+  return getattr(jax.config, name)  # typed attributes exist only at run time
+
+
+def _user_set(name: str) -> bool:
+  return name.upper() in os.environ or _config(name) != _JAX_DEFAULTS[name]
+
+
+def _writable_dir(path: str) -> bool:
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError:
+    return False
+  return os.access(path, os.W_OK | os.X_OK)
+
+
+def enable_default_cache() -> str | None:
+  """Turns on JAX's persistent compilation cache under the library's cache directory.
+
+  Idempotent and thread-safe. Leaves JAX's configuration alone (and returns
+  ``None``) when ``JAX_RESIDENCY_COMPILATION_CACHE=0`` is set, when a cache
+  directory is already configured (``jax_compilation_cache_dir`` or
+  ``$JAX_COMPILATION_CACHE_DIR``), when JAX's cache is disabled
+  (``jax_enable_compilation_cache=False``), or when the directory cannot be
+  created. Otherwise it sets the directory and, where the user has not set them,
+  :data:`MIN_COMPILE_TIME_SECS` and :data:`MAX_SIZE_BYTES`.
+
+  Returns:
+    The cache directory this call (or an earlier one) configured, else ``None``.
+
+  Example:
+    >>> import os
+    >>> from jax_residency._src import compile_cache
+    >>> os.environ[compile_cache.OPT_OUT_ENV] = "0"  # as the test suite runs
+    >>> compile_cache.enable_default_cache() is None
+    True
+  """
+  global _enabled
+  with _lock:
+    if _enabled is not None:
+      return _enabled
+    if opted_out():
+      return None
+    if _config("jax_compilation_cache_dir") is not None:
+      return None  # the user's own cache
+    if not _config("jax_enable_compilation_cache"):
+      return None
+    path = os.path.join(library_cache_dir(), SUBDIR)
+    if not _writable_dir(path):
+      return None
+    if not _user_set("jax_persistent_cache_min_compile_time_secs"):
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_SECS)
+    if not _user_set("jax_compilation_cache_max_size") and _has_filelock():
+      jax.config.update("jax_compilation_cache_max_size", MAX_SIZE_BYTES)
+    jax.config.update("jax_compilation_cache_dir", path)
+    _enabled = path
+    return path
+
+
+def _has_filelock() -> bool:
+  return importlib.util.find_spec("filelock") is not None

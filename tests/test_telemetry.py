@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -329,6 +330,7 @@ def test_str_is_a_readable_table():
   assert lines[1].split() == [
     "passes",
     "seconds",
+    "compile",
     "read",
     "host→dev",
     "stalls",
@@ -343,6 +345,75 @@ def test_str_is_a_readable_table():
   assert "75%" in lines[2]  # host hit rate
   assert lines[5].startswith("peak device:") and "peak host: 2 units" in lines[5]
   assert all(line == line.rstrip() for line in lines)
+
+
+# --- compile time --------------------------------------------------------------
+
+
+def fresh_jit():
+  """A function JAX has not compiled yet (a new closure each call)."""
+  salt = float(np.random.default_rng().integers(1, 1000))
+  return jax.jit(lambda x: jnp.tanh(x * salt) + salt)
+
+
+def test_a_pass_that_compiles_reports_its_compile_time():
+  t = telemetry()
+  start = time.perf_counter()
+  fresh_jit()(jnp.ones(7)).block_until_ready()
+  p = t.commit_pass(args=(tokens(2),), seconds=time.perf_counter() - start)
+  assert 0 < p.compile_seconds <= p.seconds
+
+
+def test_compiles_before_the_pass_or_on_other_threads_are_not_charged():
+  t = telemetry()
+  fresh_jit()(jnp.ones(7)).block_until_ready()  # before the pass
+  start = time.perf_counter()
+  worker = threading.Thread(target=lambda: fresh_jit()(jnp.ones(7)).block_until_ready())
+  worker.start()
+  worker.join()
+  p = t.commit_pass(args=(tokens(2),), seconds=time.perf_counter() - start)
+  assert p.compile_seconds == 0.0 and p.seconds > 0
+
+
+def test_compile_seconds_add_up_and_reach_the_dict():
+  t = telemetry()
+  for n in (3, 1):
+    start = time.perf_counter()
+    fresh_jit()(jnp.ones(n)).block_until_ready()
+    t.commit_pass(args=(tokens(n),), seconds=time.perf_counter() - start)
+  r = t.report()
+  first, second = (p.compile_seconds for p in r.passes)
+  assert first > 0 and second > 0
+  assert r.prefill.compile_seconds == first and r.decode.compile_seconds == second
+  assert r.total.compile_seconds == first + second
+  d = json.loads(json.dumps(r.to_dict()))
+  assert d["passes"][0]["compile_seconds"] == first
+  assert d["total"]["compile_seconds"] == first + second
+
+
+def test_compile_spans_nested_in_each_other_count_once():
+  from jax_residency._src import compile_time
+
+  event = "/jax/core/compile/jaxpr_trace_duration"
+  got = {}
+
+  def on_a_fresh_thread():
+    start = time.perf_counter() - 2.0
+    compile_time._on_duration(event, 0.25)  # an inner trace, ending now...
+    compile_time._on_duration(event, 1.0)  # ...inside an outer one that ends now too
+    compile_time._on_duration("/jax/some/other_duration", 1.5)  # not compiling
+    now = time.perf_counter()
+    got["all"] = compile_time.seconds_between(start, now)
+    got["clipped"] = compile_time.seconds_between(now - 0.5, now)
+    compile_time.forget_before(now + 1)
+    got["forgotten"] = compile_time.seconds_between(start, now)
+
+  worker = threading.Thread(target=on_a_fresh_thread)
+  worker.start()
+  worker.join()
+  assert got["all"] == pytest.approx(1.0, abs=0.05)
+  assert got["clipped"] == pytest.approx(0.5, abs=0.05)
+  assert got["forgotten"] == 0.0
 
 
 # --- through place(): every policy, failures commit nothing ------------------
@@ -436,6 +507,18 @@ def test_place_takes_the_sequence_axis(flaky, flaky_store, policy):
     placed(jnp.ones((2, 8)))
     r = placed.report()
   assert [p.phase for p in r.passes] == [DECODE, PREFILL]
+
+
+@pytest.mark.parametrize("policy", policies(), ids=lambda p: p.name)
+def test_the_first_pass_compiles_and_an_identical_second_does_not(flaky, flaky_store, policy):
+  kwargs = {"store": flaky_store} if policy.dense else {}
+  x = jnp.ones((2, 11, 8))  # a shape no other test runs, so the first pass compiles
+  with jr.place(flaky, policy, **kwargs) as placed:
+    placed(x)
+    placed(x)
+    first, second = placed.report().passes
+  assert 0 < first.compile_seconds <= first.seconds
+  assert second.compile_seconds == 0.0
 
 
 @pytest.mark.parametrize("axis", ["1", 1.0, True, None])

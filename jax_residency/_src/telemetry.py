@@ -18,12 +18,14 @@ import collections
 import dataclasses
 import operator
 import threading
+import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from . import compile_time
 from .ledger import LedgerMetrics, TierMetrics
 from .plan import ModelMetadata
 from .policy import LayerWeightResidency
@@ -93,6 +95,10 @@ class PassReport(_Moved):
     phase: ``"prefill"`` (more than one token along the sequence axis) or ``"decode"``.
     tokens: tokens along the sequence axis of the first array argument.
     seconds: wall time of the pass, outputs ready.
+    compile_seconds: the part of ``seconds`` the pass's thread spent tracing,
+      lowering and compiling XLA programs (or loading them from JAX's
+      persistent compilation cache); ``0.0`` once every program the pass runs
+      is compiled. ``seconds - compile_seconds`` is the time spent running.
     host, device: cache metrics per tier (``None`` where the policy has no
       such cache).
     disk_to_host_bytes, disk_to_device_bytes, host_to_device_bytes: bytes moved.
@@ -116,6 +122,7 @@ class PassReport(_Moved):
   phase: str
   tokens: int
   seconds: float
+  compile_seconds: float = 0.0
   host: TierMetrics | None
   device: TierMetrics | None
   disk_to_host_bytes: int
@@ -147,6 +154,7 @@ class Totals(_Moved):
 
   passes: int = 0
   seconds: float = 0.0
+  compile_seconds: float = 0.0
   host: TierMetrics | None = None
   device: TierMetrics | None = None
   disk_to_host_bytes: int = 0
@@ -176,6 +184,7 @@ class Totals(_Moved):
     return Totals(
       passes=self.passes + other.passes,
       seconds=self.seconds + other.seconds,
+      compile_seconds=self.compile_seconds + other.compile_seconds,
       host=_merge(self.host, other.host),
       device=_merge(self.device, other.device),
       disk_to_host_bytes=self.disk_to_host_bytes + other.disk_to_host_bytes,
@@ -282,7 +291,7 @@ class Report:
     }
 
   def __str__(self) -> str:
-    cols = ("", "passes", "seconds", "read", "host→dev", "stalls", "dev hit", "host hit")
+    cols = ("", "passes", "seconds", "compile", "read", "host→dev", "stalls", "dev hit", "host hit")
     rows = []
     for name, t in (("prefill", self.prefill), ("decode", self.decode), ("total", self.total)):
       rows.append(
@@ -290,6 +299,7 @@ class Report:
           name,
           str(t.passes),
           f"{t.seconds:.3f}",
+          f"{t.compile_seconds:.3f}",
           format_bytes(t.bytes_read),
           format_bytes(t.host_to_device_bytes),
           str(t.stalls),
@@ -383,6 +393,7 @@ class Telemetry:
     self._totals = {PREFILL: Totals(), DECODE: Totals()}
     self._lock = threading.Lock()
     self._samplers = dict(samplers or {})
+    compile_time.install()  # before the first pass compiles anything
 
   @classmethod
   def for_policy(
@@ -452,8 +463,13 @@ class Telemetry:
   ) -> PassReport:
     """Records one successful pass and returns its report.
 
+    Call it on the thread that ran the pass, right after the pass: the pass's
+    compile time is what that thread spent compiling in the last ``seconds``.
     Peaks not given are taken from ``ledger`` (0 without one).
     """
+    now = time.perf_counter()
+    compiling = min(seconds, compile_time.seconds_between(now - seconds, now))
+    compile_time.forget_before(now - seconds)
     counters = counters or PassCounters()
     tokens = count_tokens(args, self._sequence_axis)
     extra = self._sample()
@@ -463,6 +479,7 @@ class Telemetry:
         phase=PREFILL if tokens > 1 else DECODE,
         tokens=tokens,
         seconds=seconds,
+        compile_seconds=compiling,
         host=None if ledger is None else ledger.host,
         device=None if ledger is None else ledger.device,
         disk_to_host_bytes=counters.disk_to_host_bytes,

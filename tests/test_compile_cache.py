@@ -153,7 +153,7 @@ CHILD = textwrap.dedent(
   store = os.path.join(os.environ["JAX_RESIDENCY_CACHE_DIR"], "store")
   if not os.path.exists(store):
     jr.save(net, store, progress=False)
-  out = {"cache_dir": jax.config.jax_compilation_cache_dir}
+  out = {}
   for policy in (jr.FullyResident(), jr.DenseDiskStream()):
     with jr.place(net, policy, store=store) as placed:
       before = dict(counts)
@@ -165,6 +165,7 @@ CHILD = textwrap.dedent(
         "seconds": first.seconds,
         "compile_seconds": first.compile_seconds,
       }
+  out["cache_dir"] = jax.config.jax_compilation_cache_dir
   print("RESULT", json.dumps(out))
   """
 )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any
 
 from jax import monitoring
 
@@ -54,11 +53,11 @@ def _spans() -> collections.deque[tuple[float, float]]:
   return spans
 
 
-def _on_duration(event: str, duration: float, **_: Any) -> None:
+def _on_duration(event: str, duration_secs: float, **_: str | int) -> None:
   # JAX calls listeners on the compiling thread right after the event ends.
   if event in EVENTS:
     end = time.perf_counter()
-    _spans().append((end - duration, end))
+    _spans().append((end - duration_secs, end))
 
 
 def seconds_between(start: float, end: float) -> float:

@@ -486,16 +486,44 @@ def measure(args: argparse.Namespace) -> dict:
   return {"accelerate": acc, "jax_residency": jrc, "ratios": ratios, "parity": par}
 
 
-def check_peers_installed() -> dict:
+def check_peers_installed(accelerate_version: str = "1.15.0") -> dict:
+  """torch's and accelerate's versions; exits with the install commands if one is missing."""
   try:
     import accelerate
     import torch
   except ImportError as e:
     raise SystemExit(
       f"{e.name} is not installed; this benchmark needs it (not a jax_residency dependency):\n"
-      "  pip install torch==2.13.0   # the CPU-only build\n  pip install accelerate==1.15.0"
+      "  pip install torch==2.13.0   # the CPU-only build\n"
+      f"  pip install accelerate=={accelerate_version}"
     ) from None
   return {"torch": torch.__version__, "accelerate": accelerate.__version__}
+
+
+def parity_of(ref, logits, torch) -> dict:
+  """The parity gate: max |diff| of each run's logits against ``ref`` and against torch's.
+
+  Args:
+    ref: the plain JAX model's logits.
+    logits: run name -> logits of the same shape.
+    torch: the torch port's logits (run whole); every run but one named
+      ``"torch"`` is also compared with them.
+
+  Returns:
+    ``logit_scale`` (max |ref|), ``max_abs_diff`` ("NAME vs jax" / "NAME vs
+    torch" -> float) and ``ok``: every difference is within ``PARITY_RTOL``
+    of the logit scale.
+  """
+  import numpy as np
+
+  scale = float(np.abs(ref).max())
+  out: dict = {"logit_scale": scale, "max_abs_diff": {}}
+  for name, value in logits.items():
+    out["max_abs_diff"][f"{name} vs jax"] = float(np.abs(value - ref).max())
+    if name != "torch":
+      out["max_abs_diff"][f"{name} vs torch"] = float(np.abs(value - torch).max())
+  out["ok"] = all(d <= PARITY_RTOL * scale for d in out["max_abs_diff"].values())
+  return out
 
 
 def parity(args: argparse.Namespace, names: list[str]) -> dict:
@@ -503,18 +531,11 @@ def parity(args: argparse.Namespace, names: list[str]) -> dict:
   import numpy as np
 
   _, ref = reference(args)
-  scale = float(np.abs(ref).max())
 
   def logits(name: str):
     return np.load(os.path.join(paths(args)["base"], f"logits-{name}.npy"))
 
-  out: dict = {"logit_scale": scale, "max_abs_diff": {}}
-  for name in names:
-    out["max_abs_diff"][f"{name} vs jax"] = float(np.abs(logits(name) - ref).max())
-    if name != "torch":
-      out["max_abs_diff"][f"{name} vs torch"] = float(np.abs(logits(name) - logits("torch")).max())
-  out["ok"] = all(d <= PARITY_RTOL * scale for d in out["max_abs_diff"].values())
-  return out
+  return parity_of(ref, {name: logits(name) for name in names}, torch=logits("torch"))
 
 
 def refuse(result: dict, args: argparse.Namespace) -> None:

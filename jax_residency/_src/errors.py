@@ -68,7 +68,31 @@ class UnitSelectionError(PlacementError):
 
 
 class BudgetTooSmallError(PlacementError):
-  """Base of the load-time budget errors, raised before anything is placed."""
+  """Base of the load-time budget errors, raised before anything is placed.
+
+  The arithmetic is in the message and, as ints, in attributes: ``required``
+  and ``budget`` always; ``static``, ``window`` and ``depth`` (device) or
+  ``window`` and ``staging`` (host) where they apply, else ``None``.
+  """
+
+  def __init__(
+    self,
+    message: str,
+    *,
+    required: int | None = None,
+    budget: int | None = None,
+    static: int | None = None,
+    window: int | None = None,
+    depth: int | None = None,
+    staging: int | None = None,
+  ) -> None:
+    super().__init__(message)
+    self.required = required
+    self.budget = budget
+    self.static = static
+    self.window = window
+    self.depth = depth
+    self.staging = staging
 
 
 class DeviceBudgetTooSmallError(BudgetTooSmallError):

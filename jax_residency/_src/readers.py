@@ -65,6 +65,9 @@ _M_ARENA_MAX = -8
 MALLOC_TRIM_THRESHOLD = 1 << 30
 #: Bytes of decoded OCDBT b-tree nodes cached per open store (metadata only).
 OCDBT_NODE_CACHE_BYTES = 64 << 20
+#: Longest a unit read waits for dropped buffers to come back before it takes a
+#: new one past its pool's limit (see `BufferPool.set_limit`).
+ROOM_WAIT_SECONDS = 2.0
 #: Alignment of each tensor inside a unit buffer (a page).
 BUFFER_ALIGNMENT = 4096
 #: Environment variable that, set to "1", lets `tune_malloc` change malloc (off by default:
@@ -170,22 +173,57 @@ class BufferPool:
   """Page-aligned host buffers ("slabs") that are reused once their arrays die.
 
   `lease` hands out numpy arrays that are views of one slab. The slab returns to
-  the pool when the last of those arrays (and every view of them) is garbage,
-  and at most `spare` idle slabs of each size are kept; extra ones are unmapped.
+  the pool when the last of those arrays (and every view of them) is garbage.
+  At most `spare` idle slabs of each size are kept, and only while the bytes
+  of every slab, leased or idle, stay within `limit_bytes`; others are unmapped.
   Thread-safe.
   """
 
-  def __init__(self, spare: int):
+  def __init__(self, spare: int, *, limit_bytes: int | None = None):
     self._spare = spare
+    self._limit = limit_bytes
     self._free: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
     self._lock = threading.Lock()
+    # Slabs whose arrays died. `_give` runs from finalizers, which a garbage
+    # collection may start on any thread at any allocation, even one holding
+    # `_lock`: it only appends here (atomic), and locked methods take them in.
+    self._returned: collections.deque[mmap.mmap] = collections.deque()
+    self._leased = 0
+    self._reclaim: Callable[[], None] | None = None
     self.slabs_created = 0
+    self.peak_bytes = 0
+    self.room_waits = 0
+
+  def set_limit(
+    self, limit_bytes: int | None, *, reclaim: Callable[[], None] | None = None
+  ) -> None:
+    """Caps the bytes of slabs, leased and idle; idle slabs over the cap go now.
+
+    With a cap, a `lease` that would take leased bytes past it first calls
+    `reclaim` (which should free arrays already dropped) and waits up to
+    `ROOM_WAIT_SECONDS` for slabs to come back, then leases anyway: the caller's
+    own accounting is what keeps leases within the cap; this absorbs the lag
+    between an array's death and its buffer's return.
+    """
+    with self._lock:
+      self._take_back_locked()
+      self._limit = limit_bytes
+      self._reclaim = reclaim
+      self._trim_locked()
+
+  @property
+  def leased_bytes(self) -> int:
+    """Bytes of slabs whose arrays are still alive."""
+    with self._lock:
+      self._take_back_locked()
+      return self._leased
 
   @property
   def idle_bytes(self) -> int:
     """Bytes held in idle slabs, waiting for reuse."""
     with self._lock:
-      return sum(n * len(slabs) for n, slabs in self._free.items())
+      self._take_back_locked()
+      return self._idle_locked()
 
   def lease(
     self, layout: Sequence[tuple[str, tuple[int, ...], np.dtype, int]], nbytes: int
@@ -193,6 +231,7 @@ class BufferPool:
     """Returns one writable array per `(name, shape, dtype, offset)` in a shared slab."""
     if nbytes == 0:
       return {name: np.empty(shape, dtype) for name, shape, dtype, _ in layout}
+    self._wait_for_room(nbytes)
     slab = self._take(nbytes)
     # The arrays' base: it lives exactly as long as any view of the slab does.
     holder: Any = (ctypes.c_char * nbytes).from_buffer(slab)
@@ -209,13 +248,66 @@ class BufferPool:
 
   def clear(self) -> None:
     with self._lock:
+      self._take_back_locked()
       self._free.clear()
+
+  def _wait_for_room(self, nbytes: int) -> None:
+    deadline = None
+    while True:
+      with self._lock:
+        self._take_back_locked()
+        if self._limit is None or self._leased + nbytes <= self._limit:
+          return
+        reclaim = self._reclaim
+      now = time.monotonic()
+      if deadline is None:
+        deadline = now + ROOM_WAIT_SECONDS
+        self.room_waits += 1
+      elif now >= deadline:
+        _log.debug("lease of %d bytes goes past the buffer limit %s", nbytes, self._limit)
+        return
+      if reclaim is not None:
+        reclaim()
+      time.sleep(0.001)
+
+  def _take_back_locked(self) -> None:
+    while self._returned:
+      slab = self._returned.popleft()
+      n = len(slab)
+      self._leased -= n
+      free = self._free[n]
+      fits = self._limit is None or self._leased + self._idle_locked() + n <= self._limit
+      if len(free) < self._spare and fits:
+        free.append(slab)
+
+  def _idle_locked(self) -> int:
+    return sum(n * len(slabs) for n, slabs in self._free.items())
+
+  def _trim_locked(self) -> None:
+    if self._limit is None:
+      return
+    idle = self._idle_locked()
+    for n in sorted(self._free, reverse=True):
+      slabs = self._free[n]
+      while slabs and self._leased + idle > self._limit:
+        slabs.pop()
+        idle -= n
 
   def _take(self, nbytes: int) -> mmap.mmap:
     with self._lock:
+      self._take_back_locked()
+      self._leased += nbytes
       free = self._free.get(nbytes)
+      slab: mmap.mmap | None
       if free:
-        return free.pop()
+        slab = free.pop()
+      else:
+        slab = None
+        # A new slab: unmap idle ones of other sizes that no longer fit beside it.
+        self._trim_locked()
+      self.peak_bytes = max(self.peak_bytes, self._leased + self._idle_locked())
+    if slab is not None:
+      return slab
     if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
       # Private, not the default shared mapping: ordinary anonymous memory
       # (transparent huge pages apply, RSS counts it as anonymous, not shmem).
@@ -231,12 +323,10 @@ class BufferPool:
     return slab
 
   def _give(self, slab: mmap.mmap) -> None:
-    # Runs while the last view is being destroyed: never close the slab here
-    # (its buffer export is still held); dropping it unmaps it later.
-    with self._lock:
-      free = self._free[len(slab)]
-      if len(free) < self._spare:
-        free.append(slab)
+    # Runs while the last view is being destroyed, possibly inside a garbage
+    # collection on a thread that holds `_lock`: never lock or close the slab
+    # here (its buffer export is still held). Dropping it later unmaps it.
+    self._returned.append(slab)
 
 
 def buffer_layout(

@@ -26,8 +26,8 @@ from .errors import PlacementError
 #: ``fetch(i, upcoming) -> unit leaves`` in the unit stack's leaf order;
 #: ``upcoming`` is the units the loop runs after ``i``, in its order.
 Fetch = Callable[[int, range], Sequence[jax.Array]]
-#: ``after_step(i, upcoming)``, called once step ``i`` has been dispatched (to
-#: start moving the units that come next).
+#: ``after_step(i, upcoming)``, called once step ``i`` has been dispatched and
+#: the step before it has finished (to start moving the units that come next).
 AfterStep = Callable[[int, range], None]
 
 
@@ -279,6 +279,12 @@ def _run_unit_loop(
   for s, i in enumerate(steps):
     upcoming = steps[s + 1 :]
     unit = fetch(i, upcoming)
+    previous = carry
     carry, ys = body(consts, carry, [unit[j] for j in unit_leaves], others, ys, np.int32(i))
+    del unit
+    # The step before this one is done before after_step moves the next unit in
+    # and evicts the oldest: the evicted unit's memory is free when it is dropped
+    # (this step keeps running meanwhile).
+    jax.block_until_ready(previous)
     after_step(i, upcoming)
   return list(carry) + list(ys)

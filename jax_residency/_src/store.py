@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -233,6 +233,26 @@ class UnitStore:
       f"UnitStore(path={self.path!r}, unit_prefix={self._prefix}, "
       f"unit_count={self._unit_count}, unit_nbytes={self.unit_nbytes})"
     )
+
+  def limit_buffers(self, nbytes: int | None, *, reclaim: Callable[[], None] | None = None) -> None:
+    """Holds unit buffers, live and idle, to ``nbytes`` (see `readers.BufferPool.set_limit`).
+
+    A placement sets this to what its plan gives host-side unit buffers, so
+    buffers kept for reuse never take memory the budgets do not hold, and a
+    read waits (briefly, calling ``reclaim``) for the buffers of units its
+    caller has dropped to come back before it takes a new one.
+    """
+    self._pool.set_limit(nbytes, reclaim=reclaim)
+
+  @property
+  def buffer_bytes(self) -> int:
+    """Bytes of unit buffers alive now (arrays returned by reads and not yet freed)."""
+    return self._pool.leased_bytes
+
+  @property
+  def buffer_peak_bytes(self) -> int:
+    """Most bytes of unit buffers, live and idle, held at once since the store opened."""
+    return self._pool.peak_bytes
 
   # -- reading
 

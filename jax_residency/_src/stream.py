@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ from typing import Any, NoReturn, Protocol
 
 import jax
 import numpy as np
+from jax._src.lib import _jax as _jax_lib  # XLA's deferred-reference pass (see below)
 from jax.sharding import Mesh
 
 from . import placement as pl
@@ -111,12 +113,27 @@ class DenseStreamEngine:
     # The device tier holds the window (current + next unit), within the budget
     # left after the static parameters (the load-time check made sure it fits).
     unit_device_budget = metadata.device_window_bytes
+    # On an accelerator one unit of the host budget is the staging buffer of the
+    # unit in transit (see plan.staging_bytes); the host cache gets the rest.
+    staging = metadata.item_bytes("staging")
+    host_budget = opts.host_budget_bytes
+    if self._host_enabled and host_budget is not None:
+      host_budget -= staging
     self.ledger = ResidencyLedger(
-      host_budget_bytes=opts.host_budget_bytes if self._host_enabled else 0,
+      host_budget_bytes=host_budget if self._host_enabled else 0,
       device_budget_bytes=unit_device_budget,
       eviction_policy=opts.eviction_policy,
       on_evict=self._on_evict,
     )
+    # Idle read buffers are kept for reuse only while every buffer, live or idle,
+    # fits what the plan gives host-side unit buffers: the host cache, the
+    # staging unit, and (CPU) the device window, whose arrays are read buffers.
+    limit_buffers = getattr(source, "limit_buffers", None)
+    if limit_buffers is not None:
+      window = metadata.device_window_bytes if metadata.device_is_host else 0
+      limit_buffers(
+        metadata.item_bytes("host cache") + staging + window, reclaim=release_dropped_buffers
+      )
     self.worker: PrefetchWorker | None = None
     if self._host_enabled:
       self.worker = PrefetchWorker(self._prefetch, capacity=opts.background_queue_capacity)
@@ -231,14 +248,21 @@ class DenseStreamEngine:
   # --- moving units ------------------------------------------------------------
 
   def _load_device(self, i: int) -> list[jax.Array]:
-    """Reads (or takes from the host tier) unit ``i`` and moves it to the device tier."""
-    if self._host_enabled:
-      host = self._host_unit(i)
-      source = "host"
-    else:
-      host = self._read_blocking(i)
-      source = "disk"
+    """Reads (or takes from the host tier) unit ``i`` and moves it to the device tier.
+
+    The device bytes are reserved first, so the unit that makes room is gone
+    before the read lands: on CPU the read buffer is the device array (no copy),
+    and the device tier never holds more than its window, reads included.
+    """
     with self.ledger.reserve(Tier.DEVICE, i, self._device_unit_bytes) as reservation:
+      if reservation.evicted:
+        release_dropped_buffers()
+      if self._host_enabled:
+        host = self._host_unit(i)
+        source = "host"
+      else:
+        host = self._read_blocking(i)
+        source = "disk"
       # On a CPU backend, page-aligned host buffers become device arrays without a
       # copy (may_alias); accelerators copy host→device as usual.
       if self._read_index is None:
@@ -252,6 +276,7 @@ class DenseStreamEngine:
             self._rel_paths, self._unit_shapes, self._unit_shardings, strict=True
           )
         ]
+      del host
       reservation.commit(arrays)
     with self._counters_lock:
       if source == "host":
@@ -402,6 +427,22 @@ class DenseStreamEngine:
     self.ledger.close()
     self._static = []
     self._staged.clear()
+
+
+def release_dropped_buffers() -> None:
+  """Frees the host memory of arrays just dropped, now rather than at the next GC.
+
+  When a device array that aliases a numpy buffer (CPU, ``may_alias``) dies,
+  XLA defers dropping its reference to the numpy buffer to its next garbage
+  pass (jax-ml/jax#14882), which runs at Python's next garbage collection. An
+  evicted unit would then stay in memory while the next unit is read into a new
+  buffer. This runs that pass at once.
+  """
+  collect = getattr(_jax_lib, "collect_garbage", None)
+  if collect is not None:
+    collect()
+  else:  # pragma: no cover - older or newer jaxlib without the hook
+    gc.collect(0)
 
 
 def addressable_box(

@@ -201,11 +201,6 @@ def test_a_second_process_loads_the_first_pass_from_the_cache(tmp_path):
     assert 0 < warm["compile_seconds"] <= warm["seconds"]  # loading counts as compile time
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="place() does not call compile_cache.enable_default_cache() yet (issue 10); "
-  "remove this marker once it does",
-)
 def test_place_turns_the_cache_on(tmp_path):
   result = run_child(tmp_path, "via-place")
   assert result["cache_dir"] == str(tmp_path / "xla")

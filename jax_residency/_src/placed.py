@@ -19,6 +19,7 @@ import jax
 from jax.sharding import Mesh
 
 from . import placement as pl
+from .compile_cache import enable_default_cache
 from .errors import ClosedError, PlacementError
 from .model import SplitModel, path_str, split_model
 from .plan import ModelMetadata, check_budgets
@@ -213,6 +214,7 @@ def place(
   policy = LayerWeightResidency.default() if policy is None else LayerWeightResidency.of(policy)
   if isinstance(sequence_axis, bool) or not isinstance(sequence_axis, int):
     raise PlacementError(f"sequence_axis={sequence_axis!r}: pass an int axis (default 1)")
+  enable_default_cache()  # JAX's persistent compilation cache; JAX_RESIDENCY_COMPILATION_CACHE=0
   split = split_model(model, params=params, units=units)
   mesh = pl.default_mesh(split.values) if mesh is None else mesh
   match policy:
@@ -360,10 +362,12 @@ def metadata_for(
   else:
     host_unit = 0
   n = split.unit_count
+  devices: set[Any] = {d for s in (*static_shardings, *slice_shardings) for d in s.device_set}
   return check_budgets(
     policy,
     static_device_bytes=static_bytes,
     unit_bytes=[unit_total] * n,
     device_unit_bytes=[device_unit] * n,
     host_unit_bytes=[host_unit] * n,
+    device_is_host=all(d.platform == "cpu" for d in devices),
   )

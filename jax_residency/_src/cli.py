@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     "--lookahead", metavar="N", type=_count(1), default=2, help="dense host_lookahead (default 2)"
   )
   plan.add_argument("--units", metavar="PREFIX", help="unit prefix (plain Orbax checkpoints)")
+  plan.add_argument(
+    "--platform",
+    choices=("cpu", "gpu", "tpu"),
+    default=None,
+    help="where the model will run (default: JAX's default backend here). On an\n"
+    "accelerator a dense stream's staging unit counts against the host budget",
+  )
   plan.add_argument("--json", action="store_true", help="print JSON")
   plan.set_defaults(handler=cmd_plan)
 
@@ -346,6 +353,12 @@ def _nbytes(shape: Sequence[int], dtype: Any) -> int:
 # --- plan --------------------------------------------------------------------
 
 
+def _default_platform() -> str:
+  import jax  # noqa: PLC0415 - only plan without --platform needs the backend
+
+  return jax.default_backend()
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
   with open_store(args.path, units=args.units, streamable=False) as store:
     n, unit, static = store.unit_count, store.unit_nbytes, store.static_nbytes
@@ -359,6 +372,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     host_budget=args.host_budget,
     lookahead=args.lookahead,
     streamable=streamable,
+    device_is_host=(args.platform or _default_platform()) == "cpu",
   )
   if args.json:
     emit_json(plan.to_dict())

@@ -15,7 +15,7 @@ from typing import Any
 from .console import PROG, fmt_bytes, table
 from .errors import BudgetTooSmallError
 from .options import DenseDiskStreamLoadOptions, LayerwiseLoadOptions, OffloadConfig
-from .plan import check_budgets, largest_window
+from .plan import ModelMetadata, check_budgets, largest_window, staging_bytes
 from .policy import DenseDiskStream, LayerWeightResidency, LayerwiseHost
 
 
@@ -41,7 +41,12 @@ class _Tier:
 
   def arithmetic(self) -> str:
     window = f"{self.units} x {fmt_bytes(self.unit_bytes)}"
-    text = f"{fmt_bytes(self.static)} + {window}" if self.tier == "device" else window
+    if self.tier == "device":
+      text = f"{fmt_bytes(self.static)} + {window}"
+    elif self.static:  # a dense stream's staging unit on an accelerator
+      text = f"{window} + staging {fmt_bytes(self.static)}"
+    else:
+      text = window
     return f"{text} = {fmt_bytes(self.required)}"
 
   def to_dict(self) -> dict[str, Any]:
@@ -69,7 +74,10 @@ class BudgetPlan:
     device_budget: the device budget in bytes; ``None`` means unbounded.
     host_budget: the host budget in bytes; ``None`` means unbounded.
     plans: one dict per policy: ``policy``, ``setting``, ``tiers`` (device,
-      then host), ``fits``, and per policy the depths that fit.
+      then host), ``fits``, per policy the depths that fit, and ``memory``:
+      every item the placement would hold (see ``ModelMetadata.memory``), where
+      the policy fits.
+    device_is_host: planned for CPU devices, whose memory is host memory.
   """
 
   path: str
@@ -79,6 +87,7 @@ class BudgetPlan:
   device_budget: int | None
   host_budget: int | None
   plans: list[dict[str, Any]]
+  device_is_host: bool = True
 
   @property
   def fitting(self) -> list[str]:
@@ -121,7 +130,15 @@ class BudgetPlan:
       "static_bytes": self.static_bytes,
       "device_budget_bytes": self.device_budget,
       "host_budget_bytes": self.host_budget,
-      "plans": [{**p, "tiers": [t.to_dict() for t in p["tiers"]]} for p in self.plans],
+      "device_is_host": self.device_is_host,
+      "plans": [
+        {
+          **{k: v for k, v in p.items() if k != "metadata"},
+          "tiers": [t.to_dict() for t in p["tiers"]],
+          "memory": [m.to_dict() for m in p["metadata"].memory] if p.get("metadata") else None,
+        }
+        for p in self.plans
+      ],
       "fits": self.fitting,
       "summary": self.summary(),
     }
@@ -152,6 +169,12 @@ class BudgetPlan:
       if p.get("note"):
         rows.append(["", "", p["note"], "", "NO"])
     lines += table(("policy", "tier", "static + window = required", "budget", "fits"), rows)
+    for p in self.plans:
+      meta = p.get("metadata")
+      if meta is not None and p["policy"] != "fully_resident":
+        where = "CPU: device memory is host memory" if self.device_is_host else "accelerator"
+        lines += ["", f"{p['policy']} {p['setting']}: where the bytes go ({where})"]
+        lines += ["  " + line for line in meta.memory_table().splitlines()]
     lines += ["", self.summary()]
     return "\n".join(lines)
 
@@ -166,6 +189,7 @@ def plan_budgets(
   host_budget: int | None,
   lookahead: int,
   streamable: bool,
+  device_is_host: bool = True,
 ) -> BudgetPlan:
   """Judges every policy against the budgets for a store of ``units`` equal units.
 
@@ -180,6 +204,9 @@ def plan_budgets(
     lookahead: the ``host_lookahead`` to show for ``DenseDiskStream``.
     streamable: whether the store is one chunk per unit (else
       ``DenseDiskStream`` cannot stream it).
+    device_is_host: plan for CPU devices (a dense stream's read buffers become
+      device arrays); ``False`` plans for an accelerator, where the unit in
+      transit is a staging buffer in host memory.
   """
   n, unit, static = units, unit_bytes, static_bytes
   device, host = device_budget, host_budget
@@ -188,19 +215,22 @@ def plan_budgets(
   def tier(name: str, count: int, budget: int | None, fixed: int = 0) -> _Tier:
     return _Tier(name, fixed, count, unit, largest_window(sizes, count), budget)
 
-  def accepted(policy: LayerWeightResidency) -> bool:
-    """What ``place()`` decides before anything moves."""
+  def metadata(policy: LayerWeightResidency) -> ModelMetadata | None:
+    """What ``place()`` decides before anything moves (None: it refuses)."""
     try:
-      check_budgets(
+      return check_budgets(
         policy,
         static_device_bytes=static,
         unit_bytes=sizes,
         device_unit_bytes=sizes,
         host_unit_bytes=sizes,
+        device_is_host=device_is_host,
       )
     except BudgetTooSmallError:
-      return False
-    return True
+      return None
+
+  def accepted(policy: LayerWeightResidency) -> bool:
+    return metadata(policy) is not None
 
   def layerwise(depth: int) -> LayerwiseHost:
     offload = OffloadConfig(
@@ -233,6 +263,7 @@ def plan_budgets(
     {
       "policy": "layerwise_host",
       "setting": f"prefetch_depth {depth}",
+      "metadata": metadata(layerwise(depth)),
       "depths": [depths[0], depths[-1]] if depths else None,
       "tiers": [tier("device", depth, device, static), host_all],
       "fits": bool(depths),
@@ -245,18 +276,20 @@ def plan_budgets(
     look = min(lookahead, n)
     setting = f"host_lookahead {look}"
     look_max = max((k for k in range(1, n + 1) if accepted(dense(k))), default=None)
-  host_window = tier("host", look, host)
+  stream = dense(look)
+  staging = staging_bytes(stream, unit, device_is_host=device_is_host) if host != 0 else 0
+  host_window = tier("host", look, host, staging)
   if not host_window.fits:
     host_window.note = (
       f"host_lookahead <= {look_max} fits"
       if look_max
       else "--host-budget 0 streams disk-to-device without a host cache"
     )
-  stream = dense(look)
   plans.append(
     {
       "policy": "dense_disk_stream",
       "setting": setting,
+      "metadata": metadata(stream),
       "lookahead_max": look_max,
       "tiers": [tier("device", stream.device_depth(n), device, static), host_window],
       "fits": accepted(stream),
@@ -273,4 +306,5 @@ def plan_budgets(
     device_budget=device,
     host_budget=host,
     plans=plans,
+    device_is_host=device_is_host,
   )

@@ -52,6 +52,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import errors
+from .plan import STORE_INDEX_CACHE_BYTES
 from .typing import ParamPath
 
 _log = logging.getLogger(__name__)
@@ -63,8 +64,9 @@ _M_ARENA_MAX = -8
 
 #: Freed memory at the top of the heap is kept up to this size, not returned.
 MALLOC_TRIM_THRESHOLD = 1 << 30
-#: Bytes of decoded OCDBT b-tree nodes cached per open store (metadata only).
-OCDBT_NODE_CACHE_BYTES = 64 << 20
+#: Bytes of decoded OCDBT b-tree nodes cached per open store (metadata only); the
+#: plan names it as an overhead.
+OCDBT_NODE_CACHE_BYTES = STORE_INDEX_CACHE_BYTES
 #: Longest a unit read waits for dropped buffers to come back before it takes a
 #: new one past its pool's limit (see `BufferPool.set_limit`).
 ROOM_WAIT_SECONDS = 2.0
@@ -210,6 +212,12 @@ class BufferPool:
       self._limit = limit_bytes
       self._reclaim = reclaim
       self._trim_locked()
+
+  def reset_peak(self) -> None:
+    """Starts `peak_bytes` over from what the pool holds now."""
+    with self._lock:
+      self._take_back_locked()
+      self.peak_bytes = self._leased + self._idle_locked()
 
   @property
   def leased_bytes(self) -> int:

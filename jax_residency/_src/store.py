@@ -101,7 +101,7 @@ class UnitStore:
   Memory: each unit read lands in one reused, page-aligned host buffer of
   `unit_nbytes` (see `readers.BufferPool`); up to `spare_unit_buffers` idle
   buffers are kept for reuse, on top of what the caller holds. TensorStore's
-  chunk cache is off; a bounded 64 MiB cache holds OCDBT index nodes.
+  chunk cache is off; a bounded 16 MiB cache holds OCDBT index nodes.
   """
 
   def __init__(
@@ -234,15 +234,19 @@ class UnitStore:
       f"unit_count={self._unit_count}, unit_nbytes={self.unit_nbytes})"
     )
 
-  def limit_buffers(self, nbytes: int | None, *, reclaim: Callable[[], None] | None = None) -> None:
-    """Holds unit buffers, live and idle, to ``nbytes`` (see `readers.BufferPool.set_limit`).
+  def limit_buffers(self, units: int | None, *, reclaim: Callable[[], None] | None = None) -> None:
+    """Holds unit buffers, live and idle, to ``units`` whole-unit buffers.
 
-    A placement sets this to what its plan gives host-side unit buffers, so
-    buffers kept for reuse never take memory the budgets do not hold, and a
+    A placement sets this to the units its plan gives host-side unit buffers,
+    so buffers kept for reuse never take memory the budgets do not hold, and a
     read waits (briefly, calling ``reclaim``) for the buffers of units its
-    caller has dropped to come back before it takes a new one.
+    caller has dropped to come back before it takes a new one (see
+    `readers.BufferPool.set_limit`). A buffer is a whole unit with each tensor
+    rounded up to a page.
     """
-    self._pool.set_limit(nbytes, reclaim=reclaim)
+    specs = [(_name(p), a.shape[1:], a.dtype) for p, a in self._units.items()]
+    slab = readers.buffer_layout(specs)[1]
+    self._pool.set_limit(None if units is None else units * slab, reclaim=reclaim)
 
   @property
   def buffer_bytes(self) -> int:
@@ -251,8 +255,12 @@ class UnitStore:
 
   @property
   def buffer_peak_bytes(self) -> int:
-    """Most bytes of unit buffers, live and idle, held at once since the store opened."""
+    """Most bytes of unit buffers, live and idle, held at once since `reset_buffer_peak`."""
     return self._pool.peak_bytes
+
+  def reset_buffer_peak(self) -> None:
+    """Starts `buffer_peak_bytes` over from the buffers held now."""
+    self._pool.reset_peak()
 
   # -- reading
 

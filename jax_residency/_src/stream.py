@@ -130,10 +130,10 @@ class DenseStreamEngine:
     # staging unit, and (CPU) the device window, whose arrays are read buffers.
     limit_buffers = getattr(source, "limit_buffers", None)
     if limit_buffers is not None:
-      window = metadata.device_window_bytes if metadata.device_is_host else 0
-      limit_buffers(
-        metadata.item_bytes("host cache") + staging + window, reclaim=release_dropped_buffers
-      )
+      window = metadata.device_window_units if metadata.device_is_host else 0
+      cached = metadata.item_bytes("host cache") + staging
+      units = window + (cached // self._host_unit_bytes if self._host_unit_bytes else 0)
+      limit_buffers(units, reclaim=release_dropped_buffers)
     self.worker: PrefetchWorker | None = None
     if self._host_enabled:
       self.worker = PrefetchWorker(self._prefetch, capacity=opts.background_queue_capacity)
@@ -196,6 +196,9 @@ class DenseStreamEngine:
       self.worker.begin_pass()
     with self._counters_lock:
       self._counters = PassCounters()
+    reset = getattr(self._source, "reset_buffer_peak", None)
+    if reset is not None:
+      reset()
 
   def _end_pass(self, ok: bool, args: tuple[Any, ...], seconds: float) -> None:
     if not ok and self.worker is not None:
@@ -208,6 +211,7 @@ class DenseStreamEngine:
     worker_metrics = self.worker.end_pass(commit=ok) if self.worker is not None else None
     with self._counters_lock:
       counters = self._counters
+    counters.peak_buffer_bytes = int(getattr(self._source, "buffer_peak_bytes", 0))
     if ok:
       self._telemetry.commit_pass(
         args=args,

@@ -48,6 +48,7 @@ class PassCounters:
   host_to_device_bytes: int = 0
   stalls: int = 0
   stall_seconds: float = 0.0
+  peak_buffer_bytes: int = 0
   timeline: list[TimelinePoint] = dataclasses.field(default_factory=list)
 
 
@@ -105,6 +106,10 @@ class PassReport(_Moved):
     stalls, stall_seconds: times the pass waited for a unit, and for how long.
     peak_device_units, peak_device_bytes: most unit copies / bytes on a device.
     peak_host_units, peak_host_bytes: most unit copies / bytes in host memory.
+    peak_buffer_bytes: for a dense stream, the most bytes of unit read buffers
+      (live and idle) the store held at once: the host memory under the host
+      cache, staging and (on CPU, where they are the device arrays) the device
+      window; each tensor rounded up to a page. 0 for other policies.
     worker: background prefetch counters (dense stream with a host cache).
     process: with ``sample_process_memory`` on Linux, ``rss_bytes`` when the
       pass ended, ``peak_rss_bytes`` and ``minor_faults`` / ``major_faults``
@@ -134,6 +139,7 @@ class PassReport(_Moved):
   peak_device_bytes: int
   peak_host_units: int
   peak_host_bytes: int
+  peak_buffer_bytes: int = 0
   worker: WorkerMetrics | None = None
   process: Mapping[str, int] | None = None
   backend: Mapping[str, Any] | None = None
@@ -166,6 +172,7 @@ class Totals(_Moved):
   peak_device_bytes: int = 0
   peak_host_units: int = 0
   peak_host_bytes: int = 0
+  peak_buffer_bytes: int = 0
   worker: WorkerMetrics | None = None
   peak_rss_bytes: int | None = None
   minor_faults: int | None = None
@@ -196,6 +203,7 @@ class Totals(_Moved):
       peak_device_bytes=max(self.peak_device_bytes, other.peak_device_bytes),
       peak_host_units=max(self.peak_host_units, other.peak_host_units),
       peak_host_bytes=max(self.peak_host_bytes, other.peak_host_bytes),
+      peak_buffer_bytes=max(self.peak_buffer_bytes, other.peak_buffer_bytes),
       worker=_merge(self.worker, other.worker),
       peak_rss_bytes=_optional(max, self.peak_rss_bytes, other.peak_rss_bytes),
       minor_faults=_optional(operator.add, self.minor_faults, other.minor_faults),
@@ -499,6 +507,7 @@ class Telemetry:
         peak_host_bytes=(
           peak_host_bytes if peak_host_bytes is not None else _peak(ledger, "host", "bytes")
         ),
+        peak_buffer_bytes=counters.peak_buffer_bytes,
         worker=worker,
         process=extra.get("process"),
         backend=extra.get("backend"),

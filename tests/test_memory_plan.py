@@ -1,0 +1,168 @@
+"""The memory promise (issue 10): the plan names every byte, the check refuses what
+would not fit once staging is counted, and passes stay within what was planned."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_residency as jr
+from jax_residency._src import plan
+from jax_residency._src.readers import BufferPool, buffer_layout
+from jax_residency.toy import ToyConfig, ToyTransformer
+
+CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=8)
+UNIT = CFG.unit_bytes()
+MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
+UNITS = [1000] * 6
+
+
+def dense(host: int | None, lookahead: int = 2, device: int | None = None) -> jr.DenseDiskStream:
+  return jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(
+      device_budget_bytes=device,
+      host_budget_bytes=host,
+      host_lookahead=lookahead if host != 0 else 0,
+      background_queue_capacity=2 if host != 0 else 0,
+    )
+  )
+
+
+def check(policy: jr.LayerWeightResidency, *, device_is_host: bool) -> plan.ModelMetadata:
+  return plan.check_budgets(
+    policy,
+    static_device_bytes=10,
+    unit_bytes=UNITS,
+    device_unit_bytes=UNITS,
+    host_unit_bytes=UNITS,
+    device_is_host=device_is_host,
+  )
+
+
+def test_staging_counts_against_the_host_budget_on_an_accelerator():
+  # lookahead 2 units + one unit in transit to the device: exactly enough passes.
+  meta = check(dense(3000), device_is_host=False)
+  assert meta.item_bytes("staging") == 1000
+  assert meta.item_bytes("host cache") == 2000
+  assert meta.planned_host_bytes == 3000  # the whole host budget, no more
+  with pytest.raises(jr.HostBudgetTooSmallError) as e:
+    check(dense(2999), device_is_host=False)
+  err = e.value
+  assert (err.window, err.staging, err.required, err.budget) == (2000, 1000, 3000, 2999)
+  assert "staging=1000" in str(err) and "required=3000" in str(err)
+
+
+def test_on_cpu_a_read_buffer_is_the_device_array_so_there_is_no_staging():
+  meta = check(dense(2000), device_is_host=True)
+  assert meta.item_bytes("staging") == 0
+  with pytest.raises(jr.HostBudgetTooSmallError) as e:
+    check(dense(1999), device_is_host=True)
+  assert (e.value.required, e.value.staging) == (2000, 0)
+
+
+def test_device_budget_error_carries_its_numbers():
+  with pytest.raises(jr.DeviceBudgetTooSmallError) as e:
+    check(dense(0, device=10 + 2000 - 1), device_is_host=True)
+  err = e.value
+  assert (err.static, err.window, err.depth, err.required, err.budget) == (10, 2000, 2, 2010, 2009)
+
+
+def test_direct_mode_staging_on_an_accelerator_is_a_named_overhead():
+  meta = check(dense(0), device_is_host=False)
+  staging = next(m for m in meta.memory if m.name == "staging")
+  assert staging.nbytes == 1000 and staging.counted_in == plan.OVERHEAD
+  assert meta.overhead_bytes == 1000 + plan.STORE_INDEX_CACHE_BYTES
+  assert meta.planned_host_bytes == 0
+
+
+@pytest.mark.parametrize(
+  "policy, device, host",
+  [
+    (jr.FullyResident(), 10 + 6000, 0),
+    (jr.LayerwiseHost(jr.LayerwiseLoadOptions(offload=jr.OffloadConfig(prefetch_depth=3))), 3010, 6000),
+    (dense(None), 2010, 6000),
+    (dense(2500), 2010, 2500),
+  ],
+)
+def test_planned_bytes_add_up_the_items(policy, device, host):
+  meta = check(policy, device_is_host=True)
+  assert meta.planned_device_bytes == device
+  assert meta.planned_host_bytes == host
+  assert meta.planned_process_bytes == device + host + meta.overhead_bytes
+  assert {m.counted_in for m in meta.memory} <= {plan.DEVICE_BUDGET, plan.HOST_BUDGET, plan.OVERHEAD}
+  table = meta.memory_table()
+  assert all(m.name in table for m in meta.memory) and "total (this process)" in table
+  assert meta.to_dict()["planned_process_bytes"] == meta.planned_process_bytes
+
+
+@pytest.fixture(scope="module")
+def model():
+  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def store(model, tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("stores") / "toy")
+  jr.save(model, path, progress=False)
+  return path
+
+
+def slab_bytes(model) -> int:
+  """One unit's read buffer: every tensor rounded up to a page."""
+  _, state = nnx.split(model)
+  specs = [
+    (str(i), leaf.shape[1:], leaf.dtype)
+    for i, leaf in enumerate(jax.tree.leaves(state.layers))  # type: ignore[attr-defined]
+  ]
+  return buffer_layout(specs)[1]
+
+
+@pytest.mark.parametrize("host_units", [0, 1, 2, 3, 8])
+def test_passes_stay_within_the_plan(model, store, host_units):
+  """Reported peaks never exceed the plan, and the read buffers (real host
+  memory: on CPU they are the device arrays too) never exceed the units the
+  plan gives them, at every host budget, over cold, warm and reversed-order passes."""
+  x = jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab)
+  abstract = nnx.eval_shape(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
+  policy = dense(host_units * UNIT, lookahead=min(2, host_units), device=2**30)
+  with jr.place(abstract, policy, store=store, mesh=MESH1) as placed:
+    expected = model(x)
+    for _ in range(3):
+      np.testing.assert_array_equal(placed(x), expected)
+    placed.clear_caches()
+    np.testing.assert_array_equal(placed(x), expected)
+    meta, total = placed.metadata, placed.report().total
+  assert meta.device_is_host
+  assert total.peak_device_bytes <= meta.device_window_bytes == 2 * UNIT
+  assert total.peak_host_bytes <= meta.item_bytes("host cache") == host_units * UNIT
+  buffers = meta.device_window_units + host_units
+  assert 0 < total.peak_buffer_bytes <= buffers * slab_bytes(model)
+  # Nothing hoarded: the buffers held are what the window and cache hold, not more.
+  assert total.peak_buffer_bytes >= meta.device_window_units * slab_bytes(model)
+
+
+def test_pool_keeps_idle_buffers_only_within_its_limit():
+  layout, nbytes = buffer_layout([("w", (1024,), np.dtype("float32"))])
+  pool = BufferPool(spare=4)
+  pool.set_limit(2 * nbytes)
+  held = [pool.lease(layout, nbytes) for _ in range(2)]
+  assert pool.leased_bytes == 2 * nbytes
+  del held
+  assert pool.leased_bytes == 0 and pool.idle_bytes == 2 * nbytes  # kept: within the limit
+  pool.set_limit(nbytes)
+  assert pool.idle_bytes == nbytes  # the cap shrank: one idle buffer unmapped
+  assert pool.peak_bytes == 2 * nbytes
+
+
+def test_a_lease_waits_for_dropped_buffers_to_come_back():
+  """Buffers whose arrays died are taken back before a lease goes past the limit."""
+  layout, nbytes = buffer_layout([("w", (1024,), np.dtype("float32"))])
+  pool = BufferPool(spare=0)
+  pool.set_limit(nbytes, reclaim=lambda: None)
+  first = pool.lease(layout, nbytes)
+  del first
+  second = pool.lease(layout, nbytes)
+  assert pool.leased_bytes == nbytes and pool.room_waits == 0
+  assert second["w"].shape == (1024,)

@@ -341,13 +341,20 @@ class UnitStore:
     """Reads every static tensor, keyed by full path."""
     self._check_usable()
     futures = [(p, self._handles.get(_name(p)).read()) for p in self._static]
-    out = {}
-    for path, future in futures:
-      try:
-        out[path] = future.result()
-      except ValueError as e:
-        raise errors.StoreError(f"Reading {_name(path)!r} from {self.path} failed: {e}") from e
-    return out
+    return {path: self._static_result(path, future) for path, future in futures}
+
+  def read_static_tensor(self, path: ParamPath) -> np.ndarray:
+    """Reads one static tensor (to place static weights one at a time)."""
+    self._check_usable()
+    if tuple(path) not in self._static:
+      raise errors.StoreError(f"{_name(path)!r} is not a static tensor of {self.path}.")
+    return self._static_result(path, self._handles.get(_name(path)).read())
+
+  def _static_result(self, path: ParamPath, future: Any) -> np.ndarray:
+    try:
+      return future.result()
+    except ValueError as e:
+      raise errors.StoreError(f"Reading {_name(path)!r} from {self.path} failed: {e}") from e
 
   def check_against(
     self,

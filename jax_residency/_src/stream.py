@@ -519,8 +519,12 @@ def place_dense(
     split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
   )
   try:
-    stored_static = opened.read_static()
-    static = pl.put([stored_static[leaf.path] for leaf in split.static_leaves()], static_shardings)
+    # One tensor at a time: host memory holds the placed static weights plus one
+    # tensor in transit, never a second copy of all of them.
+    static = [
+      pl.put([opened.read_static_tensor(leaf.path)], [sharding])[0]
+      for leaf, sharding in zip(split.static_leaves(), static_shardings, strict=True)
+    ]
     if telemetry_factory is None:
       telemetry = Telemetry.for_policy(
         policy=policy, metadata=metadata, sequence_axis=sequence_axis

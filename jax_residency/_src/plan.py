@@ -266,6 +266,15 @@ def memory_items(
   )
   items.append(
     MemoryItem(
+      name="mapped store pages",
+      memory="host",
+      nbytes=largest,
+      counted_in=OVERHEAD,
+      note="page cache a read copies from, mapped (so in RSS) until it is done; reclaimable",
+    )
+  )
+  items.append(
+    MemoryItem(
       name="store index cache",
       memory="host",
       nbytes=STORE_INDEX_CACHE_BYTES,

@@ -14,8 +14,20 @@ and its store, then measures in fresh processes:
 Targets: peak RSS - baseline <= host + device budgets + 128 MiB; cold stream
 bandwidth >= 0.8 x raw-read bandwidth; warm pass <= 1.5 x resident pass.
 
+``--unit-mib 8 64 200 400`` runs the memory sweep instead: for each unit size a
+toy model with at least 2 GiB of units (its own store under --dir), placed with
+a device budget of static + 2 units and host budgets of 0, 2 units and every
+unit, each in a fresh process: place, a first pass (compiles), then a cold pass
+(caches and page cache dropped) and a warm one. It reports the process's peak
+RSS minus its RSS before ``place`` (``VmHWM``, which counts mapped page-cache
+pages too) and the peak of anonymous memory alone, against the budgets (device
+budget, which holds the static parameters, + host budget) and the placement's
+``metadata.planned_process_bytes`` (those plus named overheads). Target: at
+most 64 MiB over the budgets.
+
     python benchmarks/dense_stream.py            # table
     python benchmarks/dense_stream.py --json     # one JSON object
+    python benchmarks/dense_stream.py --unit-mib 8 64 200 400   # memory sweep
 """
 
 from __future__ import annotations
@@ -152,10 +164,134 @@ def child(args: argparse.Namespace) -> dict:
   raise SystemExit(f"unknown child {args.child!r}")
 
 
-def run_child(args: argparse.Namespace, which: str) -> dict:
+SWEEP_SLACK = 64 * MiB
+#: Sampling period of the anonymous-RSS sampler (the kernel's VmHWM has no anon split).
+_SAMPLE_S = 0.002
+
+
+def _status_kib(*keys: str) -> dict[str, int]:
+  out = {}
+  with open("/proc/self/status") as f:
+    for line in f:
+      name, _, rest = line.partition(":")
+      if name in keys:
+        out[name] = int(rest.split()[0]) * 1024
+  return out
+
+
+def sweep_child(args: argparse.Namespace) -> dict:
+  """One memory-sweep measurement: place, compile, cold pass, warm pass."""
+  import jax
+  import numpy as np
+
+  import jax_residency as jr
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
+  x = tokens(args)
+  abstract = model(args, abstract=True)
+  unit = config(args).unit_bytes()
+  jax.numpy.zeros(()).block_until_ready()  # backend initialised
+  baseline = _status_kib("VmRSS", "RssAnon", "RssFile")
+  peak_anon = [baseline["RssAnon"]]
+  stop = threading.Event()
+
+  def sample() -> None:
+    while not stop.is_set():
+      peak_anon[0] = max(peak_anon[0], _status_kib("RssAnon")["RssAnon"])
+      time.sleep(_SAMPLE_S)
+
+  sampler = threading.Thread(target=sample, daemon=True)
+  sampler.start()
+  host = unit * args.host_units
+  from flax import nnx
+
+  weights = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(nnx.state(abstract)))
+  static = weights - args.layers * unit
+  device = static + 2 * unit
+  policy = jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(
+      device_budget_bytes=device,
+      host_budget_bytes=host,
+      host_lookahead=2 if host else 0,
+      background_queue_capacity=2 if host else 0,
+    )
+  )
+  reset_peak_rss()
+  with jr.place(abstract, policy, store=args.store, mesh=mesh) as placed:
+    placed(x)  # compiles the step
+    placed.clear_caches()
+    drop_page_cache(args.store)
+    start = time.perf_counter()
+    placed(x)
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    placed(x)
+    warm = time.perf_counter() - start
+    meta = placed.metadata
+    totals = placed.report().total
+  stop.set()
+  sampler.join()
+  return {
+    "unit_bytes": unit,
+    "layers": args.layers,
+    "host_units": args.host_units,
+    "static_bytes": static,
+    "device_budget_bytes": device,
+    "host_budget_bytes": host,
+    "budgets_bytes": device + host,  # the device budget holds the static parameters
+    "planned_process_bytes": meta.planned_process_bytes,
+    "peak_rss_growth_bytes": peak_rss_bytes() - baseline["VmRSS"],
+    "peak_anon_growth_bytes": peak_anon[0] - baseline["RssAnon"],
+    "ledger_peak_device_bytes": totals.peak_device_bytes,
+    "ledger_peak_host_bytes": totals.peak_host_bytes,
+    "cold_pass_s": cold,
+    "warm_pass_s": warm,
+  }
+
+
+def sweep_shape(unit_mib: float, total_gib: float, heads: int = 12) -> tuple[int, int, int]:
+  """``(d_model, d_ff, layers)`` of a toy with units near ``unit_mib``, ``total_gib`` of them."""
+  d = max(heads, round((unit_mib * MiB / 48) ** 0.5 / heads) * heads)  # 12 d^2 float32 params
+  unit = 48 * d * d
+  return d, 4 * d, max(3, -(-int(total_gib * (1 << 30)) // unit))
+
+
+def sweep(args: argparse.Namespace) -> list[dict]:
+  rows = []
+  for mib in args.unit_mib:
+    args.d_model, args.d_ff, args.layers = sweep_shape(mib, args.sweep_gib)
+    args.store = os.path.join(args.dir, f"toy-{args.layers}x{args.d_model}x{args.d_ff}")
+    if not os.path.exists(args.store):
+      os.makedirs(args.dir, exist_ok=True)
+      run_child(args, "save")
+    for host_units in (0, 2, args.layers):
+      row = run_child(args, "sweep", "--host-units", str(host_units))
+      row["unit_mib_asked"] = mib
+      over = row["peak_rss_growth_bytes"] - row["budgets_bytes"]
+      row["over_budgets_bytes"] = over
+      row["anon_over_budgets_bytes"] = row["peak_anon_growth_bytes"] - row["budgets_bytes"]
+      row["target_met"] = over <= SWEEP_SLACK
+      rows.append(row)
+      if not args.json:
+        mib_of = {k: v / MiB for k, v in row.items() if k.endswith("bytes")}
+        print(
+          f"unit {mib_of['unit_bytes']:6.1f} MiB x {row['layers']:3d}  host {host_units:3d} units"
+          f"  budgets {mib_of['budgets_bytes']:7.0f} MiB"
+          f"  planned {mib_of['planned_process_bytes']:7.0f}"
+          f"  peak RSS +{mib_of['peak_rss_growth_bytes']:6.0f}"
+          f" ({mib_of['over_budgets_bytes']:+5.0f})"
+          f"  anon +{mib_of['peak_anon_growth_bytes']:6.0f}"
+          f" ({mib_of['anon_over_budgets_bytes']:+5.0f})  cold {row['cold_pass_s']:.2f} s"
+          f"  {'ok' if row['target_met'] else 'OVER'}",
+          flush=True,
+        )
+  return rows
+
+
+def run_child(args: argparse.Namespace, which: str, *extra: str) -> dict:
   cmd = [sys.executable, __file__, "--child", which, "--store", args.store]
   cmd += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--d-ff", str(args.d_ff)]
-  cmd += ["--tokens", str(args.tokens)]
+  cmd += ["--tokens", str(args.tokens), *extra]
   out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
   return json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
 
@@ -168,11 +304,26 @@ def main() -> None:
   add_model_args(parser)
   parser.add_argument("--tokens", type=int, default=16)
   parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.add_argument(
+    "--unit-mib",
+    type=float,
+    nargs="+",
+    help="memory sweep over these unit sizes (MiB), e.g. 8 64 200 400",
+  )
+  parser.add_argument(
+    "--sweep-gib", type=float, default=2.0, help="unit weights per sweep model (default 2 GiB)"
+  )
+  parser.add_argument("--host-units", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--child", help=argparse.SUPPRESS)
   parser.add_argument("--store", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(child(args)))
+    print(json.dumps(sweep_child(args) if args.child == "sweep" else child(args)))
+    return
+  if args.unit_mib:
+    rows = sweep(args)
+    if args.json:
+      print(json.dumps(rows))
     return
 
   args.store = os.path.join(args.dir, f"toy-{args.layers}x{args.d_model}x{args.d_ff}")

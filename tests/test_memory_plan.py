@@ -81,7 +81,11 @@ def test_direct_mode_staging_on_an_accelerator_is_a_named_overhead():
   "policy, device, host",
   [
     (jr.FullyResident(), 10 + 6000, 0),
-    (jr.LayerwiseHost(jr.LayerwiseLoadOptions(offload=jr.OffloadConfig(prefetch_depth=3))), 3010, 6000),
+    (
+      jr.LayerwiseHost(jr.LayerwiseLoadOptions(offload=jr.OffloadConfig(prefetch_depth=3))),
+      3010,
+      6000,
+    ),
     (dense(None), 2010, 6000),
     (dense(2500), 2010, 2500),
   ],
@@ -91,7 +95,11 @@ def test_planned_bytes_add_up_the_items(policy, device, host):
   assert meta.planned_device_bytes == device
   assert meta.planned_host_bytes == host
   assert meta.planned_process_bytes == device + host + meta.overhead_bytes
-  assert {m.counted_in for m in meta.memory} <= {plan.DEVICE_BUDGET, plan.HOST_BUDGET, plan.OVERHEAD}
+  assert {m.counted_in for m in meta.memory} <= {
+    plan.DEVICE_BUDGET,
+    plan.HOST_BUDGET,
+    plan.OVERHEAD,
+  }
   table = meta.memory_table()
   assert all(m.name in table for m in meta.memory) and "total (this process)" in table
   assert meta.to_dict()["planned_process_bytes"] == meta.planned_process_bytes

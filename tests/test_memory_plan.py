@@ -174,3 +174,13 @@ def test_a_lease_waits_for_dropped_buffers_to_come_back():
   second = pool.lease(layout, nbytes)
   assert pool.leased_bytes == nbytes and pool.room_waits == 0
   assert second["w"].shape == (1024,)
+
+
+def test_dense_passes_report_their_compiled_step_temporaries(model, store):
+  """The one cost the plan leaves out, activations, is shown per pass from XLA."""
+  x = jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab)
+  with jr.place(model, dense(0, device=2**30), store=store, mesh=MESH1) as placed:
+    np.testing.assert_array_equal(placed(x), model(x))
+    last = placed.report().last
+  assert last is not None and last.step_temp_bytes > 0
+  assert placed.report().total.step_temp_bytes == last.step_temp_bytes

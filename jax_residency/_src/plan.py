@@ -139,9 +139,15 @@ class ModelMetadata:
       )
     )
     widths = [max(len(r[k]) for r in rows) for k in range(4)]
-    return "\n".join(
-      "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows
-    ).rstrip()
+    lines = [
+      ("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]).rstrip()
+      for r in rows
+    ]
+    lines.append(
+      "not planned: activations and XLA's compiled programs (the plain model holds them too);"
+      " pass reports show a dense step's temporaries (step_temp_bytes) and compile time"
+    )
+    return "\n".join(lines)
 
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)

@@ -51,7 +51,13 @@ class StagedForward:
   n_units: int
   out_tree: Any
   in_loop: bool = True
-  bodies: dict[int, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+  bodies: dict[int, CompiledStep] = dataclasses.field(default_factory=dict)
+
+  @property
+  def step_temp_bytes(self) -> int | None:
+    """The most temporary bytes any compiled step of this forward needs (None: unknown)."""
+    known = [t for t in (b.temp_bytes for b in self.bodies.values()) if t is not None]
+    return max(known) if known else None
 
   @property
   def unit_loop_count(self) -> int:
@@ -172,7 +178,7 @@ def run_staged(
 
 def _compile_step(
   closed: jcore.ClosedJaxpr, num_carry: int, unit_xs: frozenset[int], *, in_loop: bool
-) -> Any:
+) -> CompiledStep:
   """Compiles step ``i`` of a unit loop: ``(consts, carry, units, others, ys, i) -> (carry, ys)``.
 
   The loop's scanned inputs are this step's unit leaves (``unit_xs``: their
@@ -207,7 +213,7 @@ def _compile_step(
     return list(outs[:num_carry]), ys
 
   if not in_loop:
-    return jax.jit(step, donate_argnums=4)
+    return CompiledStep(jax.jit(step, donate_argnums=4))
 
   def looped(
     consts: list[Any],
@@ -225,11 +231,31 @@ def _compile_step(
     _, c, b = jax.lax.while_loop(lambda s: s[0] < trips, body, (jnp.int32(0), carry, ys))
     return c, b
 
-  compiled = jax.jit(looped, donate_argnums=4)
-  one = np.int32(1)
-  return lambda consts, carry, units, others, ys, i: compiled(
-    consts, carry, units, others, ys, i, one
-  )
+  return CompiledStep(jax.jit(looped, donate_argnums=4), np.int32(1))
+
+
+class CompiledStep:
+  """A unit-loop step, compiled ahead of its first call so its memory is known.
+
+  Attributes:
+    temp_bytes: bytes of temporaries XLA allocates while the step runs (its
+      ``memory_analysis``), or ``None`` before the first call or where the
+      backend does not say.
+  """
+
+  def __init__(self, jitted: Any, *extra: Any) -> None:
+    self._jitted = jitted
+    self._extra = extra
+    self._compiled: Any = None
+    self.temp_bytes: int | None = None
+
+  def __call__(self, *args: Any) -> Any:
+    if self._compiled is None:
+      self._compiled = self._jitted.lower(*args, *self._extra).compile()
+      analysis = self._compiled.memory_analysis()
+      temp = getattr(analysis, "temp_size_in_bytes", None)
+      self.temp_bytes = int(temp) if temp is not None else None
+    return self._compiled(*args, *self._extra)
 
 
 def _last_uses(jaxpr: jcore.Jaxpr) -> dict[jcore.Var, int]:

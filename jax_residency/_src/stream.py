@@ -164,6 +164,8 @@ class DenseStreamEngine:
           after_step=self._after_step,
         )
         out = jax.block_until_ready(out)
+        with self._counters_lock:
+          self._counters.step_temp_bytes = staged.step_temp_bytes or 0
         ok = True
         return out
       finally:

@@ -69,7 +69,7 @@ MALLOC_TRIM_THRESHOLD = 1 << 30
 OCDBT_NODE_CACHE_BYTES = STORE_INDEX_CACHE_BYTES
 #: Longest a unit read waits for dropped buffers to come back before it takes a
 #: new one past its pool's limit (see `BufferPool.set_limit`).
-ROOM_WAIT_SECONDS = 2.0
+ROOM_WAIT_SECONDS = 0.5
 #: Bytes a unit read copies per request: larger tensors are read in pieces.
 READ_PIECE_BYTES = 32 << 20
 #: Alignment of each tensor inside a unit buffer (a page).

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from . import errors
+from . import errors, mapped
 from .plan import STORE_INDEX_CACHE_BYTES
 from .typing import ParamPath
 
@@ -473,12 +473,16 @@ def issue_unit_read(
   sources: Sequence[tuple[Any, ts.TensorStore]],
   pool: BufferPool,
   where: str,
+  *,
+  ready: Mapping[Any, np.ndarray] | None = None,
 ) -> UnitRead:
-  """Starts copying each `(key, source)` view into one pooled slab."""
+  """Starts copying each `(key, source)` view into one pooled slab; `ready` arrays
+  (mapped, not read) join the result as they are."""
   specs = [(str(i), tuple(src.shape), src.dtype.numpy_dtype) for i, (_, src) in enumerate(sources)]
   layout, nbytes = buffer_layout(specs)
   buffers = pool.lease(layout, nbytes)
-  arrays, futures = {}, []
+  arrays: dict[Any, np.ndarray] = dict(ready or {})
+  futures = []
   for i, (key, src) in enumerate(sources):
     out = buffers[str(i)]
     arrays[key] = out
@@ -540,6 +544,7 @@ class ArrayInfo:
   dtype: np.dtype
   read_chunk: tuple[int, ...]  # the chunk a read of one element must fetch
   compressed: bool
+  raw: bool = False  # each chunk stored as plain native-order bytes (mappable)
 
 
 def _dtype(name: Any) -> np.dtype:
@@ -566,7 +571,8 @@ def _parse_array(path: ParamPath, meta: dict[str, Any]) -> ArrayInfo:
     compressed = meta.get("compressor") is not None or bool(meta.get("filters"))
     dtype = _dtype(meta["dtype"])
   driver = "zarr3" if zarr3 else "zarr"
-  return ArrayInfo(path, driver, tuple(meta["shape"]), dtype, tuple(chunk), compressed)
+  raw = mapped.mappable(meta)
+  return ArrayInfo(path, driver, tuple(meta["shape"]), dtype, tuple(chunk), compressed, raw)
 
 
 def _read_json(kv: ts.KvStore, keys: Sequence[str]) -> list[Any]:

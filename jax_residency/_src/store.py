@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorstore as ts
 
-from . import errors, readers
+from . import errors, mapped, readers
 from .typing import ParamPath, TensorSpec
 
 if TYPE_CHECKING:
@@ -127,6 +127,7 @@ class UnitStore:
     self._drivers = {_name(p): a.driver for p, a in arrays.items()}
     self._handles = readers.HandleCache(max_cached_shards, self._open_handle)
     self._pool = readers.BufferPool(spare_unit_buffers)
+    self._mapper: mapped.UnitMapper | None = None
     self._closed = False
 
   @classmethod
@@ -248,19 +249,48 @@ class UnitStore:
     slab = readers.buffer_layout(specs)[1]
     self._pool.set_limit(None if units is None else units * slab, reclaim=reclaim)
 
+  def use_mapped_reads(self) -> bool:
+    """Makes whole-unit reads map raw chunks in place of copying them (CPU backends).
+
+    Arrays from a mapped read view the store's files through the page cache
+    (see `mapped`): no copy, and on a CPU backend no copy into device arrays
+    either. Only tensors stored raw in a local file at an aligned offset are
+    mapped; the rest of a unit is read as before. Returns whether any unit
+    tensor can be mapped (False for remote or compressed stores, or where
+    `mapped.MAPPED_READS_ENV` is "0").
+    """
+    tensors = {
+      rel: (_name(self._prefix + rel), a.shape[1:], a.dtype)
+      for rel, a in self._units.items()
+      if a.raw and a.read_chunk[:1] == (1,) and tuple(a.read_chunk[1:]) == tuple(a.shape[1:])
+    }
+    if self._loc.local is None or not tensors or not mapped.mapped_reads_enabled():
+      return False
+    self._mapper = mapped.UnitMapper(self._loc.local, use_ocdbt=self._use_ocdbt, tensors=tensors)
+    return True
+
+  @property
+  def mapped_bytes_total(self) -> int:
+    """Tensor bytes that reads have mapped instead of copied, since the store opened."""
+    return self._mapper.total_bytes if self._mapper is not None else 0
+
   @property
   def buffer_bytes(self) -> int:
-    """Bytes of unit buffers alive now (arrays returned by reads and not yet freed)."""
-    return self._pool.leased_bytes
+    """Bytes of unit buffers alive now (arrays returned by reads and not yet freed),
+    mapped chunk ranges included."""
+    return self._pool.leased_bytes + (self._mapper.mapped_bytes if self._mapper else 0)
 
   @property
   def buffer_peak_bytes(self) -> int:
-    """Most bytes of unit buffers, live and idle, held at once since `reset_buffer_peak`."""
-    return self._pool.peak_bytes
+    """Most bytes of unit buffers, live and idle, held at once since `reset_buffer_peak`
+    (mapped chunk ranges included, counted apart: the sum bounds the joint peak)."""
+    return self._pool.peak_bytes + (self._mapper.peak_bytes if self._mapper else 0)
 
   def reset_buffer_peak(self) -> None:
     """Starts `buffer_peak_bytes` over from the buffers held now."""
     self._pool.reset_peak()
+    if self._mapper is not None:
+      self._mapper.reset_peak()
 
   # -- reading
 
@@ -274,8 +304,11 @@ class UnitStore:
         f"Unit index {i!r} is out of range for {self.path}, which holds "
         f"{self._unit_count} units; use 0 <= i < {self._unit_count}."
       )
+    ready: dict[ParamPath, np.ndarray] = {}
     if index is None:
-      requests: Mapping[ParamPath, tuple[Any, ...]] = {p: () for p in self._units}
+      if self._mapper is not None:
+        ready = self._mapper.map_unit(int(i))
+      requests: Mapping[ParamPath, tuple[Any, ...]] = {p: () for p in self._units if p not in ready}
     else:
       unknown = [_name(p) for p in index if tuple(p) not in self._units]
       if unknown:
@@ -297,7 +330,7 @@ class UnitStore:
           f"Cannot index unit tensor {_name(rel)!r} (per-unit shape "
           f"{self._units[rel].shape[1:]}) with {idx!r}: {e}"
         ) from e
-    return readers.issue_unit_read(int(i), sources, self._pool, self.path)
+    return readers.issue_unit_read(int(i), sources, self._pool, self.path, ready=ready)
 
   def read_unit(
     self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None

@@ -138,6 +138,15 @@ class DenseStreamEngine:
       cached = metadata.item_bytes("host cache") + staging
       units = window + (cached // self._host_unit_bytes if self._host_unit_bytes else 0)
       limit_buffers(units, reclaim=release_dropped_buffers)
+    # Where device memory is host memory, whole units are mapped from the store's
+    # files instead of copied (see `mapped`): the page cache is the read buffer.
+    use_mapped = getattr(source, "use_mapped_reads", None)
+    self.mapped_reads = bool(
+      use_mapped is not None
+      and metadata.device_is_host
+      and self._read_index is None
+      and use_mapped()
+    )
     self.worker: PrefetchWorker | None = None
     if self._host_enabled:
       self.worker = PrefetchWorker(self._prefetch, capacity=opts.background_queue_capacity)
@@ -147,6 +156,7 @@ class DenseStreamEngine:
     self._ahead_lock = threading.Lock()
     self._staged: dict[Any, StagedForward] = {}
     self._pass_start = time.perf_counter()
+    self._mapped_at_start = 0
     self._run_lock = threading.Lock()
 
   # --- a pass ----------------------------------------------------------------
@@ -205,6 +215,7 @@ class DenseStreamEngine:
     reset = getattr(self._source, "reset_buffer_peak", None)
     if reset is not None:
       reset()
+    self._mapped_at_start = int(getattr(self._source, "mapped_bytes_total", 0))
 
   def _end_pass(self, ok: bool, args: tuple[Any, ...], seconds: float) -> None:
     if not ok and self.worker is not None:
@@ -218,6 +229,8 @@ class DenseStreamEngine:
     with self._counters_lock:
       counters = self._counters
     counters.peak_buffer_bytes = int(getattr(self._source, "buffer_peak_bytes", 0))
+    mapped_total = int(getattr(self._source, "mapped_bytes_total", 0))
+    counters.mapped_bytes = mapped_total - self._mapped_at_start
     if ok:
       self._telemetry.commit_pass(
         args=args,

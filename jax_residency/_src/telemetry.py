@@ -49,6 +49,7 @@ class PassCounters:
   stalls: int = 0
   stall_seconds: float = 0.0
   peak_buffer_bytes: int = 0
+  mapped_bytes: int = 0
   step_temp_bytes: int = 0
   timeline: list[TimelinePoint] = dataclasses.field(default_factory=list)
 
@@ -110,7 +111,11 @@ class PassReport(_Moved):
     peak_buffer_bytes: for a dense stream, the most bytes of unit read buffers
       (live and idle) the store held at once: the host memory under the host
       cache, staging and (on CPU, where they are the device arrays) the device
-      window; each tensor rounded up to a page. 0 for other policies.
+      window; each tensor rounded up to a page. Mapped chunk ranges count as
+      buffers. 0 for other policies.
+    mapped_bytes: of the bytes moved from the store, those a dense stream on a
+      CPU backend mapped from the store's files instead of copying (the arrays
+      view the page cache; see ``jax_residency/_src/mapped.py``).
     step_temp_bytes: for a dense stream, the temporaries XLA allocates while
       the pass's largest compiled unit step runs (its ``memory_analysis``): the
       plan does not count them, as the plain model needs them too. 0 for other
@@ -145,6 +150,7 @@ class PassReport(_Moved):
   peak_host_units: int
   peak_host_bytes: int
   peak_buffer_bytes: int = 0
+  mapped_bytes: int = 0
   step_temp_bytes: int = 0
   worker: WorkerMetrics | None = None
   process: Mapping[str, int] | None = None
@@ -179,6 +185,7 @@ class Totals(_Moved):
   peak_host_units: int = 0
   peak_host_bytes: int = 0
   peak_buffer_bytes: int = 0
+  mapped_bytes: int = 0
   step_temp_bytes: int = 0
   worker: WorkerMetrics | None = None
   peak_rss_bytes: int | None = None
@@ -211,6 +218,7 @@ class Totals(_Moved):
       peak_host_units=max(self.peak_host_units, other.peak_host_units),
       peak_host_bytes=max(self.peak_host_bytes, other.peak_host_bytes),
       peak_buffer_bytes=max(self.peak_buffer_bytes, other.peak_buffer_bytes),
+      mapped_bytes=self.mapped_bytes + other.mapped_bytes,
       step_temp_bytes=max(self.step_temp_bytes, other.step_temp_bytes),
       worker=_merge(self.worker, other.worker),
       peak_rss_bytes=_optional(max, self.peak_rss_bytes, other.peak_rss_bytes),
@@ -516,6 +524,7 @@ class Telemetry:
           peak_host_bytes if peak_host_bytes is not None else _peak(ledger, "host", "bytes")
         ),
         peak_buffer_bytes=counters.peak_buffer_bytes,
+        mapped_bytes=counters.mapped_bytes,
         step_temp_bytes=counters.step_temp_bytes,
         worker=worker,
         process=extra.get("process"),

@@ -1,0 +1,171 @@
+"""Mapped unit reads (mapped.py): on CPU a unit's chunks are mapped from the store, not copied."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_residency as jr
+from jax_residency._src import mapped
+from jax_residency._src import store as st
+from jax_residency._src.stream import release_dropped_buffers
+from jax_residency.toy import ToyConfig, ToyTransformer
+
+# Kernels of 16-64 KiB: stored out of line in the OCDBT data files, so mappable.
+CFG = ToyConfig(vocab=64, d_model=64, n_heads=4, d_ff=128, n_layers=4)
+UNIT = CFG.unit_bytes()
+MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab)
+
+
+@pytest.fixture(scope="module")
+def store(model, tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("stores") / "toy")
+  jr.save(model, path, progress=False)
+  return path
+
+
+def _file_mapping(a: np.ndarray) -> mmap.mmap | None:
+  base = a
+  while isinstance(base, np.ndarray):
+    base = base.base
+  if isinstance(base, memoryview):
+    base = base.obj
+  return base if isinstance(base, mmap.mmap) else None
+
+
+def _unit_bytes_alive(opened: st.UnitStore) -> int:
+  gc.collect()
+  release_dropped_buffers()
+  return opened.buffer_bytes
+
+
+def test_mapped_reads_match_copies_and_alias_the_file(store):
+  copied = st.UnitStore.open(store)
+  opened = st.UnitStore.open(store)
+  assert opened.use_mapped_reads()
+  for i in range(CFG.n_layers):
+    got, want = opened.read_unit(i), copied.read_unit(i)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+      assert got[key].dtype == value.dtype and got[key].shape == value.shape
+      np.testing.assert_array_equal(got[key], value, err_msg=str(key))
+  assert opened.mapped_bytes_total > 0
+  unit = opened.read_unit(1)
+  views = {k: a for k, a in unit.items() if _file_mapping(a) is not None}
+  # A tensor is mapped exactly when its chunk lies out of line at an offset XLA
+  # can alias (the biases are small enough to sit inline in the index).
+  extents = {k: opened._mapper._extent(k, 1) for k in unit}  # type: ignore[union-attr]
+  aligned = {k for k, e in extents.items() if e is not None and e.offset % mapped.ALIGNMENT == 0}
+  assert set(views) == aligned and views
+  assert all(k[1] == "kernel" for k in views)
+  assert all(not a.flags.writeable for a in views.values())
+  big = max(views.values(), key=lambda a: a.nbytes)
+  on_device = jax.device_put(big, MESH1.devices.flat[0], may_alias=True)
+  assert on_device.unsafe_buffer_pointer() == big.ctypes.data  # no copy at all
+  assert _unit_bytes_alive(opened) > 0
+  del unit, views, big, on_device, got, want
+  assert _unit_bytes_alive(opened) == 0  # mappings end with their arrays
+  copied.close()
+  opened.close()
+
+
+def test_unaligned_chunks_are_read_instead(store, monkeypatch):
+  real = mapped.ocdbt_extents
+
+  def shifted(root):  # every extent 4 bytes off: none can be aliased by XLA
+    return {k: mapped.Extent(e.file, e.offset + 4, e.length) for k, e in real(root).items()}
+
+  monkeypatch.setattr(mapped, "ocdbt_extents", shifted)
+  copied = st.UnitStore.open(store)
+  opened = st.UnitStore.open(store)
+  assert opened.use_mapped_reads()
+  for key, value in copied.read_unit(2).items():
+    np.testing.assert_array_equal(opened.read_unit(2)[key], value)
+  assert opened.mapped_bytes_total == 0
+
+
+def test_opt_out_and_remote_stores_copy(store, monkeypatch):
+  monkeypatch.setenv(mapped.MAPPED_READS_ENV, "0")
+  assert not st.UnitStore.open(store).use_mapped_reads()
+  monkeypatch.delenv(mapped.MAPPED_READS_ENV)
+  path = "memory://test_mapped/remote"
+  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(1)), path, progress=False)
+  assert not st.UnitStore.open(path).use_mapped_reads()
+
+
+def test_truncated_chunk_file_is_a_store_error_not_a_crash(model, tmp_path):
+  path = str(tmp_path / "toy")
+  jr.save(model, path, progress=False)
+  opened = st.UnitStore.open(path)
+  assert opened.use_mapped_reads()
+  opened.read_unit(0)  # reads the index; unit 3 is not mapped yet
+  mapper = opened._mapper
+  assert mapper is not None
+  extents = {k: mapper._extent(k, 3) for k in opened.unit_specs}
+  key, extent = next(
+    (k, e) for k, e in extents.items() if e is not None and e.offset % mapped.ALIGNMENT == 0
+  )
+  os.truncate(extent.file, extent.offset + 8)
+  # A mapping past the end of a file would crash the process (SIGBUS) on first
+  # touch: the chunk is read instead, and the read reports the damage.
+  with pytest.raises(jr.StoreError, match=".".join(key)):
+    opened.read_unit(3)
+
+
+def test_mapped_arrays_keep_their_values_when_the_store_is_replaced(tmp_path):
+  path = str(tmp_path / "toy")
+  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(0)), path, progress=False)
+  opened = st.UnitStore.open(path)
+  assert opened.use_mapped_reads()
+  unit = opened.read_unit(0)
+  before = {k: np.array(v) for k, v in unit.items()}
+  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(5)), path, overwrite=True, progress=False)
+  for key, value in before.items():
+    np.testing.assert_array_equal(unit[key], value)
+
+
+@pytest.mark.parametrize("host_units", [0, 2, 4])
+@pytest.mark.parametrize("enabled", [True, False], ids=["mapped", "copied"])
+def test_stream_parity_and_accounting_with_and_without_mapping(
+  model, tokens, store, host_units, enabled, monkeypatch
+):
+  if not enabled:
+    monkeypatch.setenv(mapped.MAPPED_READS_ENV, "0")
+  policy = jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(
+      device_budget_bytes=2**30,
+      host_budget_bytes=host_units * UNIT,
+      host_lookahead=min(2, host_units),
+      background_queue_capacity=2 if host_units else 0,
+    )
+  )
+  expected = model(tokens)
+  with jr.place(model, policy, store=store, mesh=MESH1) as placed:
+    for _ in range(2):
+      np.testing.assert_array_equal(placed(tokens), expected)
+    np.testing.assert_array_equal(placed(tokens[:, :1]), model(tokens[:, :1]))
+    report, meta = placed.report(), placed.metadata
+  moved = report.total.disk_to_device_bytes + report.total.disk_to_host_bytes
+  assert moved > 0
+  if enabled:
+    assert 0 < report.total.mapped_bytes <= moved
+  else:
+    assert report.total.mapped_bytes == 0
+  assert report.total.peak_device_bytes <= meta.device_window_bytes
+  assert report.total.peak_host_bytes <= meta.item_bytes("host cache")

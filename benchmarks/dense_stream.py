@@ -244,6 +244,8 @@ def sweep_child(args: argparse.Namespace) -> dict:
     "peak_anon_growth_bytes": peak_anon[0] - baseline["RssAnon"],
     "ledger_peak_device_bytes": totals.peak_device_bytes,
     "ledger_peak_host_bytes": totals.peak_host_bytes,
+    "peak_buffer_bytes": totals.peak_buffer_bytes,
+    "mapped_bytes": totals.mapped_bytes,
     "cold_pass_s": cold,
     "warm_pass_s": warm,
   }

@@ -169,3 +169,26 @@ def test_stream_parity_and_accounting_with_and_without_mapping(
     assert report.total.mapped_bytes == 0
   assert report.total.peak_device_bytes <= meta.device_window_bytes
   assert report.total.peak_host_bytes <= meta.item_bytes("host cache")
+
+
+def test_odd_sized_values_do_not_shift_the_others_off_alignment(tmp_path):
+  """Biases of 1056 bytes (not a multiple of 64, too big to be inline) are written
+  alone, so every other chunk still lies at an offset XLA can alias."""
+  cfg = ToyConfig(vocab=64, d_model=264, n_heads=4, d_ff=512, n_layers=3)
+  path = str(tmp_path / "odd")
+  jr.save(ToyTransformer(cfg, rngs=nnx.Rngs(0)), path, progress=False)
+  opened = st.UnitStore.open(path)
+  assert opened.use_mapped_reads()
+  mapper = opened._mapper
+  assert mapper is not None
+  specs = opened.unit_specs
+  odd = [k for k, (shape, dtype) in specs.items() if np.prod(shape) * dtype.itemsize % 64]
+  assert odd and all(np.prod(specs[k][0]) * specs[k][1].itemsize > 1024 for k in odd)
+  for i in range(cfg.n_layers):
+    unit = opened.read_unit(i)
+    for key in specs:
+      extent = mapper._extent(key, i)
+      assert extent is not None, key  # out of line
+      if key not in odd:
+        assert extent.offset % mapped.ALIGNMENT == 0, (key, i, extent)
+        assert _file_mapping(unit[key]) is not None, key

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Any
 
 from jax import monitoring
 
@@ -94,3 +95,14 @@ def forget_before(t: float) -> None:
   spans = _spans()
   while spans and spans[0][1] < t:
     spans.popleft()
+
+
+def temp_bytes(compiled: Any) -> int | None:
+  """Bytes of temporaries a compiled XLA program allocates while it runs (its
+  ``memory_analysis``); ``None`` where the backend does not say."""
+  try:
+    analysis = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - backends without a memory analysis
+    return None
+  temp = getattr(analysis, "temp_size_in_bytes", None)
+  return int(temp) if temp is not None else None

@@ -114,6 +114,15 @@ def ocdbt_extents(root: str) -> dict[str, Extent]:
   return out
 
 
+def mapped_size(shape: tuple[int, ...], dtype: np.dtype) -> int:
+  """Bytes a mapping of one such tensor counts: its bytes rounded up to whole pages,
+  as a read buffer would hold them (a chunk that starts inside a page maps one
+  page more, at most 4 KiB per tensor, not counted)."""
+  page = mmap.PAGESIZE
+  nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+  return -(-nbytes // page) * page
+
+
 def chunk_key(name: str, unit: int, ndim: int) -> str:
   """The zarr3 key (default encoding) of unit ``unit``'s chunk of array ``name``."""
   return f"{name}/c/" + "/".join([str(unit)] + ["0"] * (ndim - 1))
@@ -221,8 +230,7 @@ class UnitMapper:
       return None
     finally:
       os.close(fd)
-    page = mmap.PAGESIZE
-    size = -(-len(region) // page) * page  # what the mapping holds: whole pages
+    size = mapped_size(shape, dtype)
     with self._count_lock:
       self._take_back_locked()
       self._mapped += size

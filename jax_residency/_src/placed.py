@@ -16,10 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from . import placement as pl
 from .compile_cache import enable_default_cache
+from .compile_time import temp_bytes
 from .errors import ClosedError, PlacementError
 from .model import SplitModel, path_str, split_model
 from .plan import ModelMetadata, check_budgets
@@ -280,14 +282,30 @@ def _place_jitted(
   held: dict[str, list[Any]] = {"static": static, "units": unit_values}
   telemetry = Telemetry.for_policy(policy=policy, metadata=metadata, sequence_axis=sequence_axis)
   moved = metadata.total_unit_bytes if layerwise else 0
+  # One program per input signature, compiled ahead of its first call so each
+  # pass can report the temporaries XLA gives it (memory_analysis).
+  compiled: dict[Any, tuple[Any, int]] = {}
+
+  def program(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+    key = signature(args, kwargs)
+    found = compiled.get(key)
+    if found is None:
+      exe = jitted.trace(held["static"], held["units"], *args, **kwargs).lower().compile()
+      found = compiled[key] = (exe, temp_bytes(exe) or 0)
+    return found
 
   def run(*args: Any, **kwargs: Any) -> Any:
     start = time.perf_counter()
-    out = jax.block_until_ready(jitted(held["static"], held["units"], *args, **kwargs))
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+      # Under a transformation (grad, make_jaxpr, an outer jit) the forward is traced.
+      exe, temp = jitted, 0
+    else:
+      exe, temp = program(args, kwargs)
+    out = jax.block_until_ready(exe(held["static"], held["units"], *args, **kwargs))
     telemetry.commit_pass(
       args=args,
       seconds=time.perf_counter() - start,
-      counters=PassCounters(host_to_device_bytes=moved),
+      counters=PassCounters(host_to_device_bytes=moved, step_temp_bytes=temp),
       peak_device_units=metadata.device_window_units,
       peak_device_bytes=metadata.device_window_bytes,
       peak_host_units=metadata.layer_count if layerwise else 0,
@@ -311,6 +329,18 @@ def _place_jitted(
   return PlacedModel(
     split, policy, mesh, metadata, run, [release], lowerer, telemetry=telemetry, arrays=arrays
   )
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  """What a compiled program is specialised to: the call's pytree structure and, per
+  leaf, its shape, dtype, weak type and (for arrays) sharding."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+
+  def aval(x: Any) -> Any:
+    weak = bool(getattr(x, "weak_type", isinstance(x, bool | int | float | complex)))
+    return (np.shape(x), jax.dtypes.result_type(x), weak, getattr(x, "sharding", None))
+
+  return tree, tuple(aval(x) for x in leaves)
 
 
 def _weights(split: SplitModel, policy: LayerWeightResidency, store: str | None) -> list[Any]:

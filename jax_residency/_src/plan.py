@@ -258,7 +258,7 @@ def memory_items(
       )
     )
   if device_is_host:
-    note = "0: a read buffer becomes the device array without a copy (a window unit)"
+    note = "0: mapped chunks (or a read buffer) become the device arrays, no copy (a window unit)"
   else:
     note = "one unit's host buffer while it is copied to the device"
   items.append(
@@ -276,7 +276,7 @@ def memory_items(
       memory="host",
       nbytes=largest,
       counted_in=OVERHEAD,
-      note="page cache a read copies from, mapped (so in RSS) until it is done; reclaimable",
+      note="page cache a copying read maps (so in RSS) until it is done; reclaimable",
     )
   )
   items.append(

@@ -82,8 +82,10 @@ MALLOC_TUNING_ENV = "JAX_RESIDENCY_MALLOC_TUNING"
 _ARRAY_VALUE_TYPES = frozenset({"np.ndarray", "jax.Array", "scalar"})
 _UNCOMPRESSED_CODECS = frozenset({"bytes", "transpose", "crc32c"})
 #: OCDBT settings for writing, as Orbax uses them.
+#: Values up to this size are stored inside the OCDBT index, not in data files.
+OCDBT_INLINE_BYTES = 1024
 OCDBT_WRITE_CONFIG = {
-  "max_inline_value_bytes": 1024,
+  "max_inline_value_bytes": OCDBT_INLINE_BYTES,
   "max_decoded_node_bytes": 100_000_000,
   "manifest_kind": "single",
 }
@@ -194,6 +196,7 @@ class BufferPool:
     self._returned: collections.deque[mmap.mmap] = collections.deque()
     self._leased = 0
     self._reclaim: Callable[[], None] | None = None
+    self._external: Callable[[], int] = lambda: 0
     self.slabs_created = 0
     self.peak_bytes = 0
     self.room_waits = 0
@@ -214,6 +217,11 @@ class BufferPool:
       self._limit = limit_bytes
       self._reclaim = reclaim
       self._trim_locked()
+
+  def count_external(self, held: Callable[[], int]) -> None:
+    """Counts ``held()`` bytes (unit memory held outside the pool: mapped chunks)
+    against the limit, beside the leased slabs."""
+    self._external = held
 
   def reset_peak(self) -> None:
     """Starts `peak_bytes` over from what the pool holds now."""
@@ -241,7 +249,7 @@ class BufferPool:
     """Returns one writable array per `(name, shape, dtype, offset)` in a shared slab."""
     if nbytes == 0:
       return {name: np.empty(shape, dtype) for name, shape, dtype, _ in layout}
-    self._wait_for_room(nbytes)
+    self.wait_for_room(nbytes)
     slab = self._take(nbytes)
     # The arrays' base: it lives exactly as long as any view of the slab does.
     holder: Any = (ctypes.c_char * nbytes).from_buffer(slab)
@@ -261,12 +269,19 @@ class BufferPool:
       self._take_back_locked()
       self._free.clear()
 
-  def _wait_for_room(self, nbytes: int) -> None:
+  def wait_for_room(self, nbytes: int, *, outside: bool = False) -> None:
+    """Waits (briefly, see `set_limit`) until ``nbytes`` more fit the limit.
+
+    ``outside``: the bytes are not a slab of this pool (a mapping), so idle slabs
+    that no longer fit beside them are unmapped now.
+    """
     deadline = None
     while True:
       with self._lock:
         self._take_back_locked()
-        if self._limit is None or self._leased + nbytes <= self._limit:
+        if self._limit is None or self._held_locked() + nbytes <= self._limit:
+          if outside:
+            self._trim_locked(nbytes)
           return
         reclaim = self._reclaim
       now = time.monotonic()
@@ -286,20 +301,23 @@ class BufferPool:
       n = len(slab)
       self._leased -= n
       free = self._free[n]
-      fits = self._limit is None or self._leased + self._idle_locked() + n <= self._limit
+      fits = self._limit is None or self._held_locked() + self._idle_locked() + n <= self._limit
       if len(free) < self._spare and fits:
         free.append(slab)
 
   def _idle_locked(self) -> int:
     return sum(n * len(slabs) for n, slabs in self._free.items())
 
-  def _trim_locked(self) -> None:
+  def _held_locked(self) -> int:
+    return self._leased + self._external()
+
+  def _trim_locked(self, extra: int = 0) -> None:
     if self._limit is None:
       return
-    idle = self._idle_locked()
+    idle, held = self._idle_locked(), self._held_locked() + extra
     for n in sorted(self._free, reverse=True):
       slabs = self._free[n]
-      while slabs and self._leased + idle > self._limit:
+      while slabs and held + idle > self._limit:
         slabs.pop()
         idle -= n
 

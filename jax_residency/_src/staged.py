@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from .compile_time import temp_bytes
 from .errors import PlacementError
 
 #: ``fetch(i, upcoming) -> unit leaves`` in the unit stack's leaf order;
@@ -252,9 +253,7 @@ class CompiledStep:
   def __call__(self, *args: Any) -> Any:
     if self._compiled is None:
       self._compiled = self._jitted.lower(*args, *self._extra).compile()
-      analysis = self._compiled.memory_analysis()
-      temp = getattr(analysis, "temp_size_in_bytes", None)
-      self.temp_bytes = int(temp) if temp is not None else None
+      self.temp_bytes = temp_bytes(self._compiled)
     return self._compiled(*args, *self._extra)
 
 

@@ -128,6 +128,7 @@ class UnitStore:
     self._handles = readers.HandleCache(max_cached_shards, self._open_handle)
     self._pool = readers.BufferPool(spare_unit_buffers)
     self._mapper: mapped.UnitMapper | None = None
+    self._mapped_unit_bytes = 0
     self._closed = False
 
   @classmethod
@@ -267,6 +268,11 @@ class UnitStore:
     if self._loc.local is None or not tensors or not mapped.mapped_reads_enabled():
       return False
     self._mapper = mapped.UnitMapper(self._loc.local, use_ocdbt=self._use_ocdbt, tensors=tensors)
+    # Mapped units count against the same limit as read buffers (`limit_buffers`).
+    self._pool.count_external(lambda: self._mapper.mapped_bytes if self._mapper else 0)
+    self._mapped_unit_bytes = sum(
+      mapped.mapped_size(shape, dtype) for _, shape, dtype in tensors.values()
+    )
     return True
 
   @property
@@ -307,6 +313,8 @@ class UnitStore:
     ready: dict[ParamPath, np.ndarray] = {}
     if index is None:
       if self._mapper is not None:
+        # A mapping holds memory as a buffer would: wait for dropped units first.
+        self._pool.wait_for_room(self._mapped_unit_bytes, outside=True)
         ready = self._mapper.map_unit(int(i))
       requests: Mapping[ParamPath, tuple[Any, ...]] = {p: () for p in self._units if p not in ready}
     else:

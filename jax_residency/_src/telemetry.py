@@ -116,10 +116,11 @@ class PassReport(_Moved):
     mapped_bytes: of the bytes moved from the store, those a dense stream on a
       CPU backend mapped from the store's files instead of copying (the arrays
       view the page cache; see ``jax_residency/_src/mapped.py``).
-    step_temp_bytes: for a dense stream, the temporaries XLA allocates while
-      the pass's largest compiled unit step runs (its ``memory_analysis``): the
-      plan does not count them, as the plain model needs them too. 0 for other
-      policies or where the backend does not say.
+    step_temp_bytes: the temporaries XLA allocates while the pass's compiled
+      program runs (its ``memory_analysis``): for a dense stream, its largest
+      unit step; for ``FullyResident`` / ``LayerwiseHost``, the whole jitted
+      forward. The plan does not count them, as the plain model needs them
+      too. 0 where the backend does not say.
     worker: background prefetch counters (dense stream with a host cache).
     process: with ``sample_process_memory`` on Linux, ``rss_bytes`` when the
       pass ended, ``peak_rss_bytes`` and ``minor_faults`` / ``major_faults``

@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 import tqdm
 
-from . import errors, readers
+from . import errors, mapped, readers
 from .store import (
   FORMAT_NAME,
   FORMAT_VERSION,
@@ -149,7 +149,18 @@ class _StoreWriter:
       raise errors.StoreError(f"Cannot create array {_name(path)!r} ({dtype}, {shape}): {e}") from e
 
   def write(self, handle: ts.TensorStore, index: Any, value: np.ndarray) -> None:
+    # OCDBT packs the values a batch of writes commits back to back in one data
+    # file. A value whose size is not a multiple of `mapped.ALIGNMENT` (and too
+    # big to sit inline in the index) would shift every value after it off the
+    # alignment that mapped reads need, so it is written alone: the writes
+    # before it land first, and it lands before any write after it starts.
+    odd = value.nbytes % mapped.ALIGNMENT and value.nbytes > readers.OCDBT_INLINE_BYTES
+    if odd:
+      self._drain()
     self._pending.append((_write_chunk(handle, index, value), value.nbytes))
+    if odd:
+      self._drain()
+      return
     self._in_flight += value.nbytes
     while self._in_flight > WRITE_IN_FLIGHT_BYTES and len(self._pending) > 1:
       self._wait_oldest()
@@ -160,9 +171,12 @@ class _StoreWriter:
     future.result()
     self._bar.update(nbytes)
 
-  def commit(self, *, unit_prefix: ParamPath, unit_count: int) -> None:
+  def _drain(self) -> None:
     while self._pending:
       self._wait_oldest()
+
+  def commit(self, *, unit_prefix: ParamPath, unit_count: int) -> None:
+    self._drain()
     kv = ts.KvStore.open(self.target.base, context=self.context).result()
     sidecar = {
       "format": FORMAT_NAME,

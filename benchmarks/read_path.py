@@ -31,8 +31,8 @@ import time
 
 import numpy as np
 
-from jax_residency._src import store as st
-from jax_residency._src import writer as wr
+from jax_residency._src.store import unit_store as st
+from jax_residency._src.store import writer as wr
 
 PREFIX = ("layers",)
 #: How one unit's bytes are split over its tensors.

@@ -2,7 +2,7 @@
 
 import sys
 
-from jax_residency._src.cli import main
+from jax_residency._src.cli.main import main
 
 if __name__ == "__main__":
   sys.exit(main())

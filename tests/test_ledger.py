@@ -12,21 +12,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_residency._src.errors import (
+from jax_residency._src.policy.errors import (
   AdmissionError,
   ClosedError,
   InvalidBudgetError,
   ResidencyRuntimeError,
   WeightResidencyPolicyError,
 )
-from jax_residency._src.ledger import (
+from jax_residency._src.policy.options import CacheEvictionPolicy
+from jax_residency._src.stream.ledger import (
   Eviction,
   LedgerMetrics,
   ResidencyLedger,
   Tier,
   TierMetrics,
 )
-from jax_residency._src.options import CacheEvictionPolicy
 
 LRU = CacheEvictionPolicy.LEAST_RECENTLY_USED
 LFU = CacheEvictionPolicy.LEAST_FREQUENTLY_USED

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 import jax_residency as jr
-from jax_residency._src import mapped
-from jax_residency._src import store as st
-from jax_residency._src.stream import release_dropped_buffers
+from jax_residency._src.store import mapped
+from jax_residency._src.store import unit_store as st
+from jax_residency._src.stream.engine import release_dropped_buffers
 from jax_residency.toy import ToyConfig, ToyTransformer
 
 # Kernels of 16-64 KiB: stored out of line in the OCDBT data files, so mappable.

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 import jax_residency as jr
-from jax_residency._src import plan
-from jax_residency._src.readers import BufferPool, buffer_layout
+from jax_residency._src.placement import budget as plan
+from jax_residency._src.store.reads import BufferPool, buffer_layout
 from jax_residency.toy import ToyConfig, ToyTransformer
 
 CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=8)

@@ -1,4 +1,4 @@
-"""Tests of the weight-residency policy types (SPEC §1, `jax_residency._src.policy`)."""
+"""Tests of the weight-residency policy types (SPEC §1, `jax_residency._src.policy.types`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_residency._src import errors
-from jax_residency._src.errors import (
+from jax_residency._src.policy import errors
+from jax_residency._src.policy.errors import (
   HostDisabledControlsError,
   InvalidBudgetError,
   InvalidPolicyValueError,
@@ -27,14 +27,14 @@ from jax_residency._src.errors import (
   ZeroPrefetchDepthError,
   ZeroQueueCapacityError,
 )
-from jax_residency._src.options import (
+from jax_residency._src.policy.options import (
   DEFAULT_MAX_CACHED_SHARDS,
   CacheEvictionPolicy,
   DenseDiskStreamLoadOptions,
   LayerwiseLoadOptions,
   OffloadConfig,
 )
-from jax_residency._src.policy import (
+from jax_residency._src.policy.types import (
   DENSE_TRANSFER_WINDOW,
   DenseDiskStream,
   ExecutionResidency,
@@ -109,7 +109,7 @@ def test_enums():
   assert repr(LFU) == "CacheEvictionPolicy.LEAST_FREQUENTLY_USED"
 
 
-@pytest.mark.parametrize("module", ["policy.py", "options.py", "sizes.py", "errors.py"])
+@pytest.mark.parametrize("module", ["types.py", "options.py", "sizes.py", "errors.py"])
 def test_policy_modules_do_not_import_jax(module):
   source = pathlib.Path(errors.__file__).with_name(module).read_text()
   imported = []

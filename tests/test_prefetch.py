@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import pytest
 
-from jax_residency._src.errors import ClosedError, PrefetchError, ZeroQueueCapacityError
-from jax_residency._src.ledger import ResidencyLedger, Tier
-from jax_residency._src.options import CacheEvictionPolicy
-from jax_residency._src.prefetch import CancelToken, PrefetchWorker, WorkerMetrics
+from jax_residency._src.policy.errors import ClosedError, PrefetchError, ZeroQueueCapacityError
+from jax_residency._src.policy.options import CacheEvictionPolicy
+from jax_residency._src.stream.ledger import ResidencyLedger, Tier
+from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker, WorkerMetrics
 
 TIMEOUT = 10.0  # generous upper bound for every blocking step; never reached when passing
 

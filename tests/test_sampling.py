@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 import jax_residency as jr
-from jax_residency._src import sampling
-from jax_residency._src.sampling import ProcessMemorySampler, backend_memory
+from jax_residency._src.report import sampling
+from jax_residency._src.report.sampling import ProcessMemorySampler, backend_memory
 
 THREAD_NAME = "jax_residency-memory-sampler"
 LINUX = sys.platform.startswith("linux")
@@ -280,7 +280,7 @@ def test_only_the_backend_sampler(net):
 
 
 def test_dense_stream_samples_and_stops(net, tmp_path):
-  from jax_residency._src.save import save
+  from jax_residency._src.store.save import save
 
   path = str(tmp_path / "net")
   save(net, path, progress=False)

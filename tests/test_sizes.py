@@ -1,4 +1,4 @@
-"""Tests of byte-size parsing and formatting (`jax_residency._src.sizes`)."""
+"""Tests of byte-size parsing and formatting (`jax_residency._src.policy.sizes`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_residency._src.errors import InvalidBudgetError, WeightResidencyPolicyError
-from jax_residency._src.sizes import GiB, KiB, MiB, TiB, format_bytes, parse_bytes
+from jax_residency._src.policy.errors import InvalidBudgetError, WeightResidencyPolicyError
+from jax_residency._src.policy.sizes import GiB, KiB, MiB, TiB, format_bytes, parse_bytes
 
 _settings = settings(database=None, max_examples=300, deadline=None)
 

@@ -1,4 +1,4 @@
-"""Tests of the unit store: save, open, stream, check, rechunk (store.py, readers.py)."""
+"""Tests of the unit store: save, open, stream, check, rechunk (store/unit_store.py, reads.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jax_residency._src import errors, readers
-from jax_residency._src import store as st
-from jax_residency._src import writer as wr
+from jax_residency._src.policy import errors
+from jax_residency._src.store import reads as readers
+from jax_residency._src.store import unit_store as st
+from jax_residency._src.store import writer as wr
 
 N = 3
 PREFIX = ("layers",)

@@ -94,7 +94,8 @@ def test_accelerator_step_path_keeps_parity(
   This machine has no accelerator, so run that path on CPU: it compiles the
   step on its own, so parity is to rounding rather than bit for bit.
   """
-  from jax_residency._src import staged, stream
+  from jax_residency._src.stream import engine as stream
+  from jax_residency._src.stream import staged
 
   monkeypatch.setattr(stream, "STEP_IN_LOOP_PLATFORMS", frozenset())
   whiles = []
@@ -182,7 +183,7 @@ def test_failed_pass_commits_nothing_and_recovers(model, tokens, store, monkeypa
   with jr.place(model, dense(3, 2), store=store, mesh=MESH1) as placed:
     placed(tokens)
     before = placed.report()
-    from jax_residency._src import store as store_mod
+    from jax_residency._src.store import unit_store as store_mod
 
     real = store_mod.UnitStore.read_unit_async  # read_unit goes through it too
 
@@ -264,7 +265,7 @@ class _ProcessView:
 
 
 def test_addressable_box_covers_only_this_process_shards():
-  from jax_residency._src.stream import addressable_box
+  from jax_residency._src.stream.engine import addressable_box
 
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
@@ -276,7 +277,7 @@ def test_addressable_box_covers_only_this_process_shards():
 
 
 def test_from_local_box_places_what_the_process_read():
-  from jax_residency._src.stream import from_local_box
+  from jax_residency._src.stream.engine import from_local_box
 
   mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))
@@ -288,7 +289,7 @@ def test_from_local_box_places_what_the_process_read():
 
 def test_sliced_reads_path_keeps_parity(tokens, tmp_path, monkeypatch):
   """Force the multi-process read path (index reads + per-shard assembly)."""
-  from jax_residency._src import stream
+  from jax_residency._src.stream import engine as stream
 
   monkeypatch.setattr(stream, "addressable_box", lambda s, shape: tuple(slice(0, n) for n in shape))
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

@@ -14,10 +14,8 @@ import pytest
 from flax import nnx
 
 import jax_residency as jr
-from jax_residency._src.ledger import LedgerMetrics, TierMetrics
-from jax_residency._src.plan import check_budgets
-from jax_residency._src.prefetch import WorkerMetrics
-from jax_residency._src.telemetry import (
+from jax_residency._src.placement.budget import check_budgets
+from jax_residency._src.report.telemetry import (
   DECODE,
   PREFILL,
   PassCounters,
@@ -26,6 +24,8 @@ from jax_residency._src.telemetry import (
   Totals,
   count_tokens,
 )
+from jax_residency._src.stream.ledger import LedgerMetrics, TierMetrics
+from jax_residency._src.stream.prefetch import WorkerMetrics
 
 
 def metadata(policy: jr.LayerWeightResidency | None = None) -> jr.ModelMetadata:
@@ -392,7 +392,7 @@ def test_compile_seconds_add_up_and_reach_the_dict():
 
 
 def test_compile_spans_nested_in_each_other_count_once():
-  from jax_residency._src import compile_time
+  from jax_residency._src.report import compile_time
 
   event = "/jax/core/compile/jaxpr_trace_duration"
   got = {}
@@ -441,7 +441,7 @@ def flaky():
 
 @pytest.fixture(scope="module")
 def flaky_store(flaky, tmp_path_factory):
-  from jax_residency._src.save import save
+  from jax_residency._src.store.save import save
 
   path = str(tmp_path_factory.mktemp("telemetry") / "flaky")
   save(flaky, path, progress=False)

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from .cache_dir import library_cache_dir
+from jax_residency._src.cache_dir import library_cache_dir
 
 #: Set to ``0`` (or ``false`` / ``no`` / ``off``) to leave JAX's compilation cache alone.
 OPT_OUT_ENV = "JAX_RESIDENCY_COMPILATION_CACHE"

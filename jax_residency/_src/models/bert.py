@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..unit_loop import scan_units
+from jax_residency._src.placement.unit_loop import scan_units
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,8 +22,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from ..model import normalise_path
-from ..unit_loop import scan_units
+from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.placement.unit_loop import scan_units
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

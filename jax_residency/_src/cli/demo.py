@@ -1,0 +1,384 @@
+"""``jax-residency demo``: the main job.
+
+With no configuration it writes a seeded toy transformer of a few hundred MB to
+a local store under the user cache directory (once, with a progress bar), runs it
+under all three policies, checks each output against the plain model and prints
+one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from jax_residency._src.cache_dir import library_cache_dir
+from jax_residency._src.cli.console import (
+  CommandError,
+  can_encode,
+  emit,
+  emit_json,
+  fmt_bytes,
+  fmt_seconds,
+  status,
+  table,
+)
+from jax_residency._src.cli.stored_models import (
+  abstract_toy,
+  load_concrete,
+  open_store,
+  read_model_record,
+  single_device_mesh,
+  write_model_record,
+)
+
+#: Bumped when the demo's store or model recipe changes, so old caches are rebuilt.
+DEMO_FORMAT = 1
+DEMO_SEED = 0
+
+#: The demo model: 12 units of 48 MiB (≈ 577 MiB of unit weights, float32).
+DEMO_CONFIG = {"vocab": 512, "d_model": 1024, "n_heads": 8, "d_ff": 4096, "n_layers": 12}
+DEMO_TOKENS = 32
+
+#: Parity tolerance when outputs are not bit-identical: |Δ| <= ATOL + RTOL * |expected|.
+PARITY_ATOL = 1e-5
+PARITY_RTOL = 1e-5
+POLICY_NAMES = ("fully_resident", "layerwise_host", "dense_disk_stream")
+
+
+def cache_root(cache_dir: str | None) -> str:
+  """``--cache-dir`` if given, else the library's cache directory."""
+  if cache_dir:
+    return os.path.abspath(os.path.expanduser(cache_dir))
+  return library_cache_dir()
+
+
+def demo_store_path(root: str, config: Any) -> str:
+  key = json.dumps(
+    {"format": DEMO_FORMAT, "seed": DEMO_SEED, "config": dataclasses.asdict(config)},
+    sort_keys=True,
+  )
+  return os.path.join(root, f"demo-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+
+
+def demo_store_ready(path: str, config: Any) -> bool:
+  from jax_residency._src.policy.errors import ResidencyError  # noqa: PLC0415
+
+  try:
+    record = read_model_record(path)
+  except CommandError:
+    return False
+  if record is None or record.get("config") != dataclasses.asdict(config):
+    return False
+  try:
+    open_store(path).close()
+  except (CommandError, ResidencyError):
+    return False
+  return True
+
+
+def _build_demo_store(path: str, config: Any) -> None:
+  """Builds the seeded model and writes its store, in a child process.
+
+  The child's memory goes back to the system when it exits, so the peak RSS the
+  demo then measures is the same on the first run as on later ones.
+  """
+  size = fmt_bytes(config.unit_bytes() * config.n_layers)
+  status(f"first run: building a seeded {config.n_layers}-layer toy model ({size} of unit weights)")
+  status(f"writing it to {path} (once; later runs reuse it)")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  request = json.dumps({"path": path, "config": dataclasses.asdict(config), "seed": DEMO_SEED})
+  code = f"from {__name__} import write_demo_store as w; w({request!r})"
+  done = subprocess.run([sys.executable, "-c", code], check=False)
+  if done.returncode != 0:
+    raise CommandError(
+      f"building the demo store at {path} failed (exit code {done.returncode}; the error is "
+      "printed above)"
+    )
+
+
+def write_demo_store(request: str) -> None:
+  """The child process of :func:`_build_demo_store`.
+
+  The toy transformer's weights are drawn from a seeded NumPy generator (much
+  faster than running the model's own initialisers eagerly): LayerNorm scales 1,
+  biases 0, every other tensor uniform with variance ``1 / fan_in``.
+  """
+  import numpy as np  # noqa: PLC0415
+
+  from jax_residency._src.placement.split import split_model  # noqa: PLC0415
+  from jax_residency._src.store.writer import save_store  # noqa: PLC0415
+  from jax_residency._src.toy import ToyConfig  # noqa: PLC0415
+
+  spec = json.loads(request)
+  config, path, seed = ToyConfig(**spec["config"]), spec["path"], spec["seed"]
+  split = split_model(abstract_toy(config, seed))
+  rng = np.random.default_rng(seed)
+
+  def init(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    if name == "scale":
+      return np.ones(shape, dtype)
+    if name == "bias":
+      return np.zeros(shape, dtype)
+    fan_in = shape[-1] if name == "embedding" or len(shape) < 2 else shape[-2]
+    bound = np.sqrt(3.0 / fan_in)
+    return (rng.random(shape, dtype=np.float32) * (2 * bound) - bound).astype(dtype)
+
+  static = {
+    leaf.path: init(leaf.path[-1], leaf.shape, leaf.dtype) for leaf in split.static_leaves()
+  }
+  units = {}
+  for leaf in split.unit_leaves():
+    stacked = np.empty(leaf.shape, leaf.dtype)
+    for i in range(split.unit_count):
+      stacked[i] = init(leaf.path[-1], leaf.shape[1:], leaf.dtype)
+    units[split.unit_rel_path(leaf)] = stacked
+  save_store(
+    path,
+    static=static,
+    units=units,
+    unit_prefix=split.unit_path_prefix,
+    progress=None,
+    overwrite=os.path.exists(path),
+  )
+  write_model_record(path, config, seed)
+
+
+@dataclasses.dataclass
+class PolicyRun:
+  name: str
+  first_seconds: float
+  seconds: float
+  peak_rss_bytes: int | None
+  outputs: tuple[Any, ...]
+  report: Any
+  max_abs_diff: float | None = None
+  ok: bool | None = None
+
+
+@contextlib.contextmanager
+def _rss_peak() -> Iterator[dict[str, int | None]]:
+  """Tracks the process's peak RSS over the block (``None`` off Linux)."""
+  from jax_residency._src.report.sampling import ProcessMemorySampler  # noqa: PLC0415
+
+  out: dict[str, int | None] = {"peak": None}
+  with ProcessMemorySampler() as sampler:
+    try:
+      yield out
+    finally:
+      sample = sampler.sample()
+      out["peak"] = None if sample is None else sample["peak_rss_bytes"]
+
+
+def _run_policy(name: str, model: Any, policy: Any, tokens: Any, **place_kwargs: Any) -> PolicyRun:
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from jax_residency._src.placement.place import place  # noqa: PLC0415
+
+  with _rss_peak() as rss:
+    with place(model, policy, mesh=single_device_mesh(), **place_kwargs) as placed:
+      start = time.perf_counter()
+      first = np.asarray(jax.block_until_ready(placed(tokens)))
+      first_seconds = time.perf_counter() - start
+      start = time.perf_counter()
+      out = np.asarray(jax.block_until_ready(placed(tokens)))
+      seconds = time.perf_counter() - start
+      report = placed.report()
+  return PolicyRun(name, first_seconds, seconds, rss["peak"], (first, out), report)
+
+
+def check_parity(expected: Any, run: PolicyRun) -> None:
+  """Compares both passes' outputs with the plain model's."""
+  import numpy as np  # noqa: PLC0415
+
+  want = np.asarray(expected, np.float64)
+  tolerance = PARITY_ATOL + PARITY_RTOL * np.abs(want)
+  run.max_abs_diff, run.ok = 0.0, True
+  for out in run.outputs:
+    got = np.asarray(out, np.float64)
+    if got.shape != want.shape:
+      run.max_abs_diff, run.ok = float("inf"), False
+      continue
+    diff = np.abs(got - want)
+    run.max_abs_diff = max(run.max_abs_diff, float(diff.max()) if diff.size else 0.0)
+    run.ok = run.ok and bool(np.all(diff <= tolerance)) and bool(np.isfinite(got).all())
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from jax_residency._src.placement.split import split_model  # noqa: PLC0415
+  from jax_residency._src.policy.options import (  # noqa: PLC0415
+    DenseDiskStreamLoadOptions,
+    LayerwiseLoadOptions,
+    OffloadConfig,
+  )
+  from jax_residency._src.policy.types import DenseDiskStream, FullyResident, LayerwiseHost  # noqa: PLC0415
+  from jax_residency._src.toy import ToyConfig  # noqa: PLC0415
+
+  started = time.perf_counter()
+  if args.d_model % args.n_heads:
+    raise CommandError(f"--d-model {args.d_model} is not a multiple of --heads {args.n_heads}")
+  config = ToyConfig(
+    vocab=args.vocab,
+    d_model=args.d_model,
+    n_heads=args.n_heads,
+    d_ff=args.d_ff,
+    n_layers=args.layers,
+  )
+  path = demo_store_path(cache_root(args.cache_dir), config)
+  reused = not args.fresh and demo_store_ready(path, config)
+  if not reused:
+    _build_demo_store(path, config)
+
+  abstract = abstract_toy(config, DEMO_SEED)
+  split = split_model(abstract)
+  static_bytes = sum(leaf.nbytes for leaf in split.static_leaves())
+  unit_bytes = sum(leaf.nbytes for leaf in split.unit_leaves()) // split.unit_count
+  tokens = jax.random.randint(jax.random.key(1), (1, args.tokens), 0, config.vocab)
+  window = min(2, split.unit_count)
+  device_budget = static_bytes + window * unit_bytes
+  host_units = min(3, split.unit_count)
+  dense = DenseDiskStream(
+    DenseDiskStreamLoadOptions(
+      device_budget_bytes=device_budget,
+      host_budget_bytes=host_units * unit_bytes,
+      host_lookahead=min(2, host_units),
+      background_queue_capacity=2,
+      sample_process_memory=True,
+      sample_backend_memory=True,
+    )
+  )
+  layerwise = LayerwiseHost(
+    LayerwiseLoadOptions(
+      offload=OffloadConfig(device_budget_bytes=device_budget, prefetch_depth=window),
+      sample_process_memory=True,
+      sample_backend_memory=True,
+    )
+  )
+
+  # The dense stream runs first, from the abstract model: no weights are in memory
+  # but its own windows, so its peak RSS shows what streaming costs.
+  runs = {
+    "dense_disk_stream": _run_policy("dense_disk_stream", abstract, dense, tokens, store=path)
+  }
+  with open_store(path) as store:
+    model = load_concrete(abstract, store)
+  expected = np.asarray(jax.block_until_ready(model(tokens)))
+  runs["fully_resident"] = _run_policy("fully_resident", model, FullyResident(), tokens)
+  runs["layerwise_host"] = _run_policy("layerwise_host", model, layerwise, tokens)
+  ordered = [runs[name] for name in POLICY_NAMES]
+  for run in ordered:
+    check_parity(expected, run)
+  ok = all(run.ok for run in ordered)
+  total = time.perf_counter() - started
+
+  described = {
+    "model": {"kind": "toy", "config": dataclasses.asdict(config), "seed": DEMO_SEED},
+    "store": {"path": path, "reused": reused},
+    "tokens_shape": list(tokens.shape),
+    "static_bytes": static_bytes,
+    "unit_bytes": unit_bytes,
+    "units": split.unit_count,
+  }
+  if args.json:
+    emit_json(
+      {
+        **described,
+        "policies": [_demo_row_json(run) for run in ordered],
+        "ok": ok,
+        "seconds": total,
+        "process_seconds": _process_seconds(),
+      }
+    )
+    return 0 if ok else 1
+  device_text = f"device {fmt_bytes(device_budget)} (static + {window} units)"
+  lines = [
+    f"model:   seeded toy transformer, {split.unit_count} layers x {fmt_bytes(unit_bytes)} = "
+    f"{fmt_bytes(unit_bytes * split.unit_count)} of unit weights + "
+    f"{fmt_bytes(static_bytes)} static, {config.dtype}",
+    f"store:   {path} ({'reused' if reused else 'created'})",
+    f"input:   token ids {tuple(tokens.shape)}; per policy a cold pass, then the timed pass",
+    f"budgets: layerwise_host prefetch_depth {window}, {device_text}",
+    f"         dense_disk_stream {device_text}, host {fmt_bytes(host_units * unit_bytes)} "
+    f"({host_units} units), host_lookahead {min(2, host_units)}",
+    "",
+  ]
+  headers = (
+    "policy",
+    "pass time",
+    "peak RSS",
+    "device window",
+    "bytes read",
+    "cache hit rate",
+    "parity",
+  )
+  lines += table(headers, [_demo_row(run) for run in ordered])
+  lines += [
+    "",
+    "peak RSS: the whole process while the policy was placed and run. On CPU the device is",
+    "host memory too, and fully_resident / layerwise_host also hold the plain model.",
+    f"{'all outputs match the plain model' if ok else 'PARITY FAILED'}; "
+    f"{total:.1f} s ({_process_seconds():.1f} s since the process started)",
+  ]
+  emit("\n".join(lines))
+  return 0 if ok else 1
+
+
+def _process_seconds() -> float:
+  """Wall time since this process started (imports included)."""
+  import psutil  # noqa: PLC0415
+
+  return time.time() - psutil.Process().create_time()
+
+
+def _last_pass(run: PolicyRun) -> Any:
+  return run.report.passes[-1]
+
+
+def _demo_row(run: PolicyRun) -> list[str]:
+  p = _last_pass(run)
+  streams = run.name == "dense_disk_stream"
+  hit = p.host.hit_rate if streams and p.host is not None else None
+  tick = "✓" if can_encode("✓") else "ok"
+  cross = "✗" if can_encode("✗") else "FAIL"
+  if run.ok:
+    parity = tick if run.max_abs_diff == 0 else f"{tick} (max |diff| {run.max_abs_diff:.1e})"
+  else:
+    parity = f"{cross} max |diff| {run.max_abs_diff:.2e}"
+  return [
+    run.name,
+    fmt_seconds(run.seconds),
+    "n/a" if run.peak_rss_bytes is None else fmt_bytes(run.peak_rss_bytes),
+    f"{p.peak_device_units} units, {fmt_bytes(p.peak_device_bytes)}",
+    fmt_bytes(p.bytes_read) if streams else "-",
+    "-" if hit is None else f"{100 * hit:.0f}% (host)",
+    parity,
+  ]
+
+
+def _demo_row_json(run: PolicyRun) -> dict[str, Any]:
+  p = _last_pass(run)
+  return {
+    "policy": run.name,
+    "pass_seconds": run.seconds,
+    "first_pass_seconds": run.first_seconds,
+    "peak_rss_bytes": run.peak_rss_bytes,
+    "device_window_units": p.peak_device_units,
+    "device_window_bytes": p.peak_device_bytes,
+    "bytes_read": p.bytes_read,
+    "host_hit_rate": None if p.host is None else p.host.hit_rate,
+    "device_hit_rate": None if p.device is None else p.device.hit_rate,
+    "parity": {"ok": run.ok, "max_abs_diff": run.max_abs_diff},
+    "report": run.report.to_dict(),
+  }

@@ -1,0 +1,254 @@
+"""The one layer-loop primitive every policy runs through.
+
+Model code runs its stacked layers with :func:`scan_units` (NNX) or the Linen
+transform in :mod:`jax_residency._src.placement.linen` instead of ``nnx.scan`` /
+``nn.scan``. Outside a placed model these are exactly the Flax transforms. While
+a placed model traces its forward, a :class:`LoopContext` is active and the loop
+takes the shape the policy asks for:
+
+* ``FULLY_RESIDENT``: a plain ``lax.scan`` over the stacked unit parameters.
+* ``LAYERWISE_HOST``: the stacked parameters are ``pinned_host`` arguments; the
+  scan body moves unit *i* to ``device`` memory with ``jax.device_put``. With a
+  prefetch depth ``k >= 2`` the loop carries ``k - 1`` units already moved and
+  issues the move of unit ``i + k - 1`` while unit ``i`` computes (a software
+  pipeline: ``k - 1`` moves before the loop, one per step, and ``k - 1`` steps
+  after it that only compute).
+* ``DENSE_DISK_STREAM``: the forward is traced to a jaxpr with abstract unit
+  parameters; the loop appears as a ``scan`` over them, which the streaming
+  engine runs step by step with units read from disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.policy.types import ExecutionResidency
+
+Step = Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+@dataclasses.dataclass
+class LoopContext:
+  """What a placed forward tells the layer loop while it traces.
+
+  Attributes:
+    kind: how units are resident.
+    depth: device window in units (the prefetch depth for ``LAYERWISE_HOST``).
+    unit_shardings: the ``device`` sharding each leaf of one unit is moved to,
+      in the leaf order of the unit stack's pytree.
+    units_ref: the unit stack this placement streams: the rebuilt NNX module,
+      or for Linen the scope path of the stack. Set by the model's forward.
+    loops_run: how many unit loops ran while tracing (a placed forward checks
+      the model really ran its layers through the loop).
+  """
+
+  kind: ExecutionResidency
+  depth: int
+  unit_shardings: tuple[jax.sharding.Sharding, ...]
+  units_ref: Any = None
+  loops_run: int = 0
+
+  def claims(self, units: Any) -> bool:
+    """Whether ``units`` (a module or a Linen scope path) is the placed stack."""
+    if isinstance(units, tuple):
+      return units == self.units_ref
+    return units is self.units_ref
+
+  def run(
+    self, step: Step, carry: Any, units: Any, xs: Any, *, reverse: bool = False
+  ) -> tuple[Any, Any]:
+    """Runs ``step`` over the stacked ``units`` (and ``xs``) as the policy asks.
+
+    With ``reverse``, from the last unit to the first (as ``lax.scan``'s
+    ``reverse``: ``ys[i]`` is still unit ``i``'s output).
+    """
+    self.loops_run += 1
+    length = _leading_dim(units)
+    if self.kind is ExecutionResidency.LAYERWISE_HOST:
+      return _pipelined_host_scan(
+        step,
+        carry,
+        units,
+        xs,
+        depth=self.depth,
+        shardings=self.unit_shardings,
+        length=length,
+        reverse=reverse,
+      )
+    # FULLY_RESIDENT runs the plain scan; DENSE_DISK_STREAM traces it so the
+    # streaming engine can find it in the jaxpr and run it unit by unit.
+    return lax.scan(lambda c, ux: step(c, *ux), carry, (units, xs), reverse=reverse)
+
+
+def not_looped_error(unit_prefix: tuple[str, ...]) -> PlacementError:
+  """The error for a model whose forward never ran its layer stack through the loop."""
+  return PlacementError(
+    f"the model's forward never ran its layer stack {'.'.join(unit_prefix)!r} "
+    "through jax_residency.scan_units (NNX) or jax_residency.linen.scan (Linen); replace "
+    "its nnx.scan / nn.scan with that call so the policy can place the layers"
+  )
+
+
+_ACTIVE: contextvars.ContextVar[LoopContext | None] = contextvars.ContextVar(
+  "jax_residency_loop", default=None
+)
+
+
+@contextlib.contextmanager
+def active_loop(ctx: LoopContext) -> Iterator[LoopContext]:
+  """Makes ``ctx`` the loop context while a placed forward traces."""
+  token = _ACTIVE.set(ctx)
+  try:
+    yield ctx
+  finally:
+    _ACTIVE.reset(token)
+
+
+def current_loop() -> LoopContext | None:
+  """The loop context of the placed forward being traced, if any."""
+  return _ACTIVE.get()
+
+
+def _leading_dim(tree: Any) -> int:
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    raise PlacementError("the unit stack has no parameters; nothing to loop over")
+  return int(leaves[0].shape[0])
+
+
+def _fetch(units: Any, i: Any, shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
+  """Moves unit ``i`` of the host-resident stack to device memory."""
+  leaves, treedef = jax.tree.flatten(units)
+  if len(leaves) != len(shardings):
+    raise PlacementError(
+      f"the unit stack has {len(leaves)} parameters but was placed with {len(shardings)}; "
+      "the model's layer module changed after place() — place it again"
+    )
+  moved = [
+    jax.device_put(lax.dynamic_index_in_dim(a, i, 0, keepdims=False), s)
+    for a, s in zip(leaves, shardings, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, moved)
+
+
+def _pipelined_host_scan(
+  step: Step,
+  carry: Any,
+  units: Any,
+  xs: Any,
+  *,
+  depth: int,
+  shardings: tuple[jax.sharding.Sharding, ...],
+  length: int,
+  reverse: bool = False,
+) -> tuple[Any, Any]:
+  k = max(1, min(depth, length))
+  if k == 1:
+
+    def body1(c: Any, ix: tuple[Any, Any]) -> tuple[Any, Any]:
+      i, x = ix
+      return step(c, _fetch(units, i, shardings), x)
+
+    return lax.scan(body1, carry, (jnp.arange(length), xs), reverse=reverse)
+
+  # Prologue: units 0 .. k-2 start moving before the loop. Every step then
+  # computes the oldest carried unit while the move of unit i + k - 1 is issued.
+  # All `length` steps run in the one loop (the last k-1 re-issue the final
+  # unit's index rather than leaving the loop), so each layer's math is compiled
+  # exactly as in the plain model's scan.
+  # A reversed loop runs the same pipeline from the last unit down.
+  order = range(length - 1, -1, -1) if reverse else range(length)
+  window = tuple(_fetch(units, j, shardings) for j in order[: k - 1])
+
+  def ahead(i: Any) -> Any:
+    return jnp.maximum(i - (k - 1), 0) if reverse else jnp.minimum(i + (k - 1), length - 1)
+
+  def body(state: tuple[Any, tuple[Any, ...]], ix: tuple[Any, Any]) -> tuple[Any, Any]:
+    c, buf = state
+    i, x = ix
+    incoming = _fetch(units, ahead(i), shardings)
+    c, y = step(c, buf[0], x)
+    return (c, buf[1:] + (incoming,)), y
+
+  (carry, _), ys = lax.scan(body, (carry, window), (jnp.arange(length), xs), reverse=reverse)
+  return carry, ys
+
+
+def scan_units(
+  body: Callable[..., Any],
+  carry: Any,
+  units: nnx.Module,
+  xs: Any = None,
+  *,
+  outputs: bool = False,
+  reverse: bool = False,
+) -> Any:
+  """Runs ``body`` over the layers of a stacked NNX module.
+
+  A drop-in for the usual ``nnx.scan`` over a layer stack built with
+  ``nnx.vmap``: ``body(carry, layer)`` (or ``body(carry, layer, x)`` when ``xs``
+  is given) sees one layer and returns the new carry, or ``(carry, y)`` when
+  ``outputs=True``. Outside :func:`jax_residency.place` this is ``nnx.scan``;
+  inside, the policy decides where each layer's weights come from.
+
+  Args:
+    body: the per-layer function.
+    carry: the loop carry (e.g. the hidden state).
+    units: the stacked layer module (leading axis = layer index).
+    xs: optional per-layer inputs stacked on axis 0 (e.g. a KV cache).
+    outputs: whether ``body`` returns ``(carry, y)``; then the per-layer ``y``
+      are stacked and returned with the carry.
+    reverse: run from the last layer to the first (``ys`` stay in layer order).
+
+  Returns:
+    The final carry, or ``(carry, ys)`` when ``outputs=True``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> @nnx.vmap
+    ... def make(key):
+    ...   return nnx.Linear(4, 4, rngs=nnx.Rngs(key))
+    >>> layers = make(jax.random.split(jax.random.key(0), 3))
+    >>> y = jr.scan_units(lambda h, layer: jnp.tanh(layer(h)), jnp.ones((2, 4)), layers)
+    >>> y.shape
+    (2, 4)
+  """
+
+  def call(c: Any, layer: Any, x: Any) -> tuple[Any, Any]:
+    out = body(c, layer) if xs is None else body(c, layer, x)
+    return out if outputs else (out, None)
+
+  ctx = current_loop()
+  if ctx is None or not ctx.claims(units):
+    if xs is None:
+      c, ys = nnx.scan(
+        lambda c, layer: call(c, layer, None),
+        in_axes=(nnx.Carry, 0),
+        out_axes=(nnx.Carry, 0),
+        reverse=reverse,
+      )(carry, units)
+    else:
+      c, ys = nnx.scan(call, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), reverse=reverse)(
+        carry, units, xs
+      )
+    return (c, ys) if outputs else c
+
+  graphdef, state = nnx.split(units)
+
+  def step(c: Any, unit_state: Any, x: Any) -> tuple[Any, Any]:
+    return call(c, nnx.merge(graphdef, unit_state), x)
+
+  c, ys = ctx.run(step, carry, state, xs, reverse=reverse)
+  return (c, ys) if outputs else c

@@ -1,0 +1,3 @@
+"""What a user asks for: byte sizes, load options, the policy types, and the errors
+every stage raises.
+"""

@@ -1,0 +1,388 @@
+"""Load options of the weight-residency policies and their field checks (SPEC §1).
+
+Pure Python, no JAX: options can be built, validated, compared, hashed (so used
+as static `jax.jit` arguments) and serialized without a backend.
+
+* `OffloadConfig`: budgets, device window and eviction policy; every policy
+  resolves to one (see `LayerWeightResidency.offload()`).
+* `LayerwiseLoadOptions`: the controls of `LayerwiseHost`.
+* `DenseDiskStreamLoadOptions`: the controls of `DenseDiskStream`.
+
+Validation happens in `__post_init__`, so `dataclasses.replace` revalidates.
+Per object, fields are checked in declaration order (types, then ranges), then
+the cross-field rules. For `DenseDiskStreamLoadOptions` those rules apply in
+this order: `host_budget_bytes == 0` with any host control set raises
+`HostDisabledControlsError`; otherwise `host_lookahead < 1` raises
+`ZeroHostLookaheadError`, then `background_queue_capacity < 1` raises
+`ZeroQueueCapacityError`. Budgets may be given as size strings (`"512MiB"`) and
+are stored as ints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Self, TypeVar, cast
+
+from jax_residency._src.policy.errors import (
+  HostDisabledControlsError,
+  InvalidBudgetError,
+  InvalidPolicyValueError,
+  UnknownPolicyFieldError,
+  ZeroHostLookaheadError,
+  ZeroMaxCachedShardsError,
+  ZeroPrefetchDepthError,
+  ZeroQueueCapacityError,
+)
+from jax_residency._src.policy.sizes import GiB, format_bytes, parse_bytes
+
+DEFAULT_MAX_CACHED_SHARDS = 4
+"""Default bound on open checkpoint shard handles/readers."""
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+class CacheEvictionPolicy(enum.Enum):
+  """Which cached unit a full cache evicts first.
+
+  `LEAST_FREQUENTLY_USED` breaks ties by older last use first, then unit id.
+
+  Example:
+    >>> CacheEvictionPolicy.LEAST_RECENTLY_USED.value
+    'least_recently_used'
+  """
+
+  LEAST_RECENTLY_USED = "least_recently_used"
+  LEAST_FREQUENTLY_USED = "least_frequently_used"
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}.{self.name}"
+
+
+# --- field checks ----------------------------------------------------------
+
+
+def _budget(owner: str, field: str, value: object) -> int | None:
+  try:
+    return parse_bytes(cast(Any, value), name=field)
+  except InvalidBudgetError as e:
+    raise InvalidBudgetError(f"{owner}: {e}") from None
+
+
+def check_int(owner: str, field: str, value: object, example: int) -> int:
+  """Returns `value` as an int; a bool or non-integer raises, suggesting `field=example`."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise InvalidPolicyValueError(
+      f"{owner}: {field}={value!r} has type {type(value).__name__}; "
+      f"pass an int, e.g. {field}={example}."
+    )
+  return int(value)
+
+
+def _bool(owner: str, field: str, value: object) -> bool:
+  if not isinstance(value, bool):
+    raise InvalidPolicyValueError(
+      f"{owner}: {field}={value!r} has type {type(value).__name__}; pass True or False."
+    )
+  return value
+
+
+def _member(owner: str, field: str, value: object, kind: type[_E]) -> _E:
+  if not isinstance(value, kind):
+    members = ", ".join(repr(m) for m in kind)
+    raise InvalidPolicyValueError(
+      f"{owner}: {field}={value!r} has type {type(value).__name__}; pass one of {members}."
+    )
+  return value
+
+
+def _decode_member(owner: str, field: str, value: object, kind: type[_E]) -> object:
+  """Maps an enum's serialized name (any case) to the member; leaves non-strings alone."""
+  if not isinstance(value, str):
+    return value
+  for member in kind:
+    if value.lower() == member.value:
+      return member
+  valid = ", ".join(repr(m.value) for m in kind)
+  raise UnknownPolicyFieldError(f"{owner}: {field}={value!r} is not one of {valid}.")
+
+
+def check_keys(owner: str, data: object, valid: Iterable[str]) -> Mapping[str, Any]:
+  """Returns `data` if it is a mapping whose keys are all in `valid` (a `from_dict` input)."""
+  if not isinstance(data, Mapping):
+    raise InvalidPolicyValueError(
+      f"{owner}.from_dict got {type(data).__name__} {data!r}; pass a dict such as "
+      f"the one {owner}.to_dict() returns."
+    )
+  valid = list(valid)
+  for key in data:
+    if key not in valid:
+      raise UnknownPolicyFieldError(
+        f"{owner}: unknown key {key!r}; valid keys are {', '.join(map(repr, valid))}."
+      )
+  return data
+
+
+def _format_budget(n: int | None) -> str:
+  text = format_bytes(n)
+  try:
+    exact = parse_bytes(text) == n
+  except InvalidBudgetError:
+    exact = False
+  return text if exact else f"{text} ({n} B)"
+
+
+class _Options:
+  """Dict codec and human-unit repr shared by the option dataclasses."""
+
+  __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+  @classmethod
+  def default(cls) -> Self:
+    """Returns the instance with every field at its default."""
+    return cast(Any, cls)()
+
+  def to_dict(self) -> dict[str, Any]:
+    """Returns a JSON-compatible dict: budgets as ints, enums by lower-case name."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if isinstance(value, enum.Enum):
+        value = value.value
+      elif isinstance(value, _Options):
+        value = value.to_dict()
+      out[f.name] = value
+    return out
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> Self:
+    """Builds and validates an instance from `to_dict()` output; missing keys take defaults.
+
+    Budgets may also be size strings (`"512MiB"`). An unknown key, or an unknown
+    enum name, raises `UnknownPolicyFieldError`.
+    """
+    owner = cls.__name__
+    data = check_keys(owner, data, (f.name for f in dataclasses.fields(cls)))
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+      if key == "eviction_policy":
+        value = _decode_member(owner, key, value, CacheEvictionPolicy)
+      elif key == "offload" and isinstance(value, Mapping):
+        value = OffloadConfig.from_dict(value)
+      kwargs[key] = value
+    return cast(Any, cls)(**kwargs)
+
+  def _check_budgets(self) -> str:
+    """Validates ``device_budget_bytes`` / ``host_budget_bytes`` (parsing size strings); returns
+    the class name errors are reported under."""
+    owner = type(self).__name__
+    for name in ("device_budget_bytes", "host_budget_bytes"):
+      object.__setattr__(self, name, _budget(owner, name, getattr(self, name)))
+    return owner
+
+  def __repr__(self) -> str:
+    parts = []
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      text = _format_budget(value) if f.name.endswith("_budget_bytes") else repr(value)
+      parts.append(f"{f.name}={text}")
+    return f"{type(self).__name__}({', '.join(parts)})"
+
+
+# --- options ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class OffloadConfig(_Options):
+  """The shared offload configuration every policy resolves to (see `offload()`).
+
+  Attributes:
+    device_budget_bytes: bytes the execution device may hold for the model
+      (static parameters plus the unit window); `None` means unbounded, `0`
+      means nothing fits. Size strings such as `"4GiB"` are accepted.
+    host_budget_bytes: bytes the host cache may hold; `None` means unbounded.
+    prefetch_depth: units on device at once (the window); at least 1.
+    eviction_policy: which cached unit to evict first.
+
+  Example:
+    >>> cfg = OffloadConfig(device_budget_bytes="4GiB", prefetch_depth=2)
+    >>> cfg.device_budget_bytes
+    4294967296
+    >>> cfg  # doctest: +NORMALIZE_WHITESPACE
+    OffloadConfig(device_budget_bytes=4.0 GiB, host_budget_bytes=unbounded,
+      prefetch_depth=2, eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED)
+    >>> cfg.with_eviction_policy(CacheEvictionPolicy.LEAST_FREQUENTLY_USED).prefetch_depth
+    2
+  """
+
+  device_budget_bytes: int | None = None
+  host_budget_bytes: int | None = None
+  prefetch_depth: int = 1
+  eviction_policy: CacheEvictionPolicy = CacheEvictionPolicy.LEAST_RECENTLY_USED
+
+  def __post_init__(self) -> None:
+    owner = self._check_budgets()
+    set_ = object.__setattr__
+    depth = check_int(owner, "prefetch_depth", self.prefetch_depth, 1)
+    if depth < 1:
+      raise ZeroPrefetchDepthError(
+        f"{owner}: prefetch_depth={depth!r} must be >= 1; set prefetch_depth=1 for one unit "
+        "on device at a time, or more to overlap transfers with compute."
+      )
+    set_(self, "prefetch_depth", depth)
+    _member(owner, "eviction_policy", self.eviction_policy, CacheEvictionPolicy)
+
+  def with_eviction_policy(self, policy: CacheEvictionPolicy) -> OffloadConfig:
+    """Returns a copy with `eviction_policy` replaced."""
+    return dataclasses.replace(self, eviction_policy=policy)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class LayerwiseLoadOptions(_Options):
+  """Controls of `LayerwiseHost`: units in host memory, a device window of them.
+
+  Attributes:
+    offload: budgets, window (`prefetch_depth`) and eviction policy.
+    max_cached_shards: open checkpoint shard handles/readers kept; at least 1.
+    strict_loading: reject stored tensors the model does not claim.
+    sample_backend_memory: record the backend's memory statistics per pass.
+    sample_process_memory: record process RSS and page faults per pass.
+
+  Example:
+    >>> from jax_residency._src.policy.types import LayerwiseHost
+    >>> opts = LayerwiseLoadOptions(offload=OffloadConfig(prefetch_depth=2))
+    >>> LayerwiseHost(opts).device_depth(32)
+    2
+  """
+
+  offload: OffloadConfig = OffloadConfig()
+  max_cached_shards: int = DEFAULT_MAX_CACHED_SHARDS
+  strict_loading: bool = True
+  sample_backend_memory: bool = False
+  sample_process_memory: bool = False
+
+  def __post_init__(self) -> None:
+    owner = type(self).__name__
+    if not isinstance(self.offload, OffloadConfig):
+      raise InvalidPolicyValueError(
+        f"{owner}: offload={self.offload!r} has type {type(self.offload).__name__}; "
+        "pass an OffloadConfig, e.g. offload=OffloadConfig(prefetch_depth=2)."
+      )
+    object.__setattr__(self, "max_cached_shards", _max_cached_shards(owner, self.max_cached_shards))
+    for name in ("strict_loading", "sample_backend_memory", "sample_process_memory"):
+      _bool(owner, name, getattr(self, name))
+
+
+def _max_cached_shards(owner: str, value: object) -> int:
+  shards = check_int(owner, "max_cached_shards", value, DEFAULT_MAX_CACHED_SHARDS)
+  if shards < 1:
+    raise ZeroMaxCachedShardsError(
+      f"{owner}: max_cached_shards={shards!r} must be >= 1; set max_cached_shards="
+      f"{DEFAULT_MAX_CACHED_SHARDS} (the default) or another positive bound."
+    )
+  return shards
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class DenseDiskStreamLoadOptions(_Options):
+  """Controls of `DenseDiskStream`: units on disk, a host cache, a device window.
+
+  The defaults are those of `DenseDiskStreamLoadOptions.default()`: 4 GiB
+  device, 16 GiB host, lookahead 2, queue 2. `host_budget_bytes=0` selects
+  direct disk-to-device loading (no host cache, no background thread) and then
+  requires `host_lookahead=0` and `background_queue_capacity=0`.
+
+  Attributes:
+    device_budget_bytes: bytes the device may hold (static parameters plus a
+      window of `DENSE_TRANSFER_WINDOW` units); `None` means unbounded.
+    host_budget_bytes: bytes of the host unit cache; `None` means unbounded,
+      `0` disables the cache.
+    host_lookahead: units read ahead into (and protected in) the host cache.
+    background_queue_capacity: pending reads the prefetch worker's FIFO holds;
+      a full queue blocks the submitter.
+    eviction_policy: which cached unit to evict first.
+    max_cached_shards: open TensorStore handles/readers kept; at least 1.
+    strict_loading: reject stored tensors the model does not claim.
+    sample_backend_memory: record the backend's memory statistics per pass.
+    sample_process_memory: record process RSS and page faults per pass.
+
+  Example:
+    >>> from jax_residency._src.policy.types import DenseDiskStream
+    >>> opts = DenseDiskStreamLoadOptions(host_budget_bytes="512MiB", host_lookahead=3)
+    >>> opts.host_budget_bytes
+    536870912
+    >>> opts  # doctest: +NORMALIZE_WHITESPACE
+    DenseDiskStreamLoadOptions(device_budget_bytes=4.0 GiB, host_budget_bytes=512.0 MiB,
+      host_lookahead=3, background_queue_capacity=2,
+      eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED, max_cached_shards=4,
+      strict_loading=True, sample_backend_memory=False, sample_process_memory=False)
+    >>> direct = DenseDiskStreamLoadOptions(
+    ...     host_budget_bytes=0, host_lookahead=0, background_queue_capacity=0)
+    >>> DenseDiskStream(direct).offload().prefetch_depth
+    2
+  """
+
+  device_budget_bytes: int | None = 4 * GiB
+  host_budget_bytes: int | None = 16 * GiB
+  host_lookahead: int = 2
+  background_queue_capacity: int = 2
+  eviction_policy: CacheEvictionPolicy = CacheEvictionPolicy.LEAST_RECENTLY_USED
+  max_cached_shards: int = DEFAULT_MAX_CACHED_SHARDS
+  strict_loading: bool = True
+  sample_backend_memory: bool = False
+  sample_process_memory: bool = False
+
+  def __post_init__(self) -> None:
+    owner = self._check_budgets()
+    set_ = object.__setattr__
+    set_(self, "host_lookahead", check_int(owner, "host_lookahead", self.host_lookahead, 2))
+    set_(
+      self,
+      "background_queue_capacity",
+      check_int(owner, "background_queue_capacity", self.background_queue_capacity, 2),
+    )
+    self.validate()
+
+  def validate(self) -> None:
+    """Checks every field and the host-cache rules; raises on the first violation.
+
+    Raises:
+      HostDisabledControlsError: `host_budget_bytes == 0` and `host_lookahead`
+        or `background_queue_capacity` is not 0.
+      ZeroHostLookaheadError: a host cache (budget > 0 or `None`) with
+        `host_lookahead < 1`.
+      ZeroQueueCapacityError: a host cache with `background_queue_capacity < 1`.
+      InvalidBudgetError, InvalidPolicyValueError, ZeroMaxCachedShardsError:
+        a field has a bad type or value.
+    """
+    owner = type(self).__name__
+    _budget(owner, "device_budget_bytes", self.device_budget_bytes)
+    host = _budget(owner, "host_budget_bytes", self.host_budget_bytes)
+    lookahead = check_int(owner, "host_lookahead", self.host_lookahead, 2)
+    queue = check_int(owner, "background_queue_capacity", self.background_queue_capacity, 2)
+    _member(owner, "eviction_policy", self.eviction_policy, CacheEvictionPolicy)
+    _max_cached_shards(owner, self.max_cached_shards)
+    for name in ("strict_loading", "sample_backend_memory", "sample_process_memory"):
+      _bool(owner, name, getattr(self, name))
+    if host == 0:
+      if lookahead != 0 or queue != 0:
+        raise HostDisabledControlsError(
+          f"{owner}: host_budget_bytes=0 disables the host cache, but host_lookahead="
+          f"{lookahead!r} and background_queue_capacity={queue!r}; set both to 0 for direct "
+          "disk-to-device loading, or give host_budget_bytes > 0 to use a host cache."
+        )
+      return
+    if lookahead < 1:
+      raise ZeroHostLookaheadError(
+        f"{owner}: host_lookahead={lookahead!r} with host_budget_bytes={host!r} "
+        f"({format_bytes(host)}); set host_lookahead >= 1, or host_budget_bytes=0 "
+        "(with background_queue_capacity=0) for direct disk-to-device loading."
+      )
+    if queue < 1:
+      raise ZeroQueueCapacityError(
+        f"{owner}: background_queue_capacity={queue!r} with host_budget_bytes={host!r} "
+        f"({format_bytes(host)}); set background_queue_capacity >= 1, or host_budget_bytes=0 "
+        "(with host_lookahead=0) for direct disk-to-device loading."
+      )

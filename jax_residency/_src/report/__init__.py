@@ -1,0 +1,1 @@
+"""What passes moved and cost: pass reports, memory samplers, compile time."""

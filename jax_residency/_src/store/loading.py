@@ -1,0 +1,81 @@
+"""Opening a unit store for a model, and reading a model's weights from it.
+
+A dense stream keeps the store open and reads units on demand; the other
+policies read every weight once at placement, so a model saved with
+:func:`jax_residency.save` can be placed under any policy from its abstract
+(``nnx.eval_shape``) form without materialising its weights twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tqdm
+
+from jax_residency._src.placement.split import SplitModel
+from jax_residency._src.policy.errors import StoreError
+from jax_residency._src.store.unit_store import UnitStore
+
+
+def open_for(split: SplitModel, path: str, *, strict: bool, max_cached_shards: int) -> UnitStore:
+  """Opens ``path`` and checks it holds exactly what ``split`` expects.
+
+  Raises:
+    StoreNotFoundError: nothing at ``path``.
+    MissingCheckpointParametersError, CheckpointShapeMismatchError,
+    UnexpectedCheckpointParametersError: one error listing every bad path.
+    StoreError: the unit counts differ.
+  """
+  store = UnitStore.open(
+    path, unit_prefix=split.unit_path_prefix, max_cached_shards=max_cached_shards
+  )
+  try:
+    check_for(split, store, strict=strict)
+  except BaseException:
+    store.close()
+    raise
+  return store
+
+
+def check_for(split: SplitModel, store: UnitStore, *, strict: bool) -> None:
+  """Checks an open ``store`` holds exactly the tensors ``split`` expects (see `open_for`)."""
+  store.check_against(
+    {split.unit_rel_path(leaf): (leaf.shape[1:], leaf.dtype) for leaf in split.unit_leaves()},
+    {leaf.path: (leaf.shape, leaf.dtype) for leaf in split.static_leaves()},
+    strict=strict,
+  )
+  if store.unit_count != split.unit_count:
+    raise StoreError(
+      f"the store at {store.path!r} holds {store.unit_count} units but the model has "
+      f"{split.unit_count}; save this model again with jax_residency.save"
+    )
+
+
+def read_all(split: SplitModel, store: UnitStore, *, progress: bool | None = None) -> list[Any]:
+  """Every leaf of ``split`` read from ``store``, in leaf order (units stacked).
+
+  Units are read one at a time (two in flight) into one stacked buffer per
+  tensor, so host memory peaks at the model's size plus two units.
+  """
+  static = store.read_static()
+  values: list[Any] = [None] * len(split.leaves)
+  for i in split.static_index:
+    values[i] = static[split.leaves[i].path]
+  stacks = {i: np.empty(split.leaves[i].shape, split.leaves[i].dtype) for i in split.unit_index}
+  rel = {i: split.unit_rel_path(split.leaves[i]) for i in split.unit_index}
+  bar = tqdm.tqdm(
+    total=split.unit_count,
+    desc="reading units",
+    unit="unit",
+    disable=None if progress is None else not progress,  # None: only on a terminal
+    leave=False,
+  )
+  with bar:
+    for u, tensors in store.read_units(range(split.unit_count)):
+      for i, stack in stacks.items():
+        stack[u] = tensors[rel[i]]
+      bar.update(1)
+  for i in split.unit_index:
+    values[i] = stacks.pop(i)
+  return values

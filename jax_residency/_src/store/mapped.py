@@ -1,0 +1,253 @@
+"""Unit reads without a copy: a local store's chunk bytes mapped as arrays.
+
+On a CPU backend device memory is host memory, so a unit read into a buffer is
+a copy the model does not need: the page cache already holds the bytes. Where a
+unit tensor's chunk is stored raw (zarr3 ``bytes`` codec, little-endian, one
+chunk per unit, as `jax_residency.save` writes it) in a local file, at an offset
+XLA can alias (`ALIGNMENT`), `UnitMapper.map_unit` maps that file range
+read-only and returns arrays that view it; ``jax.device_put(..., may_alias=True)``
+then makes them device arrays with no copy at all.
+
+What it costs and holds:
+
+* A mapping is made with ``MAP_POPULATE``: the read thread faults the whole
+  range in (reading it from disk if it is not in the page cache), so the step
+  that uses the unit finds every page present. This is the "read" of a mapped
+  unit, and it overlaps the previous unit's step like any other read.
+* Mapped pages are the kernel's page cache: clean and file-backed, so they
+  count in the process's RSS while mapped (as a unit buffer would), but the
+  kernel may drop them under memory pressure and fault them in again, and no
+  two mappings of one file hold two copies. A mapping is undone when the last
+  array viewing it dies; `UnitMapper.mapped_bytes` counts what is mapped now.
+* A tensor that cannot be mapped (compressed, inline in the OCDBT index, not
+  aligned, a remote store) is read into a buffer as before; a unit may mix both.
+
+The chunk locations come from the store's OCDBT index (``ts.ocdbt.dump``), read
+once, on the first mapped read, for the version that is newest then. OCDBT data
+files are written once and never modified, so a mapping stays valid (and the
+arrays keep their values) even if the store is replaced on disk afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import mmap
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from jax_residency._src.typing import ParamPath
+
+_log = logging.getLogger(__name__)
+
+#: Byte alignment XLA's CPU client needs to use a host buffer in place.
+ALIGNMENT = 64
+#: Environment variable that, set to "0", turns mapped unit reads off.
+MAPPED_READS_ENV = "JAX_RESIDENCY_MAPPED_READS"
+
+
+def mapped_reads_enabled() -> bool:
+  """Whether mapped reads may be used (Linux or macOS, not opted out)."""
+  if os.environ.get(MAPPED_READS_ENV, "1").strip() in ("0", "false", "no", "off"):
+    return False
+  return sys.platform.startswith(("linux", "darwin")) and hasattr(mmap, "MAP_PRIVATE")
+
+
+@dataclasses.dataclass(frozen=True)
+class Extent:
+  """Where one chunk's bytes lie: a file, and an offset and length within it."""
+
+  file: str
+  offset: int
+  length: int
+
+
+def _parse_location(root: str, ref: str) -> Extent | None:
+  """``value:<base>:<relative file>:<offset>:<length>`` to an `Extent` under ``root``."""
+  head, _, sizes = ref.partition(":")
+  if head != "value":
+    return None
+  where, offset, length = sizes.rsplit(":", 2)
+  base, _, rel = where.partition(":")
+  path = os.path.normpath(os.path.join(root, base, rel))
+  if not path.startswith(os.path.normpath(root) + os.sep):
+    return None
+  return Extent(path, int(offset), int(length))
+
+
+def ocdbt_extents(root: str) -> dict[str, Extent]:
+  """Chunk key → `Extent` of every value stored out of line in the OCDBT database at ``root``.
+
+  Reads the manifest and the b-tree nodes of the newest version. Inline values
+  (small ones, kept in the index itself) have no extent.
+  """
+  base = ts.KvStore.open({"driver": "file", "path": root.rstrip("/") + "/"}).result()
+  manifest = ts.ocdbt.dump(base).result()
+  versions = manifest.get("versions") or []
+  if not versions:
+    return {}
+  newest = max(versions, key=lambda v: v.get("generation_number", 0))
+  location = (newest.get("root") or {}).get("location")
+  out: dict[str, Extent] = {}
+  pending = [location] if location else []
+  while pending:
+    node = ts.ocdbt.dump(base, pending.pop()).result()
+    for entry in node.get("entries", []):
+      if "location" in entry:  # an interior node: its children
+        pending.append(entry["location"])
+        continue
+      ref = entry.get("indirect_value")
+      if ref is None:
+        continue
+      key = entry["key"]
+      extent = _parse_location(root, ref)
+      if extent is not None:
+        out[key.decode() if isinstance(key, bytes) else str(key)] = extent
+  return out
+
+
+def mapped_size(shape: tuple[int, ...], dtype: np.dtype) -> int:
+  """Bytes a mapping of one such tensor counts: its bytes rounded up to whole pages,
+  as a read buffer would hold them (a chunk that starts inside a page maps one
+  page more, at most 4 KiB per tensor, not counted)."""
+  page = mmap.PAGESIZE
+  nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+  return -(-nbytes // page) * page
+
+
+def chunk_key(name: str, unit: int, ndim: int) -> str:
+  """The zarr3 key (default encoding) of unit ``unit``'s chunk of array ``name``."""
+  return f"{name}/c/" + "/".join([str(unit)] + ["0"] * (ndim - 1))
+
+
+class UnitMapper:
+  """Maps unit tensors' chunk bytes from a local store; thread-safe.
+
+  Args:
+    root: The store's local directory.
+    use_ocdbt: Whether the arrays live in an OCDBT database at ``root`` (else
+      each chunk is a file of its own under ``root/<array name>/c/``).
+    tensors: For each mappable unit tensor, by its path relative to the unit
+      prefix: (array name, per-unit shape, dtype).
+  """
+
+  def __init__(
+    self,
+    root: str,
+    *,
+    use_ocdbt: bool,
+    tensors: Mapping[ParamPath, tuple[str, tuple[int, ...], np.dtype]],
+  ):
+    self._root = root
+    self._use_ocdbt = use_ocdbt
+    self._tensors = dict(tensors)
+    self._extents: dict[str, Extent] | None = None
+    self._lock = threading.Lock()
+    self._mapped = 0
+    self._count_lock = threading.Lock()
+    # Sizes of mappings whose arrays died (appended by finalizers, see `_unmapped`).
+    self._unmapped_sizes: collections.deque[int] = collections.deque()
+    self.total_bytes = 0  # tensor bytes mapped so far
+    self.maps = 0
+    self.fallbacks = 0
+
+  @property
+  def mapped_bytes(self) -> int:
+    """Bytes of chunk ranges mapped now (alive as arrays somewhere)."""
+    with self._count_lock:
+      self._take_back_locked()
+      return self._mapped
+
+  def _take_back_locked(self) -> None:
+    while self._unmapped_sizes:
+      self._mapped -= self._unmapped_sizes.popleft()
+
+  def _extent(self, rel: ParamPath, unit: int) -> Extent | None:
+    with self._lock:
+      if self._extents is None:
+        try:
+          self._extents = ocdbt_extents(self._root) if self._use_ocdbt else {}
+        except Exception as e:  # noqa: BLE001 - an unreadable index only means copies
+          _log.debug("no mapped reads for %s: %s", self._root, e)
+          self._extents = {}
+    name, shape, _ = self._tensors[rel]
+    key = chunk_key(name, unit, len(shape) + 1)
+    if self._use_ocdbt:
+      return self._extents.get(key)
+    path = os.path.join(self._root, *key.split("/"))
+    try:
+      return Extent(path, 0, os.stat(path).st_size)
+    except OSError:
+      return None
+
+  def map_unit(self, unit: int) -> dict[ParamPath, np.ndarray]:
+    """Maps what can be mapped of unit ``unit``; tensors missing from the result
+    must be read (their chunk is inline, compressed, unaligned or unreadable)."""
+    out = {}
+    for rel, (_, shape, dtype) in self._tensors.items():
+      extent = self._extent(rel, unit)
+      nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+      array = None
+      if extent is not None and extent.length == nbytes and nbytes:
+        array = self._map(extent, shape, dtype)
+      if array is None:
+        self.fallbacks += 1
+      else:
+        out[rel] = array
+    return out
+
+  def _map(self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
+    skip = extent.offset - start
+    if skip % ALIGNMENT:
+      return None
+    try:
+      fd = os.open(extent.file, os.O_RDONLY)
+    except OSError:
+      return None
+    try:
+      # A file shorter than the extent (truncated, replaced) would fault with
+      # SIGBUS on access: such chunks are read instead, and the read reports it.
+      if os.fstat(fd).st_size < extent.offset + extent.length:
+        return None
+      flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+      region = mmap.mmap(fd, skip + extent.length, flags=flags, prot=mmap.PROT_READ, offset=start)
+    except OSError:
+      return None
+    finally:
+      os.close(fd)
+    size = mapped_size(shape, dtype)
+    with self._count_lock:
+      self._take_back_locked()
+      self._mapped += size
+      self.maps += 1
+      self.total_bytes += extent.length
+    count = int(np.prod(shape, dtype=np.int64))
+    array = np.frombuffer(region, dtype, count, skip).reshape(shape)
+    done = weakref.finalize(region, self._unmapped, size)
+    done.atexit = False
+    return array
+
+  def _unmapped(self, size: int) -> None:
+    # Runs from a finalizer, possibly inside a garbage collection on a thread
+    # that holds `_count_lock`: it only appends (atomic); locked methods count it.
+    self._unmapped_sizes.append(size)
+
+
+def mappable(meta: Any) -> bool:
+  """Whether zarr3 array metadata stores each chunk as raw native-order bytes."""
+  if not isinstance(meta, dict) or meta.get("zarr_format") != 3:
+    return False
+  codecs = meta.get("codecs", [])
+  if len(codecs) != 1 or codecs[0].get("name") != "bytes":
+    return False
+  endian = (codecs[0].get("configuration") or {}).get("endian", sys.byteorder)
+  return endian == sys.byteorder

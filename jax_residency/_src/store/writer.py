@@ -1,0 +1,434 @@
+"""Writing unit stores: `save_store` and `rechunk_store`.
+
+Stores are written into a temporary sibling directory and renamed into place
+only when complete (local paths), with one uncompressed chunk per unit for the
+stacked layers; see `unit_store.py` for the layout and for reading.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorstore as ts
+import tqdm
+
+from jax_residency._src.policy import errors
+from jax_residency._src.store import mapped
+from jax_residency._src.store import reads as readers
+from jax_residency._src.store.unit_store import (
+  FORMAT_NAME,
+  FORMAT_VERSION,
+  SIDECAR_KEY,
+  StoreInfo,
+  _as_path,
+  _name,
+  _nbytes,
+  _open_store,
+)
+from jax_residency._src.typing import ParamPath
+
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike
+
+_CHECKPOINT_MARKERS = ("_METADATA", "manifest.ocdbt", SIDECAR_KEY)
+#: Bytes a writer lets be in flight before it waits for the oldest write.
+WRITE_IN_FLIGHT_BYTES = 256 << 20
+_TMP_TAG = ".jax-residency-tmp-"
+_OLD_TAG = ".jax-residency-old-"
+
+
+def _orbax_metadata(paths: Iterable[ParamPath]) -> dict[str, Any]:
+  tree = {
+    str(path): {
+      "key_metadata": [{"key": k, "key_type": 2} for k in path],
+      "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False},
+    }
+    for path in sorted(paths)
+  }
+  return {
+    "tree_metadata": tree,
+    "use_ocdbt": True,
+    "use_zarr3": True,
+    "store_array_data_equal_to_fill_value": True,
+    "custom_metadata": None,
+  }
+
+
+def _write_chunk(handle: ts.TensorStore, index: Any, value: np.ndarray) -> Any:
+  """Starts one chunk write (a seam for tests to inject failures)."""
+  return handle[index].write(value)
+
+
+class _StoreWriter:
+  """Writes one store into a temporary sibling, renamed into place on `commit`.
+
+  For non-local kvstores (`memory://`, `gs://`...) it writes in place, markers
+  (`_METADATA`, the sidecar) last. Writes are bounded to `WRITE_IN_FLIGHT_BYTES`.
+  """
+
+  def __init__(self, path: str, *, overwrite: bool, progress: bool | None, total: int, desc: str):
+    self.dest = readers.locate(path)
+    self._overwrite = overwrite
+    self._pending: collections.deque[tuple[Any, int]] = collections.deque()
+    self._in_flight = 0
+    self._paths: list[ParamPath] = []
+    self._check_destination()
+    self._tmp: str | None = None
+    if self.dest.local is not None:
+      parent, base = os.path.split(self.dest.local)
+      os.makedirs(parent, exist_ok=True)
+      self._tmp = os.path.join(parent, f".{base}{_TMP_TAG}{uuid.uuid4().hex[:8]}")
+      os.mkdir(self._tmp)
+      self.target = readers.locate(self._tmp)
+    else:
+      self.target = self.dest
+      if overwrite:
+        self._delete_all(self.dest)
+    self.context = readers.store_context()
+    self._ocdbt = readers.ocdbt_spec(self.target, write=True)
+    show = sys.stderr.isatty() if progress is None else progress
+    self._bar = tqdm.tqdm(
+      total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not show
+    )
+
+  def _check_destination(self) -> None:
+    if self.dest.local is not None:
+      if not os.path.lexists(self.dest.local):
+        return
+      entries = os.listdir(self.dest.local) if os.path.isdir(self.dest.local) else None
+      if entries is None or (entries and not set(entries) & set(_CHECKPOINT_MARKERS)):
+        raise errors.StoreError(
+          f"Refusing to write a store over {self.dest.path}: it exists and is not a "
+          "checkpoint directory. Choose another path or remove it yourself."
+        )
+      exists = True
+    else:
+      kv = ts.KvStore.open(self.dest.base, context=readers.store_context()).result()
+      exists = any(kv.read(k).result().state == "value" for k in _CHECKPOINT_MARKERS)
+    if exists and not self._overwrite:
+      raise errors.StoreError(
+        f"A store already exists at {self.dest.path}. Pass overwrite=True to replace "
+        "it, or choose another path."
+      )
+
+  @staticmethod
+  def _delete_all(loc: readers.Location) -> None:
+    kv = ts.KvStore.open(loc.base, context=readers.store_context()).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+
+  def create(
+    self, path: ParamPath, shape: tuple[int, ...], dtype: np.dtype, chunk: Sequence[int]
+  ) -> ts.TensorStore:
+    endian = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    metadata = {
+      "shape": list(shape),
+      "data_type": ts.dtype(dtype).name,
+      "chunk_grid": {
+        "name": "regular",
+        "configuration": {"chunk_shape": [max(1, c) for c in chunk]},
+      },
+      "codecs": endian if dtype.itemsize > 1 else [{"name": "bytes"}],
+    }
+    spec = {
+      "driver": "zarr3",
+      "kvstore": {**self._ocdbt, "path": _name(path) + "/"},
+      "metadata": metadata,
+      "store_data_equal_to_fill_value": True,
+    }
+    self._paths.append(path)
+    try:
+      return ts.open(spec, context=self.context, create=True).result()
+    except ValueError as e:
+      raise errors.StoreError(f"Cannot create array {_name(path)!r} ({dtype}, {shape}): {e}") from e
+
+  def write(self, handle: ts.TensorStore, index: Any, value: np.ndarray) -> None:
+    # OCDBT packs the values a batch of writes commits back to back in one data
+    # file. A value whose size is not a multiple of `mapped.ALIGNMENT` (and too
+    # big to sit inline in the index) would shift every value after it off the
+    # alignment that mapped reads need, so it is written alone: the writes
+    # before it land first, and it lands before any write after it starts.
+    odd = value.nbytes % mapped.ALIGNMENT and value.nbytes > readers.OCDBT_INLINE_BYTES
+    if odd:
+      self._drain()
+    self._pending.append((_write_chunk(handle, index, value), value.nbytes))
+    if odd:
+      self._drain()
+      return
+    self._in_flight += value.nbytes
+    while self._in_flight > WRITE_IN_FLIGHT_BYTES and len(self._pending) > 1:
+      self._wait_oldest()
+
+  def _wait_oldest(self) -> None:
+    future, nbytes = self._pending.popleft()
+    self._in_flight -= nbytes
+    future.result()
+    self._bar.update(nbytes)
+
+  def _drain(self) -> None:
+    while self._pending:
+      self._wait_oldest()
+
+  def commit(self, *, unit_prefix: ParamPath, unit_count: int) -> None:
+    self._drain()
+    kv = ts.KvStore.open(self.target.base, context=self.context).result()
+    sidecar = {
+      "format": FORMAT_NAME,
+      "format_version": FORMAT_VERSION,
+      "unit_prefix": list(unit_prefix),
+      "unit_count": unit_count,
+    }
+    for key, value in (
+      ("_METADATA", _orbax_metadata(self._paths)),
+      (SIDECAR_KEY, sidecar),
+      ("commit_success.txt", f"Checkpoint commit was successful to {self.dest.path}"),
+    ):
+      text = value if isinstance(value, str) else json.dumps(value, indent=1)
+      kv.write(key, text.encode()).result()
+    self._bar.close()
+    if self._tmp is None:
+      return
+    assert self.dest.local is not None
+    old = None
+    if os.path.lexists(self.dest.local):
+      parent, base = os.path.split(self.dest.local)
+      old = os.path.join(parent, f".{base}{_OLD_TAG}{uuid.uuid4().hex[:8]}")
+      os.rename(self.dest.local, old)
+    try:
+      os.rename(self._tmp, self.dest.local)
+    except OSError:
+      if old is not None:
+        os.rename(old, self.dest.local)
+      raise
+    self._tmp = None
+    _fsync_dir(os.path.dirname(self.dest.local))
+    if old is not None:
+      shutil.rmtree(old, ignore_errors=True)
+
+  def abort(self) -> None:
+    """Waits for in-flight writes, then removes everything written."""
+    for future, _ in self._pending:
+      try:
+        future.result()
+      except Exception:  # noqa: BLE001 - the original error is what matters.
+        pass
+    self._pending.clear()
+    self._bar.close()
+    if self._tmp is not None:
+      shutil.rmtree(self._tmp, ignore_errors=True)
+      self._tmp = None
+    elif self.dest.local is None:
+      try:
+        self._delete_all(self.dest)
+      except ValueError:
+        pass
+
+
+def _fsync_dir(path: str) -> None:
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def _host(value: Any) -> Any:
+  """Keeps array-likes with shape/dtype as they are (sliced lazily); else numpy."""
+  if hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "__getitem__"):
+    return value
+  return np.asarray(value)
+
+
+def _native(value: Any, dtype: np.dtype) -> np.ndarray:
+  return np.asarray(np.asarray(value), dtype=dtype, order="C")
+
+
+def _check_paths(full: Mapping[ParamPath, Any], unit_prefix: ParamPath) -> None:
+  problems = []
+  names = collections.Counter(_name(p) for p in full)
+  problems += [f"{n}: several paths join to this Orbax name" for n, c in names.items() if c > 1]
+  problems += [
+    f"{_name(p)}: a path component contains '/'" for p in full if any("/" in k for k in p)
+  ]
+  problems += [f"{_name(p)}: an empty path" for p in full if not p]
+  keys = sorted(full)
+  problems += [
+    f"{_name(a)}: is a prefix of {_name(b)}"
+    for a, b in zip(keys, keys[1:], strict=False)
+    if b[: len(a)] == a
+  ]
+  if problems:
+    raise errors.StoreError(
+      f"Cannot save these parameter paths (unit_prefix={unit_prefix}) as one Orbax tree:\n"
+      f"{errors.format_paths(problems)}\nRename the parameters or choose another unit_prefix."
+    )
+
+
+def save_store(
+  path: str,
+  *,
+  static: Mapping[tuple[str, ...], ArrayLike],
+  units: Mapping[tuple[str, ...], ArrayLike],
+  unit_prefix: tuple[str, ...],
+  progress: bool | None = None,
+  overwrite: bool = False,
+) -> StoreInfo:
+  """Writes a streamable, Orbax-compatible store.
+
+  Local paths are written into a temporary sibling directory and renamed into
+  place when complete, so a failed save leaves nothing behind (and a failed
+  overwrite leaves the old store intact). Other kvstores (`memory://`, `gs://`...)
+  are written in place, Orbax's `_METADATA` and the sidecar last; there,
+  `overwrite` deletes the old store first and a failed save deletes what it wrote.
+  Path components are converted with `str()`.
+
+  Args:
+    path: Local directory or TensorStore kvstore URL of the checkpoint.
+    static: Full path -> array, for parameters that are not per unit.
+    units: Path relative to `unit_prefix` -> array stacked on axis 0 (leading
+      dimension = unit count, equal for all).
+    unit_prefix: Path of the unit subtree, e.g. `("params", "layers")`.
+    progress: Show a progress bar over bytes written; None shows it when stderr
+      is a terminal.
+    overwrite: Replace an existing store at `path`.
+
+  Returns:
+    A `StoreInfo` describing what was written.
+
+  Raises:
+    StoreError: `path` holds a store and `overwrite` is False; units disagree on
+      their count; paths collide as Orbax names; or a dtype is unsupported.
+  """
+  prefix = _as_path(unit_prefix)
+  if not prefix:
+    raise errors.StoreError("unit_prefix must name the unit subtree, e.g. ('layers',); got ().")
+  if not units:
+    raise errors.StoreError(f"save_store needs at least one unit array under {prefix}; got none.")
+  unit_arrays = {_as_path(k): _host(v) for k, v in units.items()}
+  static_arrays = {_as_path(k): _host(v) for k, v in static.items()}
+  clash = [_name(p) for p in static_arrays if p[: len(prefix)] == prefix]
+  if clash:
+    raise errors.StoreError(
+      f"Static paths lie under unit_prefix={prefix}, where only units belong:\n"
+      f"{errors.format_paths(clash)}\nPass them in `units` (stacked) or change unit_prefix."
+    )
+  leading = {_name(prefix + p): (a.shape[0] if a.shape else None) for p, a in unit_arrays.items()}
+  if len(set(leading.values())) != 1 or None in leading.values():
+    raise errors.StoreError(
+      "Unit arrays must be stacked on axis 0 with one common unit count; found:\n"
+      f"{errors.format_paths(f'{k}: leading dim {v}' for k, v in leading.items())}\n"
+      "Stack each unit parameter over the same layers."
+    )
+  unit_count = int(next(iter(leading.values())) or 0)
+  full = {**static_arrays, **{prefix + p: a for p, a in unit_arrays.items()}}
+  _check_paths(full, prefix)
+  dtypes = {p: np.dtype(a.dtype).newbyteorder("=") for p, a in full.items()}
+  unit_nbytes = sum(_nbytes(a.shape[1:], dtypes[prefix + p]) for p, a in unit_arrays.items())
+  static_nbytes = sum(_nbytes(a.shape, dtypes[p]) for p, a in static_arrays.items())
+  writer = _StoreWriter(
+    path,
+    overwrite=overwrite,
+    progress=progress,
+    total=unit_nbytes * unit_count + static_nbytes,
+    desc="save_store",
+  )
+  try:
+    for p, a in sorted(static_arrays.items()):
+      handle = writer.create(p, tuple(a.shape), dtypes[p], a.shape)
+      writer.write(handle, (), _native(a, dtypes[p]))
+    handles = {}
+    for p, a in sorted(unit_arrays.items()):
+      shape = tuple(a.shape)
+      handles[p] = writer.create(prefix + p, shape, dtypes[prefix + p], (1, *shape[1:]))
+    for i in range(unit_count):
+      for p, a in sorted(unit_arrays.items()):
+        writer.write(handles[p], i, _native(a[i], dtypes[prefix + p]))
+    writer.commit(unit_prefix=prefix, unit_count=unit_count)
+  except BaseException:
+    writer.abort()
+    raise
+  return StoreInfo(
+    path=path,
+    unit_prefix=prefix,
+    unit_count=unit_count,
+    unit_nbytes=unit_nbytes,
+    static_nbytes=static_nbytes,
+  )
+
+
+def _read_unit_slice(handle: ts.TensorStore, i: int) -> np.ndarray:
+  """Reads unit `i` of a stacked array (a seam for tests to observe)."""
+  return handle[i].read().result()
+
+
+def rechunk_store(
+  src: str,
+  dst: str,
+  *,
+  unit_prefix: tuple[str, ...] | None = None,
+  progress: bool | None = None,
+  overwrite: bool = False,
+) -> StoreInfo:
+  """Copies a checkpoint into a streamable store: one uncompressed chunk per unit.
+
+  Unit arrays are copied one unit at a time, array by array, so the whole model
+  is never in memory: the peak is one source chunk (for a whole-array-chunked
+  source, one stacked tensor, kept decoded while its units are copied) plus
+  `WRITE_IN_FLIGHT_BYTES` of pending writes. Written into a temporary sibling
+  and renamed into place, like `save_store`.
+
+  Args:
+    src: The checkpoint to convert (any chunking or compression).
+    dst: Where to write the streamable store.
+    unit_prefix: The unit subtree; defaults to the one in `src`'s sidecar.
+    progress: As for `save_store`.
+    overwrite: Replace an existing store at `dst`.
+  """
+  if readers.locate(src) == readers.locate(dst):
+    raise errors.StoreError(f"rechunk_store needs a destination other than the source {src}.")
+  source = _open_store(
+    src,
+    unit_prefix=unit_prefix,
+    max_cached_shards=1,
+    require_unit_chunks=False,
+    spare_unit_buffers=0,
+    cache_largest_chunk=True,
+  )
+  prefix = source.unit_prefix
+  info = source.info
+  writer = _StoreWriter(
+    dst,
+    overwrite=overwrite,
+    progress=progress,
+    total=info.total_unit_bytes + info.static_nbytes,
+    desc="rechunk_store",
+  )
+  try:
+    for p, a in source._static.items():
+      handle = writer.create(p, a.shape, a.dtype, a.shape)
+      writer.write(handle, (), source._handles.get(_name(p)).read().result())
+    for p, a in source._units.items():
+      handle = writer.create(prefix + p, a.shape, a.dtype, (1, *a.shape[1:]))
+      src_handle = source._handles.get(_name(prefix + p))
+      for i in range(source.unit_count):
+        writer.write(handle, i, _read_unit_slice(src_handle, i))
+    writer.commit(unit_prefix=prefix, unit_count=source.unit_count)
+  except BaseException:
+    writer.abort()
+    raise
+  finally:
+    source.close()
+  return dataclasses.replace(info, path=dst)

@@ -1,0 +1,3 @@
+"""A dense disk stream: the staged forward, the engine, its byte-bounded tiers (the
+ledger) and the background reader.
+"""

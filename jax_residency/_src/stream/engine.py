@@ -1,0 +1,577 @@
+"""The dense disk stream: units cold on disk, through bounded host and device caches.
+
+:class:`DenseStreamEngine` runs a staged forward (:mod:`.staged`) and answers
+its ``fetch(i)`` calls:
+
+* the **device tier** of the :class:`~.ledger.ResidencyLedger` holds at most
+  the window of ``DENSE_TRANSFER_WINDOW`` units (current + next) within
+  ``device_budget_bytes`` minus the static bytes; after unit *i* is dispatched,
+  unit *i + 1* is moved in while *i* computes;
+* the **host tier** holds numpy copies within ``host_budget_bytes``, filled
+  ahead by the :class:`~.prefetch.PrefetchWorker` (``host_lookahead`` units
+  protected ahead of the current one);
+* with ``host_budget_bytes == 0`` there is no host tier and no thread: units go
+  straight from the store to the device.
+
+Counters are per pass and committed only when the pass succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+try:  # XLA's deferred-reference pass, see release_dropped_buffers
+  from jax._src.lib import _jax as _jax_lib
+except ImportError:  # pragma: no cover - a jaxlib that moved it
+  _jax_lib = None
+
+from jax_residency._src.placement import shardings as pl
+from jax_residency._src.placement.budget import ModelMetadata
+from jax_residency._src.placement.split import SplitModel, path_str
+from jax_residency._src.placement.unit_loop import LoopContext, not_looped_error
+from jax_residency._src.policy.errors import AdmissionError, StoreError
+from jax_residency._src.policy.types import DenseDiskStream
+from jax_residency._src.report.telemetry import PassCounters, Telemetry, TimelinePoint
+from jax_residency._src.store.loading import open_for
+from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger, Tier
+from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker
+from jax_residency._src.stream.staged import StagedForward, run_staged, trace
+from jax_residency._src.typing import ParamPath
+
+#: Platforms whose unit steps run inside a one-trip while loop. On CPU that
+#: compiles each step as the plain model's scanned loop body, bit for bit; on
+#: accelerators a plain per-step program avoids the loop control.
+STEP_IN_LOOP_PLATFORMS = frozenset({"cpu"})
+
+
+class UnitSource(Protocol):
+  """What the engine needs from a unit store."""
+
+  @property
+  def unit_count(self) -> int: ...
+
+  def read_unit(
+    self, i: int, /, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
+  ) -> Mapping[ParamPath, np.ndarray]: ...
+
+
+class DenseStreamEngine:
+  """Feeds a staged forward's unit loop from a store through the ledger."""
+
+  def __init__(
+    self,
+    *,
+    split: SplitModel,
+    policy: DenseDiskStream,
+    source: UnitSource,
+    static: list[jax.Array],
+    unit_shardings: Sequence[jax.sharding.Sharding],
+    metadata: ModelMetadata,
+    telemetry: Telemetry,
+  ) -> None:
+    opts = policy.options
+    self._split = split
+    self._policy = policy
+    self._source = source
+    self._static = static
+    self._unit_shardings = list(unit_shardings)
+    device: Any = next(iter(self._unit_shardings[0].device_set))
+    self._platform = str(device.platform)
+    self._metadata = metadata
+    self._telemetry = telemetry
+    self._rel_paths = [split.unit_rel_path(leaf) for leaf in split.unit_leaves()]
+    self._unit_shapes = [leaf.shape[1:] for leaf in split.unit_leaves()]
+    # Multi-process meshes: each process reads only the box of each tensor that
+    # its own devices hold (``None`` when every device is this process's).
+    boxes = [
+      addressable_box(s, shape)
+      for s, shape in zip(self._unit_shardings, self._unit_shapes, strict=True)
+    ]
+    self._read_index: dict[ParamPath, tuple[slice, ...]] | None = None
+    if any(b is not None for b in boxes):
+      self._read_index = {
+        p: (b if b is not None else ()) for p, b in zip(self._rel_paths, boxes, strict=True)
+      }
+    # Bytes of one unit as this process reads and holds it (its boxes only, on a
+    # multi-process mesh); the load-time budget check counted whole units.
+    self._host_unit_bytes = metadata.unit_bytes[0] if metadata.unit_bytes else 0
+    if self._read_index is not None:
+      self._host_unit_bytes = sum(
+        _box_nbytes(leaf.shape[1:], leaf.dtype, self._read_index[p])
+        for p, leaf in zip(self._rel_paths, split.unit_leaves(), strict=True)
+      )
+    self._device_unit_bytes = metadata.largest_device_unit_bytes
+    self._unit_count = metadata.layer_count
+    self._lookahead = opts.host_lookahead
+    self._host_enabled = opts.host_budget_bytes != 0
+    # The device tier holds the window (current + next unit), within the budget
+    # left after the static parameters (the load-time check made sure it fits).
+    unit_device_budget = metadata.device_window_bytes
+    # On an accelerator one unit of the host budget is the staging buffer of the
+    # unit in transit (see plan.staging_bytes); the host cache gets the rest.
+    staging = metadata.item_bytes("staging")
+    host_budget = opts.host_budget_bytes
+    if self._host_enabled and host_budget is not None:
+      host_budget -= staging
+    self.ledger = ResidencyLedger(
+      host_budget_bytes=host_budget if self._host_enabled else 0,
+      device_budget_bytes=unit_device_budget,
+      eviction_policy=opts.eviction_policy,
+      on_evict=self._on_evict,
+    )
+    # Idle read buffers are kept for reuse only while every buffer, live or idle,
+    # fits what the plan gives host-side unit buffers: the host cache, the
+    # staging unit, and (CPU) the device window, whose arrays are read buffers.
+    limit_buffers = getattr(source, "limit_buffers", None)
+    if limit_buffers is not None:
+      window = metadata.device_window_units if metadata.device_is_host else 0
+      cached = metadata.item_bytes("host cache") + staging
+      units = window + (cached // self._host_unit_bytes if self._host_unit_bytes else 0)
+      limit_buffers(units, reclaim=release_dropped_buffers)
+    # Where device memory is host memory, whole units are mapped from the store's
+    # files instead of copied (see `mapped`): the page cache is the read buffer.
+    use_mapped = getattr(source, "use_mapped_reads", None)
+    self.mapped_reads = bool(
+      use_mapped is not None
+      and metadata.device_is_host
+      and self._read_index is None
+      and use_mapped()
+    )
+    self.worker: PrefetchWorker | None = None
+    if self._host_enabled:
+      self.worker = PrefetchWorker(self._prefetch, capacity=opts.background_queue_capacity)
+    self._counters = PassCounters()
+    self._counters_lock = threading.Lock()
+    self._ahead: dict[int, tuple[Reservation, Callable[[], Mapping[ParamPath, np.ndarray]]]] = {}
+    self._ahead_lock = threading.Lock()
+    self._staged: dict[Any, StagedForward] = {}
+    self._pass_start = time.perf_counter()
+    self._mapped_at_start = 0
+    self._run_lock = threading.Lock()
+
+  # --- a pass ----------------------------------------------------------------
+
+  def run(self, *args: Any, **kwargs: Any) -> Any:
+    """One forward pass; counters are committed only if it succeeds."""
+    with self._run_lock:
+      staged = self._stage(args, kwargs)
+      self._begin_pass()
+      start = self._pass_start = time.perf_counter()
+      ok = False
+      try:
+        out = run_staged(
+          staged,
+          self._static,
+          (args, kwargs),
+          unit_count=self._unit_count,
+          fetch=self._fetch,
+          after_step=self._after_step,
+        )
+        out = jax.block_until_ready(out)
+        with self._counters_lock:
+          self._counters.step_temp_bytes = staged.step_temp_bytes or 0
+        ok = True
+        return out
+      finally:
+        self._end_pass(ok, args, time.perf_counter() - start)
+
+  def _stage(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StagedForward:
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    key = (tree, tuple((np.shape(x), jax.dtypes.result_type(x)) for x in leaves))
+    staged = self._staged.get(key)
+    if staged is None:
+      unit_specs = [
+        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self._split.unit_leaves()
+      ]
+      staged = trace(self._forward, self._static, unit_specs, (args, kwargs))
+      staged.in_loop = self._platform in STEP_IN_LOOP_PLATFORMS
+      if staged.unit_loop_count == 0:
+        raise not_looped_error(self._split.unit_prefix)
+      self._staged[key] = staged
+    return staged
+
+  def _forward(self, static: list[Any], units: list[Any], args: Any, kwargs: Any) -> Any:
+    loop = LoopContext(
+      kind=self._policy.execution_residency, depth=2, unit_shardings=tuple(self._unit_shardings)
+    )
+    return self._split.forward(self._split.join(static, units), loop, *args, **kwargs)
+
+  def _begin_pass(self) -> None:
+    self.ledger.begin_pass()
+    if self.worker is not None:
+      self.worker.begin_pass()
+    with self._counters_lock:
+      self._counters = PassCounters()
+    reset = getattr(self._source, "reset_buffer_peak", None)
+    if reset is not None:
+      reset()
+    self._mapped_at_start = int(getattr(self._source, "mapped_bytes_total", 0))
+
+  def _end_pass(self, ok: bool, args: tuple[Any, ...], seconds: float) -> None:
+    if not ok and self.worker is not None:
+      self.worker.cancel(wait=True)
+      self._drop_read_ahead()
+    # A failed pass leaves no leases behind; clear the windows either way.
+    self.ledger.protect(Tier.DEVICE, ())
+    self.ledger.protect(Tier.HOST, ())
+    ledger_metrics = self.ledger.end_pass(commit=ok)
+    worker_metrics = self.worker.end_pass(commit=ok) if self.worker is not None else None
+    with self._counters_lock:
+      counters = self._counters
+    counters.peak_buffer_bytes = int(getattr(self._source, "buffer_peak_bytes", 0))
+    mapped_total = int(getattr(self._source, "mapped_bytes_total", 0))
+    counters.mapped_bytes = mapped_total - self._mapped_at_start
+    if ok:
+      self._telemetry.commit_pass(
+        args=args,
+        seconds=seconds,
+        ledger=ledger_metrics,
+        worker=worker_metrics,
+        counters=counters,
+      )
+
+  # --- the unit loop's callbacks --------------------------------------------
+
+  def _fetch(self, i: int, upcoming: range) -> list[jax.Array]:
+    self.ledger.protect(Tier.DEVICE, (i, *upcoming[:1]))
+    arrays = self.ledger.get(Tier.DEVICE, i)
+    if arrays is None:
+      arrays = self._load_device(i)
+    point = TimelinePoint(
+      seconds=time.perf_counter() - self._pass_start,
+      unit=i,
+      host_bytes=self.ledger.resident_bytes(Tier.HOST),
+      device_bytes=self.ledger.resident_bytes(Tier.DEVICE),
+    )
+    with self._counters_lock:
+      self._counters.timeline.append(point)
+    return arrays
+
+  def _after_step(self, i: int, upcoming: range) -> None:
+    ahead = upcoming[: self._lookahead]
+    if self.worker is not None:
+      self.ledger.protect(Tier.HOST, ahead)
+      for j in ahead:
+        if not (self.ledger.contains(Tier.HOST, j) or self.ledger.is_pending(Tier.HOST, j)):
+          self.worker.submit(j)
+    if upcoming and not self.ledger.contains(Tier.DEVICE, upcoming[0]):
+      self.ledger.protect(Tier.DEVICE, (i, upcoming[0]))
+      self._load_device(upcoming[0])
+
+  # --- moving units ------------------------------------------------------------
+
+  def _load_device(self, i: int) -> list[jax.Array]:
+    """Reads (or takes from the host tier) unit ``i`` and moves it to the device tier.
+
+    The device bytes are reserved first, so the unit that makes room is gone
+    before the read lands: on CPU the read buffer is the device array (no copy),
+    and the device tier never holds more than its window, reads included.
+    """
+    with self.ledger.reserve(Tier.DEVICE, i, self._device_unit_bytes) as reservation:
+      if reservation.evicted:
+        release_dropped_buffers()
+      if self._host_enabled:
+        host = self._host_unit(i)
+        source = "host"
+      else:
+        host = self._read_blocking(i)
+        source = "disk"
+      # On a CPU backend, page-aligned host buffers become device arrays without a
+      # copy (may_alias); accelerators copy host→device as usual.
+      if self._read_index is None:
+        arrays = jax.device_put(
+          [np.asarray(host[p]) for p in self._rel_paths], self._unit_shardings, may_alias=True
+        )
+      else:
+        arrays = [
+          from_local_box(np.asarray(host[p]), shape, s, self._read_index[p])
+          for p, shape, s in zip(
+            self._rel_paths, self._unit_shapes, self._unit_shardings, strict=True
+          )
+        ]
+      del host
+      reservation.commit(arrays)
+    with self._counters_lock:
+      if source == "host":
+        self._counters.host_to_device_bytes += self._host_unit_bytes
+      else:
+        self._counters.disk_to_device_bytes += self._host_unit_bytes
+    return arrays
+
+  def _host_unit(self, i: int) -> Mapping[ParamPath, np.ndarray]:
+    assert self.worker is not None
+    if self.worker.is_pending(i):
+      start = time.perf_counter()
+      self.worker.wait(i)  # raises PrefetchError if the read failed
+      self._note_stall(time.perf_counter() - start)
+    host = self.ledger.get(Tier.HOST, i)
+    if host is not None:
+      return host
+    try:
+      reservation = self.ledger.reserve(Tier.HOST, i, self._host_unit_bytes)
+    except AdmissionError:
+      # Everything cached is pinned; read this unit without caching it.
+      return self._read_blocking(i)
+    with reservation:
+      data = self._read_blocking(i, count_as="disk_to_host")
+      reservation.commit(data)
+    return data
+
+  def _read_blocking(
+    self, i: int, *, count_as: str = "disk_to_device"
+  ) -> Mapping[ParamPath, np.ndarray]:
+    start = time.perf_counter()
+    data = self._read(i)
+    self._note_stall(time.perf_counter() - start)
+    with self._counters_lock:
+      if count_as == "disk_to_host":
+        self._counters.disk_to_host_bytes += self._host_unit_bytes
+    return data
+
+  def _read(self, i: int) -> Mapping[ParamPath, np.ndarray]:
+    try:
+      if self._read_index is None:
+        return self._source.read_unit(i)
+      return self._source.read_unit(i, index=self._read_index)
+    except StoreError:
+      raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the unit named
+      _raise_read_error(i, e)
+      raise  # unreachable
+
+  def _start_read(self, i: int) -> Callable[[], Mapping[ParamPath, np.ndarray]]:
+    """Issues the read of unit ``i``; the returned callable waits for it."""
+    start_async = getattr(self._source, "read_unit_async", None)
+    if start_async is None:
+      return lambda: self._read(i)
+    try:
+      pending = (
+        start_async(i) if self._read_index is None else start_async(i, index=self._read_index)
+      )
+    except Exception as e:  # noqa: BLE001 - re-raised with the unit named
+      return functools.partial(_raise_read_error, i, e)
+
+    def finish() -> Mapping[ParamPath, np.ndarray]:
+      try:
+        return pending.result()
+      except StoreError:
+        raise
+      except Exception as e:  # noqa: BLE001 - re-raised with the unit named
+        _raise_read_error(i, e)
+        raise  # unreachable
+
+    return finish
+
+  def _prefetch(self, i: int, token: CancelToken) -> None:
+    """Runs on the worker thread: reads unit ``i`` into the host tier.
+
+    While unit ``i`` is read, the read of the next queued unit is issued too
+    (its host bytes reserved first), so two unit reads are in flight.
+    """
+    with self._ahead_lock:
+      started = self._ahead.pop(i, None)
+    if started is None:
+      if (
+        token.cancelled
+        or self.ledger.contains(Tier.HOST, i)
+        or self.ledger.is_pending(Tier.HOST, i)
+      ):
+        return
+      try:
+        reservation = self.ledger.reserve(Tier.HOST, i, self._host_unit_bytes)
+      except AdmissionError:
+        return  # no room right now; demand will read it
+      started = (reservation, self._start_read(i))
+    self._read_ahead()
+    reservation, finish = started
+    with reservation:
+      data = finish()
+      if token.cancelled:
+        return
+      reservation.commit(data, prefetched=True)
+    with self._counters_lock:
+      self._counters.disk_to_host_bytes += self._host_unit_bytes
+
+  def _read_ahead(self) -> None:
+    assert self.worker is not None
+    for j in self.worker.queued_units()[:1]:
+      with self._ahead_lock:
+        if j in self._ahead:
+          continue
+      if self.ledger.contains(Tier.HOST, j) or self.ledger.is_pending(Tier.HOST, j):
+        continue
+      try:
+        reservation = self.ledger.reserve(Tier.HOST, j, self._host_unit_bytes)
+      except AdmissionError:
+        continue
+      with self._ahead_lock:
+        self._ahead[j] = (reservation, self._start_read(j))
+
+  def _drop_read_ahead(self) -> None:
+    """Waits out and releases reads issued ahead for requests that were dropped."""
+    with self._ahead_lock:
+      started, self._ahead = list(self._ahead.values()), {}
+    for reservation, finish in started:
+      with contextlib.suppress(Exception):
+        finish()
+      reservation.release()
+
+  def _note_stall(self, seconds: float) -> None:
+    with self._counters_lock:
+      self._counters.stalls += 1
+      self._counters.stall_seconds += seconds
+
+  def _on_evict(self, eviction: Eviction) -> None:
+    if eviction.tier is Tier.HOST and not eviction.used and self.worker is not None:
+      self.worker.note_evicted_before_use()
+
+  def clear_caches(self) -> None:
+    """Drops every cached unit copy (host and device); counters are kept."""
+    with self._run_lock:
+      if self.worker is not None:
+        self.worker.cancel(wait=True)
+        self._drop_read_ahead()
+      self.ledger.discard_all()
+
+  def close(self) -> None:
+    if self.worker is not None:
+      self.worker.close()
+      self._drop_read_ahead()
+    self.ledger.close()
+    self._static = []
+    self._staged.clear()
+
+
+def release_dropped_buffers() -> None:
+  """Frees the host memory of arrays just dropped, now rather than at the next GC.
+
+  When a device array that aliases a numpy buffer (CPU, ``may_alias``) dies,
+  XLA defers dropping its reference to the numpy buffer to its next garbage
+  pass (jax-ml/jax#14882), which runs at Python's next garbage collection. An
+  evicted unit would then stay in memory while the next unit is read into a new
+  buffer. This runs that pass at once.
+  """
+  collect = getattr(_jax_lib, "collect_garbage", None)
+  if collect is not None:
+    collect()
+  else:  # pragma: no cover - older or newer jaxlib without the hook
+    gc.collect(0)
+
+
+def addressable_box(
+  sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> tuple[slice, ...] | None:
+  """The smallest box of an array of ``shape`` covering this process's shards.
+
+  ``None`` when every device of ``sharding`` belongs to this process (read all).
+  """
+  if sharding.is_fully_addressable:
+    return None
+  starts, stops = list(shape), [0] * len(shape)
+  for index in sharding.addressable_devices_indices_map(shape).values():
+    for d, n in enumerate(shape):
+      lo, hi, _ = (index[d] if index is not None else slice(None)).indices(n)
+      starts[d], stops[d] = min(starts[d], lo), max(stops[d], hi)
+  return tuple(slice(lo, hi) for lo, hi in zip(starts, stops, strict=True))
+
+
+def _box_nbytes(shape: tuple[int, ...], dtype: np.dtype, box: tuple[slice, ...]) -> int:
+  if box == ():
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  return int(np.prod([b.stop - b.start for b in box], dtype=np.int64)) * dtype.itemsize
+
+
+def from_local_box(
+  local: np.ndarray,
+  shape: tuple[int, ...],
+  sharding: jax.sharding.Sharding,
+  box: tuple[slice, ...],
+) -> jax.Array:
+  """Builds a global array from the box of it this process read."""
+  if box == ():
+    return jax.device_put(local, sharding)
+  origin = [b.start for b in box]
+
+  def shard(index: tuple[slice, ...] | None) -> np.ndarray:
+    full = index if index is not None else (slice(None),) * len(shape)
+    local_index = tuple(
+      slice(sl.indices(n)[0] - o, sl.indices(n)[1] - o)
+      for sl, n, o in zip(full, shape, origin, strict=True)
+    )
+    return local[local_index]
+
+  return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def _raise_read_error(i: int, e: Exception) -> NoReturn:
+  raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e
+
+
+def place_dense(
+  split: SplitModel,
+  policy: DenseDiskStream,
+  *,
+  mesh: Mesh,
+  rules: pl.Rules | None,
+  store: str,
+  telemetry_factory: Callable[..., Telemetry] | None = None,
+  sequence_axis: int = 1,
+) -> Any:
+  """Opens ``store`` and builds a placed model that streams its units."""
+  from jax_residency._src.placement.place import PlacedModel, metadata_for  # noqa: PLC0415 - placed imports us lazily
+
+  placed_at = pl.layout(split, mesh, rules, unit_kind=pl.DEVICE)
+  static_shardings, unit_shardings = placed_at.static, placed_at.unit_slices
+  metadata = metadata_for(split, policy, static_shardings, unit_shardings)
+  split.values = []  # weights come from the store; never keep the caller's arrays
+  opened = open_for(
+    split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
+  )
+  try:
+    # One tensor at a time: host memory holds the placed static weights plus one
+    # tensor in transit, never a second copy of all of them.
+    static = [
+      pl.put([opened.read_static_tensor(leaf.path)], [sharding])[0]
+      for leaf, sharding in zip(split.static_leaves(), static_shardings, strict=True)
+    ]
+    if telemetry_factory is None:
+      telemetry = Telemetry.for_policy(
+        policy=policy, metadata=metadata, sequence_axis=sequence_axis
+      )
+    else:
+      telemetry = telemetry_factory(policy=policy, metadata=metadata)
+    engine = DenseStreamEngine(
+      split=split,
+      policy=policy,
+      source=opened,
+      static=static,
+      unit_shardings=unit_shardings,
+      metadata=metadata,
+      telemetry=telemetry,
+    )
+  except BaseException:
+    opened.close()
+    raise
+  return PlacedModel(
+    split,
+    policy,
+    mesh,
+    metadata,
+    engine.run,
+    [opened.close, engine.close],
+    telemetry=telemetry,
+    clear_caches=engine.clear_caches,
+    arrays=lambda: {
+      path_str(leaf.path): a for leaf, a in zip(split.static_leaves(), static, strict=True)
+    },
+  )

@@ -1,0 +1,676 @@
+"""The residency ledger: which units have a copy on the host and on the device.
+
+SPEC §2 (DenseDiskStream) keeps, per tier, a byte-bounded cache of unit copies.
+The ledger is the bookkeeping of that cache and nothing else: it never reads or
+moves data. Values are opaque (numpy dicts, jax arrays); their byte size is
+whatever the caller charges for them.
+
+* **Admission is atomic.** `reserve` either makes room by evicting unprotected,
+  unleased entries in policy order and holds the bytes, or raises
+  `AdmissionError` naming every blocking unit and changes nothing.
+* **Reservations are context managers** (orbax `LimitInFlightBytes` style):
+  bytes are charged while pending, `commit(value)` installs the entry, leaving
+  the block without committing gives the bytes back.
+* **Leases and protected windows** pin entries: a leased entry (a unit in use)
+  or one in the protected window (current + next on device, the lookahead on
+  host) is never evicted.
+* **Telemetry** (SPEC §3) is kept per pass: `begin_pass()` starts a fresh
+  accumulator, `end_pass(commit=...)` returns an immutable snapshot and folds it
+  into the totals only when the pass succeeded.
+
+Everything is guarded by one lock and one condition; the condition lets a
+`reserve(..., timeout=...)` wait for leases, reservations or windows to move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import operator
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from jax_residency._src.policy.errors import (
+  AdmissionError,
+  ClosedError,
+  InvalidBudgetError,
+  ResidencyRuntimeError,
+  WeightResidencyPolicyError,
+)
+from jax_residency._src.policy.options import CacheEvictionPolicy
+
+
+class Tier(enum.Enum):
+  """A tier of the residency ledger."""
+
+  HOST = "host"
+  DEVICE = "device"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TierMetrics:
+  """Cache counters of one tier over one pass (or the committed totals).
+
+  Attributes:
+    requests: `get` calls.
+    hits: `get` calls that found the unit.
+    misses: `get` calls that did not.
+    evictions: entries removed to make room or by an explicit `evict`.
+    evicted_bytes: charged bytes of those entries.
+    peak_units: most resident entries at once.
+    peak_bytes: most charged bytes at once, pending reservations included.
+  """
+
+  requests: int = 0
+  hits: int = 0
+  misses: int = 0
+  evictions: int = 0
+  evicted_bytes: int = 0
+  peak_units: int = 0
+  peak_bytes: int = 0
+
+  @property
+  def hit_rate(self) -> float | None:
+    """`hits / requests`, or `None` when nothing was requested."""
+    return self.hits / self.requests if self.requests else None
+
+  def merged(self, other: TierMetrics) -> TierMetrics:
+    """Counts summed, peaks maxed: the metrics of two passes taken together."""
+    values = {}
+    for field in dataclasses.fields(self):
+      a, b = getattr(self, field.name), getattr(other, field.name)
+      values[field.name] = max(a, b) if field.name.startswith("peak_") else a + b
+    return TierMetrics(**values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LedgerMetrics:
+  """`TierMetrics` of both tiers; `metrics[Tier.HOST]` works too."""
+
+  host: TierMetrics = TierMetrics()
+  device: TierMetrics = TierMetrics()
+
+  def __getitem__(self, tier: Tier) -> TierMetrics:
+    return self.host if tier is Tier.HOST else self.device
+
+  def merged(self, other: LedgerMetrics) -> LedgerMetrics:
+    return LedgerMetrics(host=self.host.merged(other.host), device=self.device.merged(other.device))
+
+
+@dataclasses.dataclass(frozen=True)
+class Eviction:
+  """What the `on_evict` hook is told. Holds no reference to the value.
+
+  Attributes:
+    tier: the tier the entry left.
+    unit: the unit id.
+    nbytes: the bytes it was charged.
+    used: False if it was installed with `commit(..., prefetched=True)` and no
+      `get` ever hit it, i.e. it was evicted before use.
+  """
+
+  tier: Tier
+  unit: int
+  nbytes: int
+  used: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Counters:
+  requests: int = 0
+  hits: int = 0
+  misses: int = 0
+  evictions: int = 0
+  evicted_bytes: int = 0
+  peak_units: int = 0
+  peak_bytes: int = 0
+
+  def snapshot(self) -> TierMetrics:
+    return TierMetrics(**dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+  value: Any
+  nbytes: int
+  last_use: int  # logical clock of the install or the latest hit
+  uses: int  # hits, plus one for a demand install
+  used: bool  # False until the first hit of a prefetched install
+
+
+class _TierState:
+  __slots__ = ("budget", "entries", "pending", "leases", "protected", "counters")
+
+  def __init__(self, budget: int | None):
+    self.budget = budget
+    self.entries: dict[int, _Entry] = {}
+    self.pending: dict[int, int] = {}  # unit -> reserved bytes
+    self.leases: dict[int, int] = {}  # unit -> lease count
+    self.protected: frozenset[int] = frozenset()
+    self.counters = _Counters()
+
+  def resident_bytes(self) -> int:
+    return sum(e.nbytes for e in self.entries.values())
+
+  def charged_bytes(self) -> int:
+    return self.resident_bytes() + sum(self.pending.values())
+
+  def evictable(self, unit: int) -> bool:
+    return unit not in self.protected and not self.leases.get(unit)
+
+  def note_peaks(self) -> None:
+    c = self.counters
+    c.peak_units = max(c.peak_units, len(self.entries))
+    c.peak_bytes = max(c.peak_bytes, self.charged_bytes())
+
+  def fresh_counters(self) -> None:
+    self.counters = _Counters()
+    self.note_peaks()
+
+
+def _check_budget(name: str, value: int | None) -> int | None:
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise InvalidBudgetError(
+      f"{name}={value!r} is not a byte budget; pass a non-negative int (0 disables the tier) "
+      "or None for an unbounded tier."
+    )
+  return value
+
+
+class Reservation:
+  """Bytes held on one tier for one unit until committed or released.
+
+  Returned by `ResidencyLedger.reserve`; use it as a context manager so the
+  bytes are always released:
+
+    with ledger.reserve(Tier.HOST, unit, nbytes) as r:
+      r.commit(read_unit(unit))
+
+  Attributes:
+    tier: the tier.
+    unit: the unit id.
+    nbytes: the reserved (and, after commit, charged) bytes.
+    evicted: units evicted to make room, in eviction order.
+  """
+
+  __slots__ = ("_ledger", "tier", "unit", "nbytes", "evicted", "_state")
+
+  def __init__(
+    self, ledger: ResidencyLedger, tier: Tier, unit: int, nbytes: int, evicted: tuple[int, ...]
+  ):
+    self._ledger = ledger
+    self.tier = tier
+    self.unit = unit
+    self.nbytes = nbytes
+    self.evicted = evicted
+    self._state = "pending"  # -> "committed" | "released"
+
+  @property
+  def pending(self) -> bool:
+    return self._state == "pending"
+
+  @property
+  def committed(self) -> bool:
+    return self._state == "committed"
+
+  def commit(self, value: Any, *, prefetched: bool = False) -> None:
+    """Installs `value` as the unit's entry, charged `nbytes`.
+
+    Args:
+      value: the copy; the ledger keeps the only reference it takes.
+      prefetched: True for a speculative install (background prefetch): the
+        entry starts with zero uses and counts as unused until a `get` hits it.
+        False (a demand install) counts the install itself as one use.
+
+    Raises:
+      ResidencyRuntimeError: the reservation was already committed or released.
+      ClosedError: the ledger was closed; the bytes are released.
+    """
+    self._ledger._commit(self, value, prefetched)
+
+  def release(self) -> None:
+    """Gives the bytes back unless committed. Idempotent."""
+    self._ledger._release(self)
+
+  def __enter__(self) -> Reservation:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.release()
+
+  def __repr__(self) -> str:
+    return (
+      f"Reservation(tier={self.tier.name}, unit={self.unit}, nbytes={self.nbytes}, "
+      f"state={self._state})"
+    )
+
+
+class ResidencyLedger:
+  """Thread-safe host/device residency bookkeeping with atomic admission.
+
+  Args:
+    host_budget_bytes: bytes the host tier may charge; None = unbounded, 0 =
+      nothing fits (the tier is disabled).
+    device_budget_bytes: the same for the device tier.
+    eviction_policy: which entry goes first. LRU: least recent use (install or
+      hit, on a logical clock). LFU: fewest uses, ties by older use, then unit id.
+    on_evict: called with an `Eviction` for every eviction (by `reserve` or
+      `evict`; not by `discard_all`), after the ledger's lock is released. It
+      must not raise; if it does, the `reserve` that evicted is undone as far as
+      the reservation goes (the evictions stay) and the error propagates.
+
+  Semantics: reserving a unit that already has an entry or a pending
+  reservation on that tier raises `AdmissionError` (check `contains` /
+  `is_pending` first). Explicit `evict` of a leased or protected entry raises.
+
+  Example:
+    >>> from jax_residency._src.policy.options import CacheEvictionPolicy
+    >>> ledger = ResidencyLedger(host_budget_bytes=200, device_budget_bytes=None,
+    ...                          eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED)
+    >>> for unit in range(3):
+    ...   with ledger.reserve(Tier.HOST, unit, 100) as r:
+    ...     r.commit({"w": unit})
+    >>> ledger.resident_units(Tier.HOST)
+    (1, 2)
+    >>> ledger.get(Tier.HOST, 2)
+    {'w': 2}
+    >>> ledger.end_pass(commit=True).host.evictions
+    1
+  """
+
+  def __init__(
+    self,
+    *,
+    host_budget_bytes: int | None,
+    device_budget_bytes: int | None,
+    eviction_policy: CacheEvictionPolicy = CacheEvictionPolicy.LEAST_RECENTLY_USED,
+    on_evict: Callable[[Eviction], None] | None = None,
+  ):
+    if not isinstance(eviction_policy, CacheEvictionPolicy):
+      raise WeightResidencyPolicyError(
+        f"eviction_policy={eviction_policy!r} is not a CacheEvictionPolicy; pass "
+        "CacheEvictionPolicy.LEAST_RECENTLY_USED or CacheEvictionPolicy.LEAST_FREQUENTLY_USED."
+      )
+    self._policy = eviction_policy
+    self._on_evict = on_evict
+    self._lock = threading.Lock()
+    self._changed = threading.Condition(self._lock)  # room may have appeared
+    self._clock = 0
+    self._closed = False
+    self._tiers = {
+      Tier.HOST: _TierState(_check_budget("host_budget_bytes", host_budget_bytes)),
+      Tier.DEVICE: _TierState(_check_budget("device_budget_bytes", device_budget_bytes)),
+    }
+    self._totals = LedgerMetrics()
+
+  # --- properties ------------------------------------------------------------
+
+  @property
+  def eviction_policy(self) -> CacheEvictionPolicy:
+    return self._policy
+
+  @property
+  def closed(self) -> bool:
+    return self._closed
+
+  def budget(self, tier: Tier) -> int | None:
+    return self._tiers[tier].budget
+
+  # --- lookups ---------------------------------------------------------------
+
+  def get(self, tier: Tier, unit: int) -> Any | None:
+    """The unit's value or None; counts a request and a hit or a miss.
+
+    A hit is a use: it advances the entry's recency and frequency and marks a
+    prefetched entry as used.
+    """
+    with self._lock:
+      self._check_open()
+      st = self._tiers[tier]
+      st.counters.requests += 1
+      entry = st.entries.get(unit)
+      if entry is None:
+        st.counters.misses += 1
+        return None
+      st.counters.hits += 1
+      entry.last_use = self._tick()
+      entry.uses += 1
+      entry.used = True
+      return entry.value
+
+  def peek(self, tier: Tier, unit: int) -> Any | None:
+    """The unit's value or None, without counting or touching recency."""
+    with self._lock:
+      entry = self._tiers[tier].entries.get(unit)
+      return None if entry is None else entry.value
+
+  def contains(self, tier: Tier, unit: int) -> bool:
+    with self._lock:
+      return unit in self._tiers[tier].entries
+
+  def is_pending(self, tier: Tier, unit: int) -> bool:
+    """Whether a reservation for the unit is held but not yet committed."""
+    with self._lock:
+      return unit in self._tiers[tier].pending
+
+  def resident_units(self, tier: Tier) -> tuple[int, ...]:
+    """Units with an entry on the tier, ascending."""
+    with self._lock:
+      return tuple(sorted(self._tiers[tier].entries))
+
+  def resident_bytes(self, tier: Tier) -> int:
+    """Bytes charged by installed entries."""
+    with self._lock:
+      return self._tiers[tier].resident_bytes()
+
+  def charged_bytes(self, tier: Tier) -> int:
+    """Bytes counted against the budget: entries plus pending reservations."""
+    with self._lock:
+      return self._tiers[tier].charged_bytes()
+
+  def lease_count(self, tier: Tier, unit: int) -> int:
+    with self._lock:
+      return self._tiers[tier].leases.get(unit, 0)
+
+  def protected(self, tier: Tier) -> frozenset[int]:
+    with self._lock:
+      return self._tiers[tier].protected
+
+  # --- admission -------------------------------------------------------------
+
+  def reserve(
+    self, tier: Tier, unit: int, nbytes: int, *, timeout: float | None = 0.0
+  ) -> Reservation:
+    """Holds `nbytes` on `tier` for `unit`, evicting by policy to make room.
+
+    Admission happens when `reserve` is called (not on `__enter__`). It is
+    atomic: either enough unprotected, unleased entries are evicted (fewest
+    needed, policy order) and the bytes are held, or nothing changes.
+
+    Args:
+      tier: the tier.
+      unit: the unit id; it must have no entry and no pending reservation.
+      nbytes: bytes to hold; they count against the budget until released.
+      timeout: seconds to wait for leases, reservations or the protected
+        window to move when it does not fit. 0 (the default) fails at once,
+        None waits forever.
+
+    Raises:
+      AdmissionError: it does not fit even after evicting everything
+        evictable (the message lists each blocking unit and why), the tier is
+        disabled (budget 0), the unit is already resident or pending, or
+        `nbytes` is negative.
+      ClosedError: the ledger is closed.
+    """
+    unit = operator.index(unit)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+      raise AdmissionError(f"reserve(nbytes={nbytes!r}) needs a non-negative int byte count.")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with self._lock:
+      while True:
+        self._check_open()
+        st = self._tiers[tier]
+        if unit in st.entries or unit in st.pending:
+          what = "resident" if unit in st.entries else "already reserved (pending)"
+          raise AdmissionError(
+            f"cannot reserve unit {unit} on the {tier.value} tier: it is {what}. "
+            "Check contains()/is_pending() before reserving; nothing was changed."
+          )
+        victims = self._plan(st, nbytes)
+        if victims is not None:
+          break
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+          raise AdmissionError(self._blocked_message(tier, st, unit, nbytes))
+        self._changed.wait(remaining)
+      evictions = [self._drop(tier, st, victim) for victim in victims]
+      st.pending[unit] = nbytes
+      st.note_peaks()
+      reservation = Reservation(self, tier, unit, nbytes, tuple(victims))
+    try:
+      self._fire(evictions)
+    except BaseException:
+      reservation.release()
+      raise
+    return reservation
+
+  def _plan(self, st: _TierState, nbytes: int) -> list[int] | None:
+    """Victims that make `nbytes` fit, in eviction order; None if impossible."""
+    if st.budget is None:
+      return []
+    if st.budget == 0:
+      return None
+    excess = st.charged_bytes() + nbytes - st.budget
+    if excess <= 0:
+      return []
+    victims: list[int] = []
+    for unit in self._eviction_order(st):
+      victims.append(unit)
+      excess -= st.entries[unit].nbytes
+      if excess <= 0:
+        return victims
+    return None
+
+  def _eviction_order(self, st: _TierState) -> list[int]:
+    units = [u for u in st.entries if st.evictable(u)]
+    if self._policy is CacheEvictionPolicy.LEAST_FREQUENTLY_USED:
+      return sorted(units, key=lambda u: (st.entries[u].uses, st.entries[u].last_use, u))
+    return sorted(units, key=lambda u: (st.entries[u].last_use, u))
+
+  def eviction_order(self, tier: Tier) -> tuple[int, ...]:
+    """Evictable units of the tier, first victim first."""
+    with self._lock:
+      return tuple(self._eviction_order(self._tiers[tier]))
+
+  def _blocked_message(self, tier: Tier, st: _TierState, unit: int, nbytes: int) -> str:
+    name = f"{tier.value}_budget_bytes"
+    head = f"cannot reserve {nbytes} bytes for unit {unit} on the {tier.value} tier"
+    if st.budget == 0:
+      return (
+        f"{head}: the tier is disabled ({name}=0). Nothing was changed. "
+        f"Fix: use a positive {name} or do not stage units on this tier."
+      )
+    assert st.budget is not None
+    evictable = sum(e.nbytes for u, e in st.entries.items() if st.evictable(u))
+    charged = st.charged_bytes()
+    short = charged - evictable + nbytes - st.budget
+    lines = [
+      f"{head}: {name}={st.budget}, charged={charged} (resident={st.resident_bytes()}, "
+      f"pending={charged - st.resident_bytes()}), evictable={evictable}; even after evicting "
+      f"every evictable entry it is {short} bytes short. Nothing was changed."
+    ]
+    if nbytes > st.budget:
+      lines.append(f"The unit alone exceeds the budget. Fix: raise {name} to at least {nbytes}.")
+    blockers: list[tuple[int, str]] = []
+    for u, e in st.entries.items():
+      why = []
+      if st.leases.get(u):
+        why.append(f"leased ({st.leases[u]} lease(s))")
+      if u in st.protected:
+        why.append("in the protected window")
+      if why:
+        blockers.append((u, f"  unit {u} ({e.nbytes} bytes): {', '.join(why)}"))
+    for u, n in st.pending.items():
+      blockers.append((u, f"  unit {u} ({n} bytes): pending reservation"))
+    if blockers:
+      lines.append("Blocking units:")
+      lines.extend(line for _, line in sorted(blockers))
+      lines.append(
+        f"Fix: release leases or finish reservations first, shrink the protected window, "
+        f"or raise {name}."
+      )
+    return "\n".join(lines)
+
+  def _commit(self, res: Reservation, value: Any, prefetched: bool) -> None:
+    with self._lock:
+      if res._state != "pending":
+        raise ResidencyRuntimeError(f"{res!r} cannot be committed: it is no longer pending.")
+      st = self._tiers[res.tier]
+      if self._closed:
+        self._release_locked(res)
+        raise ClosedError(
+          f"cannot commit unit {res.unit}: the residency ledger was closed; the value was dropped."
+        )
+      del st.pending[res.unit]
+      res._state = "committed"
+      st.entries[res.unit] = _Entry(
+        value=value,
+        nbytes=res.nbytes,
+        last_use=self._tick(),
+        uses=0 if prefetched else 1,
+        used=not prefetched,
+      )
+      st.note_peaks()
+
+  def _release(self, res: Reservation) -> None:
+    with self._lock:
+      self._release_locked(res)
+
+  def _release_locked(self, res: Reservation) -> None:
+    if res._state == "pending":
+      del self._tiers[res.tier].pending[res.unit]
+      res._state = "released"
+      self._changed.notify_all()
+
+  # --- pinning ---------------------------------------------------------------
+
+  @contextlib.contextmanager
+  def lease(self, tier: Tier, unit: int) -> Iterator[None]:
+    """Pins the unit on the tier while the block runs; leases are counted.
+
+    The unit need not be resident: a lease taken first makes a following
+    `get` race-free (the entry cannot be evicted between the two). Any thread
+    may hold leases on the same unit at once.
+    """
+    unit = operator.index(unit)
+    with self._lock:
+      self._check_open()
+      leases = self._tiers[tier].leases
+      leases[unit] = leases.get(unit, 0) + 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        left = leases[unit] - 1
+        if left:
+          leases[unit] = left
+        else:
+          del leases[unit]
+        self._changed.notify_all()
+
+  def protect(self, tier: Tier, units: Iterable[int]) -> None:
+    """Replaces the tier's protected window; entries in it are never evicted."""
+    window = frozenset(operator.index(u) for u in units)
+    with self._lock:
+      self._tiers[tier].protected = window
+      self._changed.notify_all()
+
+  # --- removal ---------------------------------------------------------------
+
+  def evict(self, tier: Tier, unit: int) -> bool:
+    """Removes the unit's entry (counted as an eviction). False if absent.
+
+    Raises:
+      ResidencyRuntimeError: the entry is leased or in the protected window.
+    """
+    with self._lock:
+      st = self._tiers[tier]
+      if unit not in st.entries:
+        return False
+      if not st.evictable(unit):
+        why = "leased" if st.leases.get(unit) else "in the protected window"
+        raise ResidencyRuntimeError(
+          f"cannot evict unit {unit} from the {tier.value} tier: it is {why}. "
+          "Release its leases or move the protected window first."
+        )
+      eviction = self._drop(tier, st, unit)
+    self._fire([eviction])
+    return True
+
+  def discard_all(self) -> int:
+    """Drops every entry of both tiers, whatever pins them; returns how many.
+
+    Not counted as evictions and not reported to `on_evict` (this is a reset,
+    e.g. at close). Pending reservations, leases and windows are kept.
+    """
+    with self._lock:
+      dropped = 0
+      for st in self._tiers.values():
+        dropped += len(st.entries)
+        st.entries.clear()
+      self._changed.notify_all()
+      return dropped
+
+  def close(self) -> None:
+    """Discards all entries; afterwards `reserve`, `get`, `lease` and `commit`
+    raise `ClosedError`. Idempotent."""
+    with self._lock:
+      self._closed = True
+      for st in self._tiers.values():
+        st.entries.clear()
+      self._changed.notify_all()
+
+  def _drop(self, tier: Tier, st: _TierState, unit: int) -> Eviction:
+    entry = st.entries.pop(unit)
+    st.counters.evictions += 1
+    st.counters.evicted_bytes += entry.nbytes
+    self._changed.notify_all()
+    return Eviction(tier=tier, unit=unit, nbytes=entry.nbytes, used=entry.used)
+
+  def _fire(self, evictions: list[Eviction]) -> None:
+    if self._on_evict is not None:
+      for eviction in evictions:
+        self._on_evict(eviction)
+
+  # --- telemetry -------------------------------------------------------------
+
+  def begin_pass(self) -> None:
+    """Starts a fresh per-pass accumulator; peaks start at the current occupancy."""
+    with self._lock:
+      for st in self._tiers.values():
+        st.fresh_counters()
+
+  def end_pass(self, *, commit: bool) -> LedgerMetrics:
+    """Ends the pass: returns its metrics and starts a fresh accumulator.
+
+    Args:
+      commit: fold the pass into `totals()` (only for a pass that succeeded).
+    """
+    with self._lock:
+      snapshot = self._snapshot()
+      if commit:
+        self._totals = self._totals.merged(snapshot)
+      for st in self._tiers.values():
+        st.fresh_counters()
+      return snapshot
+
+  def pass_metrics(self) -> LedgerMetrics:
+    """The metrics accumulated so far in the current pass."""
+    with self._lock:
+      return self._snapshot()
+
+  def totals(self) -> LedgerMetrics:
+    """The committed passes taken together."""
+    with self._lock:
+      return self._totals
+
+  def _snapshot(self) -> LedgerMetrics:
+    return LedgerMetrics(
+      host=self._tiers[Tier.HOST].counters.snapshot(),
+      device=self._tiers[Tier.DEVICE].counters.snapshot(),
+    )
+
+  # --- helpers ---------------------------------------------------------------
+
+  def _tick(self) -> int:
+    self._clock += 1
+    return self._clock
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise ClosedError("the residency ledger was used after close().")

@@ -1,0 +1,315 @@
+"""Running a traced forward whose layer loop is driven from the host.
+
+A dense disk stream cannot run the model as one compiled program: unit weights
+arrive from disk while the loop runs. Instead the forward is traced once per
+input shape to a jaxpr, with the unit parameters as abstract inputs. The unit
+loop shows up in it as a ``scan`` whose scanned operands are those inputs.
+:func:`run_staged` evaluates the jaxpr: every other equation is bound as-is
+(exactly what eager execution of the plain model does), and the unit loop runs
+step by step, its body compiled once and fed each unit's parameters by a
+``fetch(i)`` callback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.report.compile_time import temp_bytes
+
+#: ``fetch(i, upcoming) -> unit leaves`` in the unit stack's leaf order;
+#: ``upcoming`` is the units the loop runs after ``i``, in its order.
+Fetch = Callable[[int, range], Sequence[jax.Array]]
+#: ``after_step(i, upcoming)``, called once step ``i`` has been dispatched and
+#: the step before it has finished (to start moving the units that come next).
+AfterStep = Callable[[int, range], None]
+
+
+@dataclasses.dataclass
+class StagedForward:
+  """A forward traced for one input signature.
+
+  Attributes:
+    closed: the traced jaxpr: inputs are static leaves, unit leaves, then the
+      flattened call arguments.
+    n_static: number of static leaf inputs.
+    n_units: number of unit leaf inputs.
+    out_tree: the pytree structure of the outputs.
+    in_loop: compile each step inside a run-time-bounded while loop, so its
+      math is the plain model's scanned loop bit for bit (used on CPU).
+    bodies: compiled loop bodies, one per unit-loop equation.
+  """
+
+  closed: jcore.ClosedJaxpr
+  n_static: int
+  n_units: int
+  out_tree: Any
+  in_loop: bool = True
+  bodies: dict[int, CompiledStep] = dataclasses.field(default_factory=dict)
+
+  @property
+  def step_temp_bytes(self) -> int | None:
+    """The most temporary bytes any compiled step of this forward needs (None: unknown)."""
+    known = [t for t in (b.temp_bytes for b in self.bodies.values()) if t is not None]
+    return max(known) if known else None
+
+  @property
+  def unit_loop_count(self) -> int:
+    return sum(1 for e in self.closed.jaxpr.eqns if self._unit_operands(e) is not None)
+
+  def _unit_operands(self, eqn: jcore.JaxprEqn) -> dict[int, int] | None:
+    """For a scan over unit inputs: scanned operand position → unit leaf index."""
+    if eqn.primitive.name != "scan":
+      return None
+    unit_vars = self._unit_vars()
+    first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
+    found = {
+      pos: unit_vars[v]
+      for pos, v in enumerate(eqn.invars)
+      if pos >= first_x and not isinstance(v, jcore.Literal) and v in unit_vars
+    }
+    return found or None
+
+  def _unit_vars(self) -> dict[jcore.Var, int]:
+    invars = self.closed.jaxpr.invars
+    return {v: j for j, v in enumerate(invars[self.n_static : self.n_static + self.n_units])}
+
+
+def trace(
+  forward: Callable[..., Any],
+  static_leaves: Sequence[Any],
+  unit_specs: Sequence[jax.ShapeDtypeStruct],
+  args: Sequence[Any],
+) -> StagedForward:
+  """Traces ``forward(static_leaves, unit_leaves, *args)`` with abstract units."""
+  flat_args, args_tree = jax.tree.flatten(tuple(args))
+
+  def flat_forward(*flat: Any) -> Any:
+    s = list(flat[: len(static_leaves)])
+    u = list(flat[len(static_leaves) : len(static_leaves) + len(unit_specs)])
+    a = jax.tree.unflatten(args_tree, list(flat[len(static_leaves) + len(unit_specs) :]))
+    return forward(s, u, *a)
+
+  closed, out_shape = jax.make_jaxpr(flat_forward, return_shape=True)(
+    *static_leaves, *unit_specs, *flat_args
+  )
+  staged = StagedForward(
+    closed=closed,
+    n_static=len(static_leaves),
+    n_units=len(unit_specs),
+    out_tree=jax.tree.structure(out_shape),
+  )
+  _check_units_only_in_loops(staged)
+  return staged
+
+
+def _check_units_only_in_loops(staged: StagedForward) -> None:
+  unit_vars = staged._unit_vars()
+  for eqn in staged.closed.jaxpr.eqns:
+    operands = staged._unit_operands(eqn)
+    allowed = set(operands) if operands else set()
+    for pos, v in enumerate(eqn.invars):
+      if not isinstance(v, jcore.Literal) and v in unit_vars and pos not in allowed:
+        raise PlacementError(
+          f"the model uses its stacked layer parameters outside the unit loop (in a "
+          f"{eqn.primitive.name!r} operation); a dense disk stream can only feed them to "
+          "jax_residency.scan_units at the top level of the forward (not inside a jit or "
+          "another transform of the model's own)"
+        )
+  for out in staged.closed.jaxpr.outvars:
+    if not isinstance(out, jcore.Literal) and out in unit_vars:
+      raise PlacementError("the model returns its stacked layer parameters; it cannot be streamed")
+
+
+def run_staged(
+  staged: StagedForward,
+  static_leaves: Sequence[Any],
+  args: Sequence[Any],
+  *,
+  unit_count: int,
+  fetch: Fetch,
+  after_step: AfterStep,
+) -> Any:
+  """Evaluates a staged forward; unit loops pull units through ``fetch``."""
+  jaxpr = staged.closed.jaxpr
+  env: dict[jcore.Var, Any] = {}
+
+  def read(v: Any) -> Any:
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+  def write(v: Any, val: Any) -> None:
+    if not isinstance(v, jcore.DropVar):
+      env[v] = val
+
+  flat_args = jax.tree.leaves(tuple(args))
+  for v, c in zip(jaxpr.constvars, staged.closed.consts, strict=True):
+    write(v, c)
+  ins = jaxpr.invars
+  for v, x in zip(ins[: staged.n_static], static_leaves, strict=True):
+    write(v, x)
+  for v, x in zip(ins[staged.n_static + staged.n_units :], flat_args, strict=True):
+    write(v, x)
+
+  last_use = _last_uses(jaxpr)
+  for k, eqn in enumerate(jaxpr.eqns):
+    operands = staged._unit_operands(eqn)
+    if operands is not None:
+      outs = _run_unit_loop(staged, k, eqn, operands, read, unit_count, fetch, after_step)
+    else:
+      with eqn.ctx.manager:
+        outs = eqn.primitive.bind(
+          *map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
+        )
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    for v, val in zip(eqn.outvars, outs, strict=True):
+      write(v, val)
+    for v in eqn.invars:  # free intermediates as soon as nothing needs them
+      if not isinstance(v, jcore.Literal) and last_use.get(v) == k:
+        env.pop(v, None)
+  return jax.tree.unflatten(staged.out_tree, [read(v) for v in jaxpr.outvars])
+
+
+def _compile_step(
+  closed: jcore.ClosedJaxpr, num_carry: int, unit_xs: frozenset[int], *, in_loop: bool
+) -> CompiledStep:
+  """Compiles step ``i`` of a unit loop: ``(consts, carry, units, others, ys, i) -> (carry, ys)``.
+
+  The loop's scanned inputs are this step's unit leaves (``unit_xs``: their
+  positions among the scanned inputs) and the other stacked inputs
+  (``others``, e.g. a per-layer KV cache), which the step slices at ``i``. Its
+  per-step outputs are written in place (donated) into the stacked ``ys``
+  buffers at ``i``, as ``lax.scan`` does, so no step costs a host-side slice
+  or the loop a final stack.
+
+  With ``in_loop``, the step runs inside a ``while_loop`` whose trip count (1)
+  is only known at run time. XLA then compiles the body exactly as it does in
+  the plain model's scanned loop (a trip count known to be 1 would be inlined
+  and compiled differently), so results are bit-identical to the plain model.
+  """
+  fun = jcore.jaxpr_as_fun(closed)
+
+  def step(
+    consts: list[Any], carry: list[Any], units: list[Any], others: list[Any], ys: list[Any], i: Any
+  ) -> tuple[list[Any], list[Any]]:
+    unit_iter, other_iter = iter(units), iter(others)
+    xs = [
+      next(unit_iter)
+      if j in unit_xs
+      else jax.lax.dynamic_index_in_dim(next(other_iter), i, keepdims=False)
+      for j in range(len(units) + len(others))
+    ]
+    outs = fun(*consts, *carry, *xs)
+    ys = [
+      jax.lax.dynamic_update_index_in_dim(b, y, i, 0)
+      for b, y in zip(ys, outs[num_carry:], strict=True)
+    ]
+    return list(outs[:num_carry]), ys
+
+  if not in_loop:
+    return CompiledStep(jax.jit(step, donate_argnums=4))
+
+  def looped(
+    consts: list[Any],
+    carry: list[Any],
+    units: list[Any],
+    others: list[Any],
+    ys: list[Any],
+    i: Any,
+    trips: Any,
+  ) -> tuple[list[Any], list[Any]]:
+    def body(state: tuple[Any, list[Any], list[Any]]) -> tuple[Any, list[Any], list[Any]]:
+      t, c, b = state
+      return t + 1, *step(consts, c, units, others, b, i)
+
+    _, c, b = jax.lax.while_loop(lambda s: s[0] < trips, body, (jnp.int32(0), carry, ys))
+    return c, b
+
+  return CompiledStep(jax.jit(looped, donate_argnums=4), np.int32(1))
+
+
+class CompiledStep:
+  """A unit-loop step, compiled ahead of its first call so its memory is known.
+
+  Attributes:
+    temp_bytes: bytes of temporaries XLA allocates while the step runs (its
+      ``memory_analysis``), or ``None`` before the first call or where the
+      backend does not say.
+  """
+
+  def __init__(self, jitted: Any, *extra: Any) -> None:
+    self._jitted = jitted
+    self._extra = extra
+    self._compiled: Any = None
+    self.temp_bytes: int | None = None
+
+  def __call__(self, *args: Any) -> Any:
+    if self._compiled is None:
+      self._compiled = self._jitted.lower(*args, *self._extra).compile()
+      self.temp_bytes = temp_bytes(self._compiled)
+    return self._compiled(*args, *self._extra)
+
+
+def _last_uses(jaxpr: jcore.Jaxpr) -> dict[jcore.Var, int]:
+  """For each variable, the index of the last equation that reads it.
+
+  Outputs of the jaxpr are never freed.
+  """
+  last: dict[jcore.Var, int] = {}
+  for k, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jcore.Literal):
+        last[v] = k
+  for v in jaxpr.outvars:
+    if not isinstance(v, jcore.Literal):
+      last.pop(v, None)
+  return last
+
+
+def _run_unit_loop(
+  staged: StagedForward,
+  k: int,
+  eqn: jcore.JaxprEqn,
+  operands: dict[int, int],
+  read: Callable[[Any], Any],
+  unit_count: int,
+  fetch: Fetch,
+  after_step: AfterStep,
+) -> list[Any]:
+  p = eqn.params
+  num_consts, num_carry, length = p["num_consts"], p["num_carry"], p["length"]
+  if length != unit_count:
+    raise PlacementError(f"the unit loop runs {length} steps but the store has {unit_count} units")
+  first_x = num_consts + num_carry
+  unit_xs = frozenset(pos - first_x for pos in operands)
+  body = staged.bodies.get(k)
+  if body is None:
+    body = _compile_step(p["jaxpr"], num_carry, unit_xs, in_loop=staged.in_loop)
+    staged.bodies[k] = body
+  invals: list[Any] = [None if pos in operands else read(v) for pos, v in enumerate(eqn.invars)]
+  consts = invals[:num_consts]
+  carry = invals[num_consts:first_x]
+  others = [x for j, x in enumerate(invals[first_x:]) if j not in unit_xs]
+  unit_leaves = [operands[first_x + j] for j in sorted(unit_xs)]
+  # Each step writes its outputs into these stacked buffers at its index, as scan does.
+  ys = [jnp.zeros((length, *a.shape), a.dtype) for a in p["jaxpr"].out_avals[num_carry:]]
+  steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+  for s, i in enumerate(steps):
+    upcoming = steps[s + 1 :]
+    unit = fetch(i, upcoming)
+    previous = carry
+    carry, ys = body(consts, carry, [unit[j] for j in unit_leaves], others, ys, np.int32(i))
+    del unit
+    # The step before this one is done before after_step moves the next unit in
+    # and evicts the oldest: the evicted unit's memory is free when it is dropped
+    # (this step keeps running meanwhile).
+    jax.block_until_ready(previous)
+    after_step(i, upcoming)
+  return list(carry) + list(ys)

@@ -4,41 +4,39 @@ Pick where a model's layers live — on the device (`FullyResident`), in pinned
 host memory streamed through a bounded device window (`LayerwiseHost`), or cold
 on disk behind byte-bounded host and device caches (`DenseDiskStream`) — and
 get the plain model's outputs with memory held to your budgets.
+
+The public surface (``__all__``):
+
+* placing: `place`, `PlacedModel` (``placed.arrays()``, ``placed.report()``,
+  ``placed.metadata``), `scan_units`, `linen` (``jr.linen.scan``), `save`;
+* policies and their options: `FullyResident`, `LayerwiseHost`,
+  `DenseDiskStream`, `LayerWeightResidency`, `OrdinaryWeightResidency`,
+  `ExecutionResidency`, `LayerwiseLoadOptions`, `DenseDiskStreamLoadOptions`,
+  `OffloadConfig`, `CacheEvictionPolicy`, `parse_bytes`, `format_bytes`;
+* what you get back: `ModelMetadata` and its `MemoryItem` s, `StoreInfo` (from
+  `save`), and `Report` (``placed.report()``) with its `PassReport` s,
+  `Totals`, `TierMetrics`, `WorkerMetrics` and `TimelinePoint` s; every field is
+  described in ``docs/reports.md``;
+* errors: the module `errors` (``jr.errors``) holds every error type and
+  documents the hierarchy. The top level lists only `ResidencyError` (the base
+  of them all) and the ones a user catches most: `BudgetTooSmallError`,
+  `DeviceBudgetTooSmallError`, `HostBudgetTooSmallError`, `PlacementError`,
+  `StoreError` and `ClosedError`. The other error types stay importable from
+  the top level (``jr.StoreLayoutError``) for code written against earlier
+  versions, but are not in ``__all__``; new code should use ``jr.errors``;
+* constants: ``DENSE_TRANSFER_WINDOW``, the device window of `DenseDiskStream`
+  in units (2: the current unit and the next), and
+  ``DEFAULT_MAX_CACHED_SHARDS``, the default ``max_cached_shards`` of the load
+  options (open checkpoint shard handles kept).
 """
 
+from . import errors as errors
 from . import linen as linen
+from ._src.placement.budget import MemoryItem as MemoryItem
 from ._src.placement.budget import ModelMetadata as ModelMetadata
 from ._src.placement.place import PlacedModel as PlacedModel
 from ._src.placement.place import place as place
 from ._src.placement.unit_loop import scan_units as scan_units
-from ._src.policy.errors import AdmissionError as AdmissionError
-from ._src.policy.errors import BudgetTooSmallError as BudgetTooSmallError
-from ._src.policy.errors import CheckpointMismatchError as CheckpointMismatchError
-from ._src.policy.errors import CheckpointShapeMismatchError as CheckpointShapeMismatchError
-from ._src.policy.errors import ClosedError as ClosedError
-from ._src.policy.errors import DeviceBudgetTooSmallError as DeviceBudgetTooSmallError
-from ._src.policy.errors import HostBudgetTooSmallError as HostBudgetTooSmallError
-from ._src.policy.errors import HostDisabledControlsError as HostDisabledControlsError
-from ._src.policy.errors import InvalidBudgetError as InvalidBudgetError
-from ._src.policy.errors import InvalidPolicyValueError as InvalidPolicyValueError
-from ._src.policy.errors import MissingCheckpointParametersError as MissingCheckpointParametersError
-from ._src.policy.errors import PlacementError as PlacementError
-from ._src.policy.errors import PrefetchError as PrefetchError
-from ._src.policy.errors import ResidencyError as ResidencyError
-from ._src.policy.errors import ResidencyRuntimeError as ResidencyRuntimeError
-from ._src.policy.errors import StoreError as StoreError
-from ._src.policy.errors import StoreLayoutError as StoreLayoutError
-from ._src.policy.errors import StoreNotFoundError as StoreNotFoundError
-from ._src.policy.errors import (
-  UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
-)
-from ._src.policy.errors import UnitSelectionError as UnitSelectionError
-from ._src.policy.errors import UnknownPolicyFieldError as UnknownPolicyFieldError
-from ._src.policy.errors import WeightResidencyPolicyError as WeightResidencyPolicyError
-from ._src.policy.errors import ZeroHostLookaheadError as ZeroHostLookaheadError
-from ._src.policy.errors import ZeroMaxCachedShardsError as ZeroMaxCachedShardsError
-from ._src.policy.errors import ZeroPrefetchDepthError as ZeroPrefetchDepthError
-from ._src.policy.errors import ZeroQueueCapacityError as ZeroQueueCapacityError
 from ._src.policy.options import DEFAULT_MAX_CACHED_SHARDS as DEFAULT_MAX_CACHED_SHARDS
 from ._src.policy.options import CacheEvictionPolicy as CacheEvictionPolicy
 from ._src.policy.options import DenseDiskStreamLoadOptions as DenseDiskStreamLoadOptions
@@ -53,55 +51,85 @@ from ._src.policy.types import FullyResident as FullyResident
 from ._src.policy.types import LayerWeightResidency as LayerWeightResidency
 from ._src.policy.types import LayerwiseHost as LayerwiseHost
 from ._src.policy.types import OrdinaryWeightResidency as OrdinaryWeightResidency
+from ._src.report.telemetry import PassReport as PassReport
+from ._src.report.telemetry import Report as Report
+from ._src.report.telemetry import TimelinePoint as TimelinePoint
+from ._src.report.telemetry import Totals as Totals
 from ._src.store.save import save as save
+from ._src.store.unit_store import StoreInfo as StoreInfo
+from ._src.stream.ledger import TierMetrics as TierMetrics
+from ._src.stream.prefetch import WorkerMetrics as WorkerMetrics
+from .errors import AdmissionError as AdmissionError
+from .errors import BudgetTooSmallError as BudgetTooSmallError
+from .errors import CheckpointMismatchError as CheckpointMismatchError
+from .errors import CheckpointShapeMismatchError as CheckpointShapeMismatchError
+from .errors import ClosedError as ClosedError
+from .errors import DeviceBudgetTooSmallError as DeviceBudgetTooSmallError
+from .errors import HostBudgetTooSmallError as HostBudgetTooSmallError
+from .errors import HostDisabledControlsError as HostDisabledControlsError
+from .errors import InvalidBudgetError as InvalidBudgetError
+from .errors import InvalidPolicyValueError as InvalidPolicyValueError
+from .errors import MissingCheckpointParametersError as MissingCheckpointParametersError
+from .errors import PlacementError as PlacementError
+from .errors import PrefetchError as PrefetchError
+from .errors import ResidencyError as ResidencyError
+from .errors import ResidencyRuntimeError as ResidencyRuntimeError
+from .errors import StoreError as StoreError
+from .errors import StoreLayoutError as StoreLayoutError
+from .errors import StoreNotFoundError as StoreNotFoundError
+from .errors import (
+  UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
+)
+from .errors import UnitSelectionError as UnitSelectionError
+from .errors import UnknownPolicyFieldError as UnknownPolicyFieldError
+from .errors import WeightResidencyPolicyError as WeightResidencyPolicyError
+from .errors import ZeroHostLookaheadError as ZeroHostLookaheadError
+from .errors import ZeroMaxCachedShardsError as ZeroMaxCachedShardsError
+from .errors import ZeroPrefetchDepthError as ZeroPrefetchDepthError
+from .errors import ZeroQueueCapacityError as ZeroQueueCapacityError
 
 __version__ = "0.1.0"
 
 __all__ = [
-  "DEFAULT_MAX_CACHED_SHARDS",
-  "DENSE_TRANSFER_WINDOW",
-  "AdmissionError",
-  "BudgetTooSmallError",
-  "CacheEvictionPolicy",
-  "CheckpointMismatchError",
-  "CheckpointShapeMismatchError",
-  "ClosedError",
-  "DenseDiskStream",
-  "DenseDiskStreamLoadOptions",
-  "DeviceBudgetTooSmallError",
-  "ExecutionResidency",
-  "FullyResident",
-  "HostBudgetTooSmallError",
-  "HostDisabledControlsError",
-  "InvalidBudgetError",
-  "InvalidPolicyValueError",
-  "LayerWeightResidency",
-  "LayerwiseHost",
-  "LayerwiseLoadOptions",
-  "MissingCheckpointParametersError",
-  "ModelMetadata",
-  "OffloadConfig",
-  "OrdinaryWeightResidency",
+  # placing
   "PlacedModel",
-  "PlacementError",
-  "PrefetchError",
-  "ResidencyError",
-  "ResidencyRuntimeError",
-  "StoreError",
-  "StoreLayoutError",
-  "StoreNotFoundError",
-  "UnexpectedCheckpointParametersError",
-  "UnitSelectionError",
-  "UnknownPolicyFieldError",
-  "WeightResidencyPolicyError",
-  "ZeroHostLookaheadError",
-  "ZeroMaxCachedShardsError",
-  "ZeroPrefetchDepthError",
-  "ZeroQueueCapacityError",
-  "format_bytes",
   "linen",
-  "parse_bytes",
   "place",
   "save",
   "scan_units",
+  # policies and their options
+  "CacheEvictionPolicy",
+  "DenseDiskStream",
+  "DenseDiskStreamLoadOptions",
+  "ExecutionResidency",
+  "FullyResident",
+  "LayerWeightResidency",
+  "LayerwiseHost",
+  "LayerwiseLoadOptions",
+  "OffloadConfig",
+  "OrdinaryWeightResidency",
+  "format_bytes",
+  "parse_bytes",
+  # what you get back
+  "MemoryItem",
+  "ModelMetadata",
+  "PassReport",
+  "Report",
+  "StoreInfo",
+  "TierMetrics",
+  "TimelinePoint",
+  "Totals",
+  "WorkerMetrics",
+  # errors (every error type is in jr.errors)
+  "BudgetTooSmallError",
+  "ClosedError",
+  "DeviceBudgetTooSmallError",
+  "HostBudgetTooSmallError",
+  "PlacementError",
+  "ResidencyError",
+  "StoreError",
+  "errors",
+  # constants
+  "DEFAULT_MAX_CACHED_SHARDS",
+  "DENSE_TRANSFER_WINDOW",
 ]

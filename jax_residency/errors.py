@@ -1,0 +1,116 @@
+"""Every error jax_residency raises on purpose: ``jr.errors``.
+
+Each error derives from `ResidencyError` and from the builtin that best
+describes it (`ValueError` for bad input, `RuntimeError` for a failure while
+running), so callers can catch either. Messages say what went wrong, where (a
+parameter path or a store path), the offending value, and how to fix it.
+
+The hierarchy (a builtin in parentheses is a second base class)::
+
+  ResidencyError
+      WeightResidencyPolicyError (ValueError)
+          ZeroHostLookaheadError
+          ZeroQueueCapacityError
+          HostDisabledControlsError
+          ZeroPrefetchDepthError
+          InvalidBudgetError
+          ZeroMaxCachedShardsError
+          UnknownPolicyFieldError
+          InvalidPolicyValueError
+      PlacementError (ValueError)
+          UnitSelectionError
+          BudgetTooSmallError
+              DeviceBudgetTooSmallError
+              HostBudgetTooSmallError
+      StoreError (ValueError)
+          StoreNotFoundError (FileNotFoundError)
+          StoreLayoutError
+          CheckpointMismatchError
+              MissingCheckpointParametersError
+              CheckpointShapeMismatchError
+              UnexpectedCheckpointParametersError
+      ResidencyRuntimeError (RuntimeError)
+          AdmissionError
+          PrefetchError
+          ClosedError
+
+The budget errors (`BudgetTooSmallError` and its two subclasses) are raised by
+``jr.place`` before anything is placed, and carry their arithmetic as ``int``
+attributes: ``required`` and ``budget`` always; ``static``, ``window`` and
+``depth`` for the device budget; ``window`` and ``staging`` for the host
+budget; ``None`` where one does not apply.
+
+The most caught of these are also at the top level (``jr.ResidencyError``,
+``jr.BudgetTooSmallError``, ...); the rest are here.
+
+Example:
+  >>> import jax_residency as jr
+  >>> issubclass(jr.errors.StoreLayoutError, jr.errors.StoreError)
+  True
+  >>> jr.errors.DeviceBudgetTooSmallError is jr.DeviceBudgetTooSmallError
+  True
+"""
+
+from jax_residency._src.policy.errors import AdmissionError as AdmissionError
+from jax_residency._src.policy.errors import BudgetTooSmallError as BudgetTooSmallError
+from jax_residency._src.policy.errors import CheckpointMismatchError as CheckpointMismatchError
+from jax_residency._src.policy.errors import (
+  CheckpointShapeMismatchError as CheckpointShapeMismatchError,
+)
+from jax_residency._src.policy.errors import ClosedError as ClosedError
+from jax_residency._src.policy.errors import DeviceBudgetTooSmallError as DeviceBudgetTooSmallError
+from jax_residency._src.policy.errors import HostBudgetTooSmallError as HostBudgetTooSmallError
+from jax_residency._src.policy.errors import HostDisabledControlsError as HostDisabledControlsError
+from jax_residency._src.policy.errors import InvalidBudgetError as InvalidBudgetError
+from jax_residency._src.policy.errors import InvalidPolicyValueError as InvalidPolicyValueError
+from jax_residency._src.policy.errors import (
+  MissingCheckpointParametersError as MissingCheckpointParametersError,
+)
+from jax_residency._src.policy.errors import PlacementError as PlacementError
+from jax_residency._src.policy.errors import PrefetchError as PrefetchError
+from jax_residency._src.policy.errors import ResidencyError as ResidencyError
+from jax_residency._src.policy.errors import ResidencyRuntimeError as ResidencyRuntimeError
+from jax_residency._src.policy.errors import StoreError as StoreError
+from jax_residency._src.policy.errors import StoreLayoutError as StoreLayoutError
+from jax_residency._src.policy.errors import StoreNotFoundError as StoreNotFoundError
+from jax_residency._src.policy.errors import (
+  UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
+)
+from jax_residency._src.policy.errors import UnitSelectionError as UnitSelectionError
+from jax_residency._src.policy.errors import UnknownPolicyFieldError as UnknownPolicyFieldError
+from jax_residency._src.policy.errors import (
+  WeightResidencyPolicyError as WeightResidencyPolicyError,
+)
+from jax_residency._src.policy.errors import ZeroHostLookaheadError as ZeroHostLookaheadError
+from jax_residency._src.policy.errors import ZeroMaxCachedShardsError as ZeroMaxCachedShardsError
+from jax_residency._src.policy.errors import ZeroPrefetchDepthError as ZeroPrefetchDepthError
+from jax_residency._src.policy.errors import ZeroQueueCapacityError as ZeroQueueCapacityError
+
+__all__ = [
+  "AdmissionError",
+  "BudgetTooSmallError",
+  "CheckpointMismatchError",
+  "CheckpointShapeMismatchError",
+  "ClosedError",
+  "DeviceBudgetTooSmallError",
+  "HostBudgetTooSmallError",
+  "HostDisabledControlsError",
+  "InvalidBudgetError",
+  "InvalidPolicyValueError",
+  "MissingCheckpointParametersError",
+  "PlacementError",
+  "PrefetchError",
+  "ResidencyError",
+  "ResidencyRuntimeError",
+  "StoreError",
+  "StoreLayoutError",
+  "StoreNotFoundError",
+  "UnexpectedCheckpointParametersError",
+  "UnitSelectionError",
+  "UnknownPolicyFieldError",
+  "WeightResidencyPolicyError",
+  "ZeroHostLookaheadError",
+  "ZeroMaxCachedShardsError",
+  "ZeroPrefetchDepthError",
+  "ZeroQueueCapacityError",
+]

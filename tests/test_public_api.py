@@ -1,0 +1,206 @@
+"""The public surface: ``jr.__all__``, ``jr.errors``, and the report docs.
+
+Every public name exists and is documented; ``jr.errors`` holds every error type
+the library defines, in the hierarchy its docstring draws; budget errors carry
+their arithmetic as attributes; and the example in ``docs/reports.md`` runs and
+names every field of the report types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pathlib
+import re
+import types
+
+import pytest
+from flax import nnx
+
+import jax_residency as jr
+from jax_residency._src.policy import errors as src_errors
+from jax_residency.toy import ToyConfig, ToyTransformer
+
+REPORTS_MD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "reports.md"
+
+#: What `place`, `save` and `placed.report()` hand back; docs/reports.md documents each field.
+RETURNED = (
+  jr.Report,
+  jr.PassReport,
+  jr.Totals,
+  jr.TierMetrics,
+  jr.WorkerMetrics,
+  jr.TimelinePoint,
+  jr.ModelMetadata,
+  jr.MemoryItem,
+  jr.StoreInfo,
+)
+
+#: The errors a user catches most: the only ones the top level lists in `__all__`.
+TOP_LEVEL_ERRORS = {
+  "ResidencyError",
+  "BudgetTooSmallError",
+  "DeviceBudgetTooSmallError",
+  "HostBudgetTooSmallError",
+  "StoreError",
+  "PlacementError",
+  "ClosedError",
+}
+
+
+def defined_errors() -> dict[str, type[BaseException]]:
+  """Every `ResidencyError` subclass defined in the library's error module."""
+  return {
+    name: obj
+    for name, obj in vars(src_errors).items()
+    if inspect.isclass(obj)
+    and issubclass(obj, src_errors.ResidencyError)
+    and obj.__module__ == src_errors.__name__
+  }
+
+
+def is_documented(obj: object) -> bool:
+  """A module, class or function with its own docstring (not a dataclass's generated one)."""
+  doc = inspect.getdoc(obj)
+  if not doc:
+    return False
+  name = getattr(obj, "__name__", "")
+  return not (dataclasses.is_dataclass(obj) and doc.startswith(f"{name}("))
+
+
+# --- names -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [jr, jr.errors], ids=["jr", "jr.errors"])
+def test_every_public_name_exists_and_is_documented(module):
+  assert len(module.__all__) == len(set(module.__all__)), "duplicates in __all__"
+  for name in module.__all__:
+    assert hasattr(module, name), f"{module.__name__}.{name} is in __all__ but missing"
+    obj = getattr(module, name)
+    if isinstance(obj, types.ModuleType) or inspect.isclass(obj) or callable(obj):
+      assert is_documented(obj), f"{module.__name__}.{name} has no docstring"
+    else:  # a constant: the package docstring says what it is
+      assert name in (module.__doc__ or ""), f"{module.__name__}.{name} is not documented"
+
+
+def test_what_users_get_back_is_exported():
+  for cls in RETURNED:
+    assert cls.__name__ in jr.__all__
+    assert dataclasses.is_dataclass(cls)
+
+
+def test_errors_module_holds_every_error_type():
+  defined = defined_errors()
+  assert "StoreLayoutError" in defined and len(defined) > 20  # the walk found them
+  assert set(jr.errors.__all__) == set(defined)
+  for name, cls in defined.items():
+    assert getattr(jr.errors, name) is cls
+  assert jr.errors.StoreLayoutError is src_errors.StoreLayoutError
+
+
+def test_top_level_lists_the_main_errors_and_keeps_the_rest_importable():
+  listed = {name for name in jr.__all__ if name.endswith("Error")}
+  assert listed == TOP_LEVEL_ERRORS
+  for name, cls in defined_errors().items():
+    assert getattr(jr, name) is cls  # earlier code importing jr.<AnyError> still works
+
+
+def test_errors_docstring_draws_the_real_hierarchy():
+  """Each class in the docstring's tree has its parent, and the builtin in parentheses, as bases."""
+  doc = jr.errors.__doc__ or ""
+  block = doc.split("::\n\n", 1)[1].split("\n\n", 1)[0]
+  stack: list[tuple[int, type]] = []
+  seen = set()
+  for line in block.splitlines():
+    m = re.fullmatch(r"( *)(\w+)(?: \((\w+)\))?", line)
+    assert m, f"unexpected line in the hierarchy: {line!r}"
+    indent, name, builtin = len(m[1]), m[2], m[3]
+    cls = getattr(jr.errors, name)
+    while stack and stack[-1][0] >= indent:
+      stack.pop()
+    if stack:
+      assert stack[-1][1] in cls.__bases__, f"{name} does not derive from {stack[-1][1].__name__}"
+    else:
+      assert cls is jr.errors.ResidencyError
+    if builtin:
+      assert builtin in {b.__name__ for b in cls.__bases__}, f"{name} is not a {builtin}"
+    stack.append((indent, cls))
+    seen.add(name)
+  assert seen == set(jr.errors.__all__), "the docstring's tree misses or adds error types"
+
+
+# --- budget errors carry their numbers ------------------------------------------
+
+
+CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4)
+
+
+@pytest.fixture(scope="module")
+def toy() -> ToyTransformer:
+  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
+
+
+def test_device_budget_error_carries_its_numbers(toy):
+  depth, budget = 2, 1000
+  policy = jr.LayerwiseHost(
+    jr.LayerwiseLoadOptions(
+      offload=jr.OffloadConfig(prefetch_depth=depth, device_budget_bytes=budget)
+    )
+  )
+  with pytest.raises(jr.errors.DeviceBudgetTooSmallError) as info:
+    jr.place(toy, policy)
+  e = info.value
+  assert isinstance(e, jr.BudgetTooSmallError) and isinstance(e, ValueError)
+  assert e.budget == budget and e.depth == depth
+  assert e.window == depth * CFG.unit_bytes()
+  assert e.static > 0 and e.required == e.static + e.window > e.budget
+  assert e.staging is None
+  for part in (f"static={e.static}", f"window={e.window}", f"required={e.required}"):
+    assert part in str(e)
+
+
+def test_host_budget_error_carries_its_numbers(toy, tmp_path):
+  unit = CFG.unit_bytes()
+  info = jr.save(toy, str(tmp_path / "toy"))
+  policy = jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(host_budget_bytes=2 * unit - 1, host_lookahead=2)
+  )
+  abstract = nnx.eval_shape(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
+  with pytest.raises(jr.errors.HostBudgetTooSmallError) as err:
+    jr.place(abstract, policy, store=info.path)
+  e = err.value
+  assert isinstance(e, jr.BudgetTooSmallError)
+  assert e.budget == 2 * unit - 1 and e.window == 2 * unit
+  assert e.staging is not None and e.required == e.window + e.staging > e.budget
+  assert e.static is None and e.depth is None
+
+
+# --- docs/reports.md ----------------------------------------------------------------
+
+
+def python_blocks(text: str) -> list[str]:
+  return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_reports_doc_example_runs(capsys):
+  blocks = python_blocks(REPORTS_MD.read_text())
+  assert blocks, "docs/reports.md has no python example"
+  namespace: dict[str, object] = {"__name__": "docs_reports_example"}
+  for block in blocks:
+    exec(compile(block, str(REPORTS_MD), "exec"), namespace)  # noqa: S102 - the doc's own code
+  assert isinstance(namespace["report"], jr.Report)
+  assert isinstance(namespace["meta"], jr.ModelMetadata)
+  assert "prefill" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cls", RETURNED, ids=lambda c: c.__name__)
+def test_reports_doc_names_every_field(cls):
+  text = REPORTS_MD.read_text()
+  assert f"## `{cls.__name__}`" in text or f": `{cls.__name__}`" in text
+  public_properties = [
+    name
+    for name, value in vars(cls).items()
+    if isinstance(value, property) and not name.startswith("_")
+  ]
+  for name in [f.name for f in dataclasses.fields(cls)] + public_properties:
+    assert f"`{name}`" in text, f"docs/reports.md does not describe {cls.__name__}.{name}"

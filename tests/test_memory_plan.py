@@ -10,7 +10,7 @@ from flax import nnx
 
 import jax_residency as jr
 from jax_residency._src.placement import budget as plan
-from jax_residency._src.store.reads import BufferPool, buffer_layout
+from jax_residency._src.store.buffers import BufferPool, buffer_layout
 from jax_residency.toy import ToyConfig, ToyTransformer
 
 CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=8)

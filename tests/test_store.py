@@ -1,4 +1,5 @@
-"""Tests of the unit store: save, open, stream, check, rechunk (store/unit_store.py, reads.py)."""
+"""Tests of the unit store: save, open, stream, check, rechunk (store/unit_store.py and the
+read path: buffers.py, handles.py, unit_reads.py, discovery.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jax_residency._src.policy import errors
-from jax_residency._src.store import reads as readers
+from jax_residency._src.store import buffers, handles
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store import writer as wr
 
@@ -458,7 +459,7 @@ def test_open_handles_never_exceed_max_cached_shards(tmp_path) -> None:
 
 def test_handle_cache_evicts_least_recently_used() -> None:
   opened = []
-  cache = readers.HandleCache(2, lambda name: opened.append(name) or name)
+  cache = handles.HandleCache(2, lambda name: opened.append(name) or name)
   for name in ["a", "b", "a", "c", "a", "b"]:
     cache.get(name)
   assert opened == ["a", "b", "c", "b"]  # "b" was evicted by "c", "c" by "b"
@@ -466,11 +467,11 @@ def test_handle_cache_evicts_least_recently_used() -> None:
 
 
 def test_buffer_pool_reuses_slabs_and_bounds_idle_ones() -> None:
-  pool = readers.BufferPool(spare=1)
-  layout, nbytes = readers.buffer_layout(
+  pool = buffers.BufferPool(spare=1)
+  layout, nbytes = buffers.buffer_layout(
     [("x", (3, 5), np.dtype(np.float32)), ("y", (7,), np.dtype(np.int8))]
   )
-  assert [offset for *_, offset in layout] == [0, readers.BUFFER_ALIGNMENT]
+  assert [offset for *_, offset in layout] == [0, buffers.BUFFER_ALIGNMENT]
   first = pool.lease(layout, nbytes)
   first["x"][:] = 1
   second = pool.lease(layout, nbytes)
@@ -483,8 +484,8 @@ def test_buffer_pool_reuses_slabs_and_bounds_idle_ones() -> None:
 
 
 def test_tune_malloc_is_idempotent() -> None:
-  first = readers.tune_malloc()
-  assert readers.tune_malloc() is first
+  first = buffers.tune_malloc()
+  assert buffers.tune_malloc() is first
 
 
 def test_handle_cache_opens_misses_together_and_keeps_its_bound() -> None:
@@ -501,7 +502,7 @@ def test_handle_cache_opens_misses_together_and_keeps_its_bound() -> None:
     opened.append(name)
     return Done(name)
 
-  cache = readers.HandleCache(2, lambda name: f"handle:{name}")
+  cache = handles.HandleCache(2, lambda name: f"handle:{name}")
   names = ["a", "b", "c", "a"]
   assert cache.get_many(names, open_async) == [f"handle:{n}" for n in names]
   assert opened == ["a", "b", "c"]  # each miss opened once, all issued before waiting

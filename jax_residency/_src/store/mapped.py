@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jax_residency._src.store.buffers import tensor_nbytes
 from jax_residency._src.typing import ParamPath
 
 _log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def mapped_size(shape: tuple[int, ...], dtype: np.dtype) -> int:
   as a read buffer would hold them (a chunk that starts inside a page maps one
   page more, at most 4 KiB per tensor, not counted)."""
   page = mmap.PAGESIZE
-  nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+  nbytes = tensor_nbytes(shape, dtype)
   return -(-nbytes // page) * page
 
 
@@ -194,7 +195,7 @@ class UnitMapper:
     out = {}
     for rel, (_, shape, dtype) in self._tensors.items():
       extent = self._extent(rel, unit)
-      nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+      nbytes = tensor_nbytes(shape, dtype)
       array = None
       if extent is not None and extent.length == nbytes and nbytes:
         array = self._map(extent, shape, dtype)

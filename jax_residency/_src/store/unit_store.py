@@ -11,7 +11,10 @@ count; plain Orbax checkpoints without it open too, given `unit_prefix`.
 
 This module opens and reads stores; `writer.py` writes them (`save_store`,
 `rechunk_store`). Both work on flat mappings keyed by parameter-path tuples and
-know nothing of Flax. The read fast path lives in `reads.py`, mapped reads in `mapped.py`.
+know nothing of Flax. Opening uses `discovery.py` (what a store holds) and
+`checks.py` (whether it can stream); reads use `handles.py` (open arrays),
+`unit_reads.py` (one unit's concurrent copies) and `buffers.py` (the reused host
+buffers they land in), or `mapped.py` (mapped reads).
 
 Example:
   >>> import numpy as np
@@ -31,25 +34,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
 
+from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
-from jax_residency._src.store import mapped
-from jax_residency._src.store import reads as readers
+from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
+from jax_residency._src.store import checks, discovery, handles, mapped
+from jax_residency._src.store.buffers import BufferPool, buffer_layout, tensor_nbytes
+from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
+from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read
 from jax_residency._src.typing import ParamPath, TensorSpec
 
 if TYPE_CHECKING:
   from jax.typing import DTypeLike
 
-FORMAT_NAME = "jax_residency.unit_store"
-FORMAT_VERSION = 1
-SIDECAR_KEY = "jax_residency.json"
-DEFAULT_MAX_CACHED_SHARDS = 4
 #: Idle unit buffers a store keeps for reuse (per request size): 2 reads in flight + 1 held.
 DEFAULT_SPARE_UNIT_BUFFERS = 3
 
@@ -79,20 +81,6 @@ class StoreInfo:
     return self.unit_nbytes * self.unit_count
 
 
-_name = readers.param_name
-
-
-def _nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
-  return math.prod(shape) * dtype.itemsize
-
-
-def _fmt(spec: tuple[Sequence[int], Any]) -> str:
-  return f"{tuple(spec[0])} {np.dtype(spec[1]).name}"
-
-
-# --- reading ------------------------------------------------------------------
-
-
 class UnitStore:
   """A store opened for reading: metadata up front, tensor data on demand.
 
@@ -101,7 +89,7 @@ class UnitStore:
   drops open handles and idle buffers; arrays already returned stay valid.
 
   Memory: each unit read lands in one reused, page-aligned host buffer of
-  `unit_nbytes` (see `readers.BufferPool`); up to `spare_unit_buffers` idle
+  `unit_nbytes` (see `BufferPool`); up to `spare_unit_buffers` idle
   buffers are kept for reuse, on top of what the caller holds. TensorStore's
   chunk cache is off; a bounded 16 MiB cache holds OCDBT index nodes.
   """
@@ -109,9 +97,9 @@ class UnitStore:
   def __init__(
     self,
     *,
-    location: readers.Location,
+    location: discovery.Location,
     context: ts.Context,
-    arrays: Mapping[ParamPath, readers.ArrayInfo],
+    arrays: Mapping[ParamPath, discovery.ArrayInfo],
     unit_prefix: ParamPath,
     unit_count: int,
     use_ocdbt: bool,
@@ -126,9 +114,9 @@ class UnitStore:
     n = len(unit_prefix)
     self._units = {p[n:]: a for p, a in sorted(arrays.items()) if p[:n] == unit_prefix}
     self._static = {p: a for p, a in sorted(arrays.items()) if p[:n] != unit_prefix}
-    self._drivers = {_name(p): a.driver for p, a in arrays.items()}
-    self._handles = readers.HandleCache(max_cached_shards, self._open_handle)
-    self._pool = readers.BufferPool(spare_unit_buffers)
+    self._drivers = {path_str(p): a.driver for p, a in arrays.items()}
+    self._handles = handles.HandleCache(max_cached_shards, self._open_handle)
+    self._pool = BufferPool(spare_unit_buffers)
     self._mapper: mapped.UnitMapper | None = None
     self._mapped_unit_bytes = 0
     self._closed = False
@@ -142,6 +130,7 @@ class UnitStore:
     max_cached_shards: int = DEFAULT_MAX_CACHED_SHARDS,
     require_unit_chunks: bool = True,
     spare_unit_buffers: int = DEFAULT_SPARE_UNIT_BUFFERS,
+    cache_largest_chunk: bool = False,
   ) -> UnitStore:
     """Opens a store, reading only metadata.
 
@@ -156,6 +145,9 @@ class UnitStore:
       require_unit_chunks: Raise `StoreLayoutError` if a unit array's chunk
         spans more than one unit (it could not be streamed one unit at a time).
       spare_unit_buffers: Idle unit buffers kept for reuse.
+      cache_largest_chunk: Size a chunk cache for the store's largest chunk, so
+        reading a chunk of several units one unit at a time decodes it once (for
+        copying it, as `rechunk_store` does; reads otherwise cache nothing).
 
     Raises:
       StoreNotFoundError: No checkpoint at `path`.
@@ -163,11 +155,36 @@ class UnitStore:
         `require_unit_chunks`) a unit array is not chunked one unit per chunk.
       StoreError: No unit prefix is known, or nothing lies under it.
     """
-    return _open_store(
-      path,
-      unit_prefix=unit_prefix,
+    if not isinstance(max_cached_shards, int) or max_cached_shards < 1:
+      raise errors.ZeroMaxCachedShardsError(
+        f"max_cached_shards must be an int >= 1 (open TensorStore handles); got "
+        f"{max_cached_shards=}. Use the default, {DEFAULT_MAX_CACHED_SHARDS}."
+      )
+    loc = discovery.locate(path)
+    context = handles.store_context()
+    try:
+      found = discovery.discover(loc, context, sidecar_key=SIDECAR_KEY)
+    except errors.StoreError:
+      raise
+    except (ValueError, OSError) as e:  # corrupt metadata, manifest or data files
+      raise errors.StoreError(
+        f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). Write it again with "
+        "jax_residency.save, or point at the checkpoint directory itself."
+      ) from e
+    prefix, unit_count = checks.check_layout(
+      path, found, unit_prefix, require_unit_chunks=require_unit_chunks
+    )
+    if cache_largest_chunk:
+      largest = max(tensor_nbytes(a.read_chunk, a.dtype) for a in found.arrays.values())
+      context = handles.store_context(cache_bytes=largest + largest // 4 + (1 << 20))
+    return cls(
+      location=loc,
+      context=context,
+      arrays=found.arrays,
+      unit_prefix=prefix,
+      unit_count=unit_count,
+      use_ocdbt=found.use_ocdbt,
       max_cached_shards=max_cached_shards,
-      require_unit_chunks=require_unit_chunks,
       spare_unit_buffers=spare_unit_buffers,
     )
 
@@ -197,7 +214,7 @@ class UnitStore:
 
   @property
   def unit_nbytes(self) -> int:
-    return sum(_nbytes(a.shape[1:], a.dtype) for a in self._units.values())
+    return sum(tensor_nbytes(a.shape[1:], a.dtype) for a in self._units.values())
 
   @property
   def total_unit_bytes(self) -> int:
@@ -205,7 +222,7 @@ class UnitStore:
 
   @property
   def static_nbytes(self) -> int:
-    return sum(_nbytes(a.shape, a.dtype) for a in self._static.values())
+    return sum(tensor_nbytes(a.shape, a.dtype) for a in self._static.values())
 
   @property
   def chunked_per_unit(self) -> bool:
@@ -245,11 +262,11 @@ class UnitStore:
     so buffers kept for reuse never take memory the budgets do not hold, and a
     read waits (briefly, calling ``reclaim``) for the buffers of units its
     caller has dropped to come back before it takes a new one (see
-    `readers.BufferPool.set_limit`). A buffer is a whole unit with each tensor
+    `BufferPool.set_limit`). A buffer is a whole unit with each tensor
     rounded up to a page.
     """
-    specs = [(_name(p), a.shape[1:], a.dtype) for p, a in self._units.items()]
-    slab = readers.buffer_layout(specs)[1]
+    specs = [(path_str(p), a.shape[1:], a.dtype) for p, a in self._units.items()]
+    slab = buffer_layout(specs)[1]
     self._pool.set_limit(None if units is None else units * slab, reclaim=reclaim)
 
   def use_mapped_reads(self) -> bool:
@@ -263,7 +280,7 @@ class UnitStore:
     `mapped.MAPPED_READS_ENV` is "0").
     """
     tensors = {
-      rel: (_name(self._prefix + rel), a.shape[1:], a.dtype)
+      rel: (path_str(self._prefix + rel), a.shape[1:], a.dtype)
       for rel, a in self._units.items()
       if a.raw and a.read_chunk[:1] == (1,) and tuple(a.read_chunk[1:]) == tuple(a.shape[1:])
     }
@@ -302,7 +319,7 @@ class UnitStore:
 
   def read_unit_async(
     self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
-  ) -> readers.UnitRead:
+  ) -> UnitRead:
     """Starts reading unit `i`; see `read_unit`. Returns a future-like `UnitRead`."""
     self._check_usable()
     if not isinstance(i, int | np.integer) or not 0 <= i < self._unit_count:
@@ -319,7 +336,7 @@ class UnitStore:
         self._pool.note_external()
       requests: Mapping[ParamPath, tuple[Any, ...]] = {p: () for p in self._units if p not in ready}
     else:
-      unknown = [_name(p) for p in index if tuple(p) not in self._units]
+      unknown = [path_str(p) for p in index if tuple(p) not in self._units]
       if unknown:
         raise errors.StoreError(
           f"read_unit index names tensors that are not unit tensors of {self.path}:\n"
@@ -329,17 +346,17 @@ class UnitStore:
       requests = {tuple(p): tuple(s) if isinstance(s, tuple) else (s,) for p, s in index.items()}
     sources = []
     handles = self._handles.get_many(
-      [_name(self._prefix + rel) for rel in requests], self._open_handle_async
+      [path_str(self._prefix + rel) for rel in requests], self._open_handle_async
     )
     for (rel, idx), handle in zip(requests.items(), handles, strict=True):
       try:
         sources.append((rel, handle[(int(i), *idx)]))
       except (IndexError, ValueError, TypeError) as e:
         raise errors.StoreError(
-          f"Cannot index unit tensor {_name(rel)!r} (per-unit shape "
+          f"Cannot index unit tensor {path_str(rel)!r} (per-unit shape "
           f"{self._units[rel].shape[1:]}) with {idx!r}: {e}"
         ) from e
-    return readers.issue_unit_read(int(i), sources, self._pool, self.path, ready=ready)
+    return issue_unit_read(int(i), sources, self._pool, self.path, ready=ready)
 
   def read_unit(
     self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
@@ -366,7 +383,7 @@ class UnitStore:
     """Yields `(i, tensors)` in order, keeping `in_flight` unit reads ahead."""
     if in_flight < 1:
       raise errors.StoreError(f"read_units needs in_flight >= 1; got {in_flight=}.")
-    pending: collections.deque[readers.UnitRead] = collections.deque()
+    pending: collections.deque[UnitRead] = collections.deque()
     todo = iter(indices)
     for i in todo:
       pending.append(self.read_unit_async(i, index=index))
@@ -382,21 +399,30 @@ class UnitStore:
   def read_static(self) -> dict[ParamPath, np.ndarray]:
     """Reads every static tensor, keyed by full path."""
     self._check_usable()
-    futures = [(p, self._handles.get(_name(p)).read()) for p in self._static]
+    futures = [(p, self._handles.get(path_str(p)).read()) for p in self._static]
     return {path: self._static_result(path, future) for path, future in futures}
 
   def read_static_tensor(self, path: ParamPath) -> np.ndarray:
     """Reads one static tensor (to place static weights one at a time)."""
     self._check_usable()
     if tuple(path) not in self._static:
-      raise errors.StoreError(f"{_name(path)!r} is not a static tensor of {self.path}.")
-    return self._static_result(path, self._handles.get(_name(path)).read())
+      raise errors.StoreError(f"{path_str(path)!r} is not a static tensor of {self.path}.")
+    return self._static_result(path, self._handles.get(path_str(path)).read())
+
+  def array_handle(self, path: ParamPath) -> ts.TensorStore:
+    """The open TensorStore array at full ``path``: a static tensor, or a unit array
+    whole (all units stacked), for copying a store array by array (`rechunk_store`)."""
+    self._check_usable()
+    name = path_str(tuple(path))
+    if name not in self._drivers:
+      raise errors.StoreError(f"{name!r} is not an array of {self.path}.")
+    return self._handles.get(name)
 
   def _static_result(self, path: ParamPath, future: Any) -> np.ndarray:
     try:
       return future.result()
     except ValueError as e:
-      raise errors.StoreError(f"Reading {_name(path)!r} from {self.path} failed: {e}") from e
+      raise errors.StoreError(f"Reading {path_str(path)!r} from {self.path} failed: {e}") from e
 
   def check_against(
     self,
@@ -418,52 +444,15 @@ class UnitStore:
       CheckpointShapeMismatchError: Shapes or dtypes differ.
       UnexpectedCheckpointParametersError: With `strict`, unclaimed tensors.
     """
-    missing, mismatched = [], []
-    for label, expected, stored in (
-      ("per unit", expected_units, self.unit_specs),
-      ("", expected_static, self.static_specs),
-    ):
-      full = (lambda p: self._prefix + p) if label else (lambda p: p)
-      for path, (shape, dtype) in expected.items():
-        name = _name(full(tuple(path))) + (f" ({label})" if label else "")
-        want = (tuple(int(d) for d in shape), np.dtype(dtype))
-        found = stored.get(tuple(path))
-        if found is None:
-          missing.append(f"{name}: expected {_fmt(want)}")
-        elif found != want:
-          mismatched.append(f"{name}: expected {_fmt(want)}, found {_fmt(found)}")
-    claimed = {self._prefix + tuple(p) for p in expected_units} | {
-      tuple(p) for p in expected_static
-    }
-    unexpected = []
-    if strict:
-      for rel, spec in self.unit_specs.items():
-        if self._prefix + rel not in claimed:
-          unexpected.append(f"{_name(self._prefix + rel)} (per unit): {_fmt(spec)}")
-      for path, spec in self.static_specs.items():
-        if path not in claimed:
-          unexpected.append(f"{_name(path)}: {_fmt(spec)}")
-    where = f"the store at {self.path} (unit_prefix={self._prefix})"
-    if missing:
-      also = _also(mismatched=len(mismatched), unexpected=len(unexpected))
-      raise errors.MissingCheckpointParametersError(
-        f"The model has {len(missing)} parameter(s) that {where} does not hold:\n"
-        f"{errors.format_paths(missing)}\n{also}Fix: save the store from this model "
-        "(save_store), or check that unit_prefix names the model's layer stack."
-      )
-    if mismatched:
-      also = _also(unexpected=len(unexpected))
-      raise errors.CheckpointShapeMismatchError(
-        f"{len(mismatched)} tensor(s) in {where} disagree with the model:\n"
-        f"{errors.format_paths(mismatched)}\n{also}Fix: the store was written for a "
-        "different model configuration; save it again from this model."
-      )
-    if unexpected:
-      raise errors.UnexpectedCheckpointParametersError(
-        f"{where} holds {len(unexpected)} tensor(s) the model does not claim:\n"
-        f"{errors.format_paths(unexpected)}\nFix: pass strict_loading=False to ignore "
-        "them, or save a store from this model."
-      )
+    checks.check_against(
+      self.path,
+      self._prefix,
+      self.unit_specs,
+      self.static_specs,
+      expected_units,
+      expected_static,
+      strict=strict,
+    )
 
   # -- lifetime
 
@@ -486,123 +475,12 @@ class UnitStore:
   def _open_handle(self, name: str) -> ts.TensorStore:
     return self._open_handle_async(name).result()
 
-  def _open_handle_async(self, name: str) -> _Opening:
+  def _open_handle_async(self, name: str) -> handles.Opening:
     """A future of an open handle; opening errors surface as `StoreError`."""
-    spec = {
-      "driver": self._drivers[name],
-      "kvstore": readers.array_kvstore(self._loc, name, use_ocdbt=self._use_ocdbt),
-      "recheck_cached_data": False,
-      "recheck_cached_metadata": False,
-    }
-    return _Opening(ts.open(spec, context=self._context, read=True, open=True), name, self.path)
-
-
-class _Opening:
-  """A handle being opened; `result()` names the array and store on failure."""
-
-  def __init__(self, future: Any, name: str, path: str):
-    self._future, self._name, self._path = future, name, path
-
-  def result(self) -> ts.TensorStore:
-    try:
-      return self._future.result()
-    except ValueError as e:
-      raise errors.StoreError(f"Cannot open array {self._name!r} in {self._path}: {e}") from e
-
-
-def _also(*, mismatched: int = 0, unexpected: int = 0) -> str:
-  parts = [f"{mismatched} shape/dtype mismatch(es)"] if mismatched else []
-  parts += [f"{unexpected} unexpected tensor(s)"] if unexpected else []
-  return f"(Also found: {', '.join(parts)}.)\n" if parts else ""
-
-
-def _open_store(
-  path: str,
-  *,
-  unit_prefix: ParamPath | None,
-  max_cached_shards: int,
-  require_unit_chunks: bool,
-  spare_unit_buffers: int,
-  cache_largest_chunk: bool = False,
-) -> UnitStore:
-  """`UnitStore.open`; `cache_largest_chunk` sizes a chunk cache for `rechunk_store`."""
-  if not isinstance(max_cached_shards, int) or max_cached_shards < 1:
-    raise errors.ZeroMaxCachedShardsError(
-      f"max_cached_shards must be an int >= 1 (open TensorStore handles); got "
-      f"{max_cached_shards=}. Use the default, {DEFAULT_MAX_CACHED_SHARDS}."
+    return handles.open_array(
+      self._loc,
+      name,
+      driver=self._drivers[name],
+      use_ocdbt=self._use_ocdbt,
+      context=self._context,
     )
-  loc = readers.locate(path)
-  context = readers.store_context()
-  try:
-    found = readers.discover(loc, context, sidecar_key=SIDECAR_KEY)
-  except errors.StoreError:
-    raise
-  except (ValueError, OSError) as e:  # corrupt metadata, manifest or data files
-    raise errors.StoreError(
-      f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). Write it again with "
-      "jax_residency.save, or point at the checkpoint directory itself."
-    ) from e
-  sidecar, arrays, paths = found.sidecar, found.arrays, list(found.arrays)
-  if sidecar is not None and sidecar.get("format_version", 0) > FORMAT_VERSION:
-    raise errors.StoreError(
-      f"{path} was written by a newer jax_residency (format_version="
-      f"{sidecar.get('format_version')}; this one reads <= {FORMAT_VERSION}). Upgrade."
-    )
-  if unit_prefix is None:
-    if sidecar is None or not sidecar.get("unit_prefix"):
-      tops = sorted({_name(p[:2]) for p in paths if len(p) > 2})
-      raise errors.StoreError(
-        f"{path} has no {SIDECAR_KEY} (a plain Orbax checkpoint), so the unit prefix is "
-        f"unknown. Pass unit_prefix=(...) naming the stacked layer subtree; candidates:\n"
-        f"{errors.format_paths(tops)}"
-      )
-    unit_prefix = tuple(sidecar["unit_prefix"])
-  prefix = _as_path(unit_prefix)
-  units = {p: a for p, a in arrays.items() if p[: len(prefix)] == prefix and len(p) > len(prefix)}
-  if not units:
-    parents = sorted({_name(p[:-1]) for p in paths if len(p) > 1})
-    raise errors.StoreError(
-      f"{path} holds no arrays under unit_prefix={prefix}. Pass the prefix of the "
-      f"stacked layer subtree; array parents found:\n{errors.format_paths(parents)}"
-    )
-  counts = {_name(p): a.shape[0] if a.shape else None for p, a in units.items()}
-  unit_count = next(iter(counts.values()))
-  if unit_count is None or any(c != unit_count for c in counts.values()):
-    raise errors.StoreLayoutError(
-      f"Unit arrays under {prefix} in {path} must share one leading (unit) dimension; "
-      f"found:\n{errors.format_paths(f'{k}: leading dim {v}' for k, v in counts.items())}\n"
-      "Fix unit_prefix so it names only the stacked layers."
-    )
-  if sidecar is not None and sidecar.get("unit_count", unit_count) != unit_count:
-    raise errors.StoreLayoutError(
-      f"{path}: {SIDECAR_KEY} records unit_count={sidecar['unit_count']} but the arrays "
-      f"hold {unit_count} units. The store is inconsistent; write it again."
-    )
-  bad = [f"{_name(p)}: chunk shape {a.read_chunk}" for p, a in units.items() if a.read_chunk[0] > 1]
-  if bad and require_unit_chunks:
-    raise errors.StoreLayoutError(
-      f"{path} cannot be streamed one unit at a time: these unit arrays hold several "
-      f"units per chunk (streaming needs chunk shape (1, ...)):\n{errors.format_paths(bad)}\n"
-      f"Fix: run `jax-residency rechunk {path} DST --units {_name(prefix)}` or call "
-      f"rechunk_store({path!r}, dst, unit_prefix={prefix}), then open DST."
-    )
-  if cache_largest_chunk:
-    largest = max(_nbytes(a.read_chunk, a.dtype) for a in arrays.values())
-    context = readers.store_context(cache_bytes=largest + largest // 4 + (1 << 20))
-  return UnitStore(
-    location=loc,
-    context=context,
-    arrays=arrays,
-    unit_prefix=prefix,
-    unit_count=unit_count,
-    use_ocdbt=found.use_ocdbt,
-    max_cached_shards=max_cached_shards,
-    spare_unit_buffers=spare_unit_buffers,
-  )
-
-
-# --- writing ------------------------------------------------------------------
-
-
-def _as_path(key: Any) -> ParamPath:
-  return tuple(str(k) for k in (key if isinstance(key, tuple) else (key,)))

@@ -21,19 +21,22 @@ import numpy as np
 import tensorstore as ts
 import tqdm
 
+from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
 from jax_residency._src.store import mapped
-from jax_residency._src.store import reads as readers
-from jax_residency._src.store.unit_store import (
+from jax_residency._src.store.buffers import tensor_nbytes
+from jax_residency._src.store.discovery import (
   FORMAT_NAME,
   FORMAT_VERSION,
+  OCDBT_INLINE_BYTES,
   SIDECAR_KEY,
-  StoreInfo,
-  _as_path,
-  _name,
-  _nbytes,
-  _open_store,
+  Location,
+  as_path,
+  locate,
+  ocdbt_spec,
 )
+from jax_residency._src.store.handles import store_context
+from jax_residency._src.store.unit_store import StoreInfo, UnitStore
 from jax_residency._src.typing import ParamPath
 
 if TYPE_CHECKING:
@@ -76,7 +79,7 @@ class _StoreWriter:
   """
 
   def __init__(self, path: str, *, overwrite: bool, progress: bool | None, total: int, desc: str):
-    self.dest = readers.locate(path)
+    self.dest = locate(path)
     self._overwrite = overwrite
     self._pending: collections.deque[tuple[Any, int]] = collections.deque()
     self._in_flight = 0
@@ -88,13 +91,13 @@ class _StoreWriter:
       os.makedirs(parent, exist_ok=True)
       self._tmp = os.path.join(parent, f".{base}{_TMP_TAG}{uuid.uuid4().hex[:8]}")
       os.mkdir(self._tmp)
-      self.target = readers.locate(self._tmp)
+      self.target = locate(self._tmp)
     else:
       self.target = self.dest
       if overwrite:
         self._delete_all(self.dest)
-    self.context = readers.store_context()
-    self._ocdbt = readers.ocdbt_spec(self.target, write=True)
+    self.context = store_context()
+    self._ocdbt = ocdbt_spec(self.target, write=True)
     show = sys.stderr.isatty() if progress is None else progress
     self._bar = tqdm.tqdm(
       total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not show
@@ -112,7 +115,7 @@ class _StoreWriter:
         )
       exists = True
     else:
-      kv = ts.KvStore.open(self.dest.base, context=readers.store_context()).result()
+      kv = ts.KvStore.open(self.dest.base, context=store_context()).result()
       exists = any(kv.read(k).result().state == "value" for k in _CHECKPOINT_MARKERS)
     if exists and not self._overwrite:
       raise errors.StoreError(
@@ -121,8 +124,8 @@ class _StoreWriter:
       )
 
   @staticmethod
-  def _delete_all(loc: readers.Location) -> None:
-    kv = ts.KvStore.open(loc.base, context=readers.store_context()).result()
+  def _delete_all(loc: Location) -> None:
+    kv = ts.KvStore.open(loc.base, context=store_context()).result()
     kv.delete_range(ts.KvStore.KeyRange()).result()
 
   def create(
@@ -140,7 +143,7 @@ class _StoreWriter:
     }
     spec = {
       "driver": "zarr3",
-      "kvstore": {**self._ocdbt, "path": _name(path) + "/"},
+      "kvstore": {**self._ocdbt, "path": path_str(path) + "/"},
       "metadata": metadata,
       "store_data_equal_to_fill_value": True,
     }
@@ -148,7 +151,9 @@ class _StoreWriter:
     try:
       return ts.open(spec, context=self.context, create=True).result()
     except ValueError as e:
-      raise errors.StoreError(f"Cannot create array {_name(path)!r} ({dtype}, {shape}): {e}") from e
+      raise errors.StoreError(
+        f"Cannot create array {path_str(path)!r} ({dtype}, {shape}): {e}"
+      ) from e
 
   def write(self, handle: ts.TensorStore, index: Any, value: np.ndarray) -> None:
     # OCDBT packs the values a batch of writes commits back to back in one data
@@ -156,7 +161,7 @@ class _StoreWriter:
     # big to sit inline in the index) would shift every value after it off the
     # alignment that mapped reads need, so it is written alone: the writes
     # before it land first, and it lands before any write after it starts.
-    odd = value.nbytes % mapped.ALIGNMENT and value.nbytes > readers.OCDBT_INLINE_BYTES
+    odd = value.nbytes % mapped.ALIGNMENT and value.nbytes > OCDBT_INLINE_BYTES
     if odd:
       self._drain()
     self._pending.append((_write_chunk(handle, index, value), value.nbytes))
@@ -258,15 +263,15 @@ def _native(value: Any, dtype: np.dtype) -> np.ndarray:
 
 def _check_paths(full: Mapping[ParamPath, Any], unit_prefix: ParamPath) -> None:
   problems = []
-  names = collections.Counter(_name(p) for p in full)
+  names = collections.Counter(path_str(p) for p in full)
   problems += [f"{n}: several paths join to this Orbax name" for n, c in names.items() if c > 1]
   problems += [
-    f"{_name(p)}: a path component contains '/'" for p in full if any("/" in k for k in p)
+    f"{path_str(p)}: a path component contains '/'" for p in full if any("/" in k for k in p)
   ]
-  problems += [f"{_name(p)}: an empty path" for p in full if not p]
+  problems += [f"{path_str(p)}: an empty path" for p in full if not p]
   keys = sorted(full)
   problems += [
-    f"{_name(a)}: is a prefix of {_name(b)}"
+    f"{path_str(a)}: is a prefix of {path_str(b)}"
     for a, b in zip(keys, keys[1:], strict=False)
     if b[: len(a)] == a
   ]
@@ -312,20 +317,22 @@ def save_store(
     StoreError: `path` holds a store and `overwrite` is False; units disagree on
       their count; paths collide as Orbax names; or a dtype is unsupported.
   """
-  prefix = _as_path(unit_prefix)
+  prefix = as_path(unit_prefix)
   if not prefix:
     raise errors.StoreError("unit_prefix must name the unit subtree, e.g. ('layers',); got ().")
   if not units:
     raise errors.StoreError(f"save_store needs at least one unit array under {prefix}; got none.")
-  unit_arrays = {_as_path(k): _host(v) for k, v in units.items()}
-  static_arrays = {_as_path(k): _host(v) for k, v in static.items()}
-  clash = [_name(p) for p in static_arrays if p[: len(prefix)] == prefix]
+  unit_arrays = {as_path(k): _host(v) for k, v in units.items()}
+  static_arrays = {as_path(k): _host(v) for k, v in static.items()}
+  clash = [path_str(p) for p in static_arrays if p[: len(prefix)] == prefix]
   if clash:
     raise errors.StoreError(
       f"Static paths lie under unit_prefix={prefix}, where only units belong:\n"
       f"{errors.format_paths(clash)}\nPass them in `units` (stacked) or change unit_prefix."
     )
-  leading = {_name(prefix + p): (a.shape[0] if a.shape else None) for p, a in unit_arrays.items()}
+  leading = {
+    path_str(prefix + p): (a.shape[0] if a.shape else None) for p, a in unit_arrays.items()
+  }
   if len(set(leading.values())) != 1 or None in leading.values():
     raise errors.StoreError(
       "Unit arrays must be stacked on axis 0 with one common unit count; found:\n"
@@ -336,8 +343,8 @@ def save_store(
   full = {**static_arrays, **{prefix + p: a for p, a in unit_arrays.items()}}
   _check_paths(full, prefix)
   dtypes = {p: np.dtype(a.dtype).newbyteorder("=") for p, a in full.items()}
-  unit_nbytes = sum(_nbytes(a.shape[1:], dtypes[prefix + p]) for p, a in unit_arrays.items())
-  static_nbytes = sum(_nbytes(a.shape, dtypes[p]) for p, a in static_arrays.items())
+  unit_nbytes = sum(tensor_nbytes(a.shape[1:], dtypes[prefix + p]) for p, a in unit_arrays.items())
+  static_nbytes = sum(tensor_nbytes(a.shape, dtypes[p]) for p, a in static_arrays.items())
   writer = _StoreWriter(
     path,
     overwrite=overwrite,
@@ -397,9 +404,9 @@ def rechunk_store(
     progress: As for `save_store`.
     overwrite: Replace an existing store at `dst`.
   """
-  if readers.locate(src) == readers.locate(dst):
+  if locate(src) == locate(dst):
     raise errors.StoreError(f"rechunk_store needs a destination other than the source {src}.")
-  source = _open_store(
+  source = UnitStore.open(
     src,
     unit_prefix=unit_prefix,
     max_cached_shards=1,
@@ -417,12 +424,13 @@ def rechunk_store(
     desc="rechunk_store",
   )
   try:
-    for p, a in source._static.items():
-      handle = writer.create(p, a.shape, a.dtype, a.shape)
-      writer.write(handle, (), source._handles.get(_name(p)).read().result())
-    for p, a in source._units.items():
-      handle = writer.create(prefix + p, a.shape, a.dtype, (1, *a.shape[1:]))
-      src_handle = source._handles.get(_name(prefix + p))
+    for p, (shape, dtype) in source.static_specs.items():
+      handle = writer.create(p, shape, dtype, shape)
+      writer.write(handle, (), source.array_handle(p).read().result())
+    for rel, (shape, dtype) in source.unit_specs.items():
+      stacked = (source.unit_count, *shape)
+      handle = writer.create(prefix + rel, stacked, dtype, (1, *shape))
+      src_handle = source.array_handle(prefix + rel)
       for i in range(source.unit_count):
         writer.write(handle, i, _read_unit_slice(src_handle, i))
     writer.commit(unit_prefix=prefix, unit_count=source.unit_count)

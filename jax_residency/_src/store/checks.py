@@ -1,0 +1,161 @@
+"""What a store must hold: a unit layout it can stream (`check_layout`, when it
+opens) and the tensors a model expects of it (`check_against`).
+
+Both raise the library's `StoreError` family with messages that name every
+offending tensor and how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jax_residency._src.placement.split import path_str
+from jax_residency._src.policy import errors
+from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY, Discovered, as_path
+from jax_residency._src.typing import ParamPath, TensorSpec
+
+if TYPE_CHECKING:
+  from jax.typing import DTypeLike
+
+
+def check_layout(
+  path: str,
+  found: Discovered,
+  unit_prefix: ParamPath | None,
+  *,
+  require_unit_chunks: bool,
+) -> tuple[ParamPath, int]:
+  """Checks that a discovered store holds stacked units; returns (unit prefix, unit count).
+
+  Args:
+    path: The store's path, for messages.
+    found: What `discovery.discover` found there.
+    unit_prefix: Path of the stacked unit subtree; None takes the sidecar's.
+    require_unit_chunks: Also reject unit arrays chunked over several units.
+
+  Raises:
+    StoreError: A newer format, no known unit prefix, or nothing under it.
+    StoreLayoutError: Units disagree on their count, or (with
+      `require_unit_chunks`) a unit array is not chunked one unit per chunk.
+  """
+  sidecar, arrays, paths = found.sidecar, found.arrays, list(found.arrays)
+  if sidecar is not None and sidecar.get("format_version", 0) > FORMAT_VERSION:
+    raise errors.StoreError(
+      f"{path} was written by a newer jax_residency (format_version="
+      f"{sidecar.get('format_version')}; this one reads <= {FORMAT_VERSION}). Upgrade."
+    )
+  if unit_prefix is None:
+    if sidecar is None or not sidecar.get("unit_prefix"):
+      tops = sorted({path_str(p[:2]) for p in paths if len(p) > 2})
+      raise errors.StoreError(
+        f"{path} has no {SIDECAR_KEY} (a plain Orbax checkpoint), so the unit prefix is "
+        f"unknown. Pass unit_prefix=(...) naming the stacked layer subtree; candidates:\n"
+        f"{errors.format_paths(tops)}"
+      )
+    unit_prefix = tuple(sidecar["unit_prefix"])
+  prefix = as_path(unit_prefix)
+  units = {p: a for p, a in arrays.items() if p[: len(prefix)] == prefix and len(p) > len(prefix)}
+  if not units:
+    parents = sorted({path_str(p[:-1]) for p in paths if len(p) > 1})
+    raise errors.StoreError(
+      f"{path} holds no arrays under unit_prefix={prefix}. Pass the prefix of the "
+      f"stacked layer subtree; array parents found:\n{errors.format_paths(parents)}"
+    )
+  counts = {path_str(p): a.shape[0] if a.shape else None for p, a in units.items()}
+  unit_count = next(iter(counts.values()))
+  if unit_count is None or any(c != unit_count for c in counts.values()):
+    raise errors.StoreLayoutError(
+      f"Unit arrays under {prefix} in {path} must share one leading (unit) dimension; "
+      f"found:\n{errors.format_paths(f'{k}: leading dim {v}' for k, v in counts.items())}\n"
+      "Fix unit_prefix so it names only the stacked layers."
+    )
+  if sidecar is not None and sidecar.get("unit_count", unit_count) != unit_count:
+    raise errors.StoreLayoutError(
+      f"{path}: {SIDECAR_KEY} records unit_count={sidecar['unit_count']} but the arrays "
+      f"hold {unit_count} units. The store is inconsistent; write it again."
+    )
+  bad = [
+    f"{path_str(p)}: chunk shape {a.read_chunk}" for p, a in units.items() if a.read_chunk[0] > 1
+  ]
+  if bad and require_unit_chunks:
+    raise errors.StoreLayoutError(
+      f"{path} cannot be streamed one unit at a time: these unit arrays hold several "
+      f"units per chunk (streaming needs chunk shape (1, ...)):\n{errors.format_paths(bad)}\n"
+      f"Fix: run `jax-residency rechunk {path} DST --units {path_str(prefix)}` or call "
+      f"rechunk_store({path!r}, dst, unit_prefix={prefix}), then open DST."
+    )
+  return prefix, unit_count
+
+
+def check_against(
+  path: str,
+  unit_prefix: ParamPath,
+  stored_units: Mapping[ParamPath, TensorSpec],
+  stored_static: Mapping[ParamPath, TensorSpec],
+  expected_units: Mapping[ParamPath, tuple[Sequence[int], DTypeLike]],
+  expected_static: Mapping[ParamPath, tuple[Sequence[int], DTypeLike]],
+  *,
+  strict: bool,
+) -> None:
+  """Checks that a store holds exactly what a model expects (see `UnitStore.check_against`).
+
+  ``stored_units`` and ``expected_units`` are keyed by path relative to
+  ``unit_prefix`` (per-unit shapes), the static ones by full path.
+  """
+  missing, mismatched = [], []
+  for label, expected, stored in (
+    ("per unit", expected_units, stored_units),
+    ("", expected_static, stored_static),
+  ):
+    full = (lambda p: unit_prefix + p) if label else (lambda p: p)
+    for key, (shape, dtype) in expected.items():
+      name = path_str(full(tuple(key))) + (f" ({label})" if label else "")
+      want = (tuple(int(d) for d in shape), np.dtype(dtype))
+      found = stored.get(tuple(key))
+      if found is None:
+        missing.append(f"{name}: expected {_fmt(want)}")
+      elif found != want:
+        mismatched.append(f"{name}: expected {_fmt(want)}, found {_fmt(found)}")
+  claimed = {unit_prefix + tuple(p) for p in expected_units} | {tuple(p) for p in expected_static}
+  unexpected = []
+  if strict:
+    for rel, spec in stored_units.items():
+      if unit_prefix + rel not in claimed:
+        unexpected.append(f"{path_str(unit_prefix + rel)} (per unit): {_fmt(spec)}")
+    for key, spec in stored_static.items():
+      if key not in claimed:
+        unexpected.append(f"{path_str(key)}: {_fmt(spec)}")
+  where = f"the store at {path} (unit_prefix={unit_prefix})"
+  if missing:
+    also = _also(mismatched=len(mismatched), unexpected=len(unexpected))
+    raise errors.MissingCheckpointParametersError(
+      f"The model has {len(missing)} parameter(s) that {where} does not hold:\n"
+      f"{errors.format_paths(missing)}\n{also}Fix: save the store from this model "
+      "(save_store), or check that unit_prefix names the model's layer stack."
+    )
+  if mismatched:
+    also = _also(unexpected=len(unexpected))
+    raise errors.CheckpointShapeMismatchError(
+      f"{len(mismatched)} tensor(s) in {where} disagree with the model:\n"
+      f"{errors.format_paths(mismatched)}\n{also}Fix: the store was written for a "
+      "different model configuration; save it again from this model."
+    )
+  if unexpected:
+    raise errors.UnexpectedCheckpointParametersError(
+      f"{where} holds {len(unexpected)} tensor(s) the model does not claim:\n"
+      f"{errors.format_paths(unexpected)}\nFix: pass strict_loading=False to ignore "
+      "them, or save a store from this model."
+    )
+
+
+def _fmt(spec: tuple[Sequence[int], Any]) -> str:
+  return f"{tuple(spec[0])} {np.dtype(spec[1]).name}"
+
+
+def _also(*, mismatched: int = 0, unexpected: int = 0) -> str:
+  parts = [f"{mismatched} shape/dtype mismatch(es)"] if mismatched else []
+  parts += [f"{unexpected} unexpected tensor(s)"] if unexpected else []
+  return f"(Also found: {', '.join(parts)}.)\n" if parts else ""

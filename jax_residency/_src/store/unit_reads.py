@@ -1,0 +1,98 @@
+"""Reading one unit: `issue_unit_read` starts the copies, `UnitRead` is their future.
+
+All tensors of a unit are read concurrently into one pooled slab (see
+`buffers.BufferPool`); large tensors are copied in pieces of `READ_PIECE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from jax_residency._src.placement.split import path_str
+from jax_residency._src.policy import errors
+from jax_residency._src.store.buffers import BufferPool, buffer_layout
+
+#: Bytes a unit read copies per request: larger tensors are read in pieces.
+READ_PIECE_BYTES = 32 << 20
+
+
+class UnitRead:
+  """The pending read of one unit; `result()` returns its tensors.
+
+  All tensors of the unit are read concurrently. Errors surface from `result()`
+  as `StoreError` naming the tensor, the unit and the store.
+  """
+
+  def __init__(
+    self,
+    unit: int,
+    arrays: Mapping[Any, np.ndarray],
+    futures: Sequence[tuple[Any, Any]],
+    where: str,
+  ):
+    self.unit = unit
+    self._arrays = dict(arrays)
+    self._futures = list(futures)
+    self._where = where
+    self.nbytes = sum(a.nbytes for a in self._arrays.values())
+
+  def done(self) -> bool:
+    return all(f.done() for _, f in self._futures)
+
+  def cancel(self) -> None:
+    """Cancels the reads not yet finished (best effort); `result()` then raises."""
+    for _, future in self._futures:
+      future.cancel()
+
+  def result(self, timeout: float | None = None) -> dict[Any, np.ndarray]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for key, future in self._futures:
+      left = None if deadline is None else max(0.0, deadline - time.monotonic())
+      try:
+        future.result(timeout=left)
+      except TimeoutError:
+        raise
+      except Exception as e:  # TensorStore reports IO errors as ValueError.
+        raise errors.StoreError(
+          f"Reading tensor {path_str(key)!r} of unit {self.unit} from {self._where} "
+          f"failed: {e}. Check that the store is complete and readable."
+        ) from e
+    self._futures.clear()
+    return dict(self._arrays)
+
+
+def issue_unit_read(
+  unit: int,
+  sources: Sequence[tuple[Any, ts.TensorStore]],
+  pool: BufferPool,
+  where: str,
+  *,
+  ready: Mapping[Any, np.ndarray] | None = None,
+) -> UnitRead:
+  """Starts copying each `(key, source)` view into one pooled slab; `ready` arrays
+  (mapped, not read) join the result as they are."""
+  specs = [(str(i), tuple(src.shape), src.dtype.numpy_dtype) for i, (_, src) in enumerate(sources)]
+  layout, nbytes = buffer_layout(specs)
+  buffers = pool.lease(layout, nbytes)
+  arrays: dict[Any, np.ndarray] = dict(ready or {})
+  futures = []
+  for i, (key, src) in enumerate(sources):
+    out = buffers[str(i)]
+    arrays[key] = out
+    if not out.size:
+      continue
+    src = src.translate_to[0]
+    # Large tensors are copied in leading-axis pieces: more copies run at once and
+    # each touches less memory (page-cache reads measured ~1.8x faster on 2 cores).
+    rows = out.shape[0] if out.ndim else 1
+    step = rows if out.ndim == 0 else max(1, READ_PIECE_BYTES // max(1, out.nbytes // rows))
+    for start in range(0, rows, step):
+      stop = min(start + step, rows)
+      piece = (out, src) if step >= rows else (out[start:stop], src[start:stop].translate_to[0])
+      futures.append((key, ts.array(piece[0], copy=False, write=True).write(piece[1])))
+  return UnitRead(unit, arrays, futures, where)

@@ -1,0 +1,298 @@
+"""What ``jax-residency inspect``, ``plan``, ``run`` and ``rechunk`` do, given parsed arguments.
+
+Each ``cmd_*`` takes the `argparse.Namespace` that `main.build_parser` produced and
+returns the exit code (``demo`` lives in `demo.py`). Heavy modules (JAX, the
+stores) are imported inside the commands, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from typing import Any
+
+from jax_residency._src.cli.console import (
+  PROG,
+  CommandError,
+  emit,
+  emit_json,
+  fmt_bytes,
+  plural,
+  table,
+)
+from jax_residency._src.cli.plan_table import plan_budgets
+from jax_residency._src.cli.stored_models import (
+  MODEL_FILE,
+  abstract_from_factory,
+  abstract_toy,
+  load_concrete,
+  model_file,
+  open_store,
+  parse_prefix,
+  read_model_record,
+  single_device_mesh,
+  toy_config,
+)
+
+#: Default of `run`'s budget flags: not given (the policy's default applies).
+UNSET: Any = object()
+
+
+# --- inspect -----------------------------------------------------------------
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+  from jax_residency._src.placement.split import path_str  # noqa: PLC0415
+  from jax_residency._src.store.buffers import tensor_nbytes  # noqa: PLC0415
+
+  with open_store(args.path, units=args.units, streamable=False) as store:
+    streamable = bool(store.chunked_per_unit)
+    compressed = bool(getattr(store, "compressed", False))
+    specs = store.unit_specs
+    info = {
+      "path": args.path,
+      "unit_prefix": path_str(store.unit_prefix),
+      "unit_count": store.unit_count,
+      "unit_bytes": store.unit_nbytes,
+      "total_unit_bytes": store.total_unit_bytes,
+      "static_bytes": store.static_nbytes,
+      "static_tensors": len(store.static_specs),
+      "unit_tensors": {
+        path_str(p): {"shape": list(shape), "dtype": str(dtype)}
+        for p, (shape, dtype) in sorted(specs.items())
+      },
+      "chunked_per_unit": streamable,
+      "compressed": compressed,
+      "streamable": streamable,
+      "model": None,
+    }
+  record = read_model_record(args.path)
+  if record is not None:
+    info["model"] = {"kind": "toy", "config": record.get("config")}
+  if args.json:
+    emit_json(info)
+    return 0
+  rows = [
+    ("store", args.path),
+    ("units", f"{info['unit_count']} under {info['unit_prefix']!r}"),
+    (
+      "unit bytes",
+      f"{fmt_bytes(info['unit_bytes'])} each, {fmt_bytes(info['total_unit_bytes'])} total",
+    ),
+    (
+      "static bytes",
+      f"{fmt_bytes(info['static_bytes'])} ({plural(info['static_tensors'], 'tensor')})",
+    ),
+    (
+      "chunking",
+      ("one chunk per unit" if streamable else "several units per chunk")
+      + (", compressed" if compressed else ", uncompressed"),
+    ),
+  ]
+  if streamable:
+    verdict = "yes: DenseDiskStream reads each unit in place"
+    if compressed:
+      verdict += " (compressed: slower; `rechunk` writes it uncompressed)"
+  else:
+    verdict = f"no: run `{PROG} rechunk {args.path} DST` and stream DST"
+  rows.append(("streamable", verdict))
+  if record is not None:
+    rows.append(("model", f"toy {record.get('config')} (`{PROG} run` works)"))
+  width = max(len(k) for k, _ in rows)
+  lines = [f"{k:<{width}}  {v}" for k, v in rows]
+  lines += ["", f"unit tensors ({len(specs)}, per unit):"]
+  tensor_rows = [
+    [
+      path_str(p),
+      "x".join(map(str, shape)) or "()",
+      str(dtype),
+      fmt_bytes(tensor_nbytes(shape, dtype)),
+    ]
+    for p, (shape, dtype) in sorted(specs.items())
+  ]
+  lines += ["  " + line for line in table(("path", "shape", "dtype", "bytes"), tensor_rows)]
+  emit("\n".join(lines))
+  return 0
+
+
+# --- plan --------------------------------------------------------------------
+
+
+def _default_platform() -> str:
+  import jax  # noqa: PLC0415 - only plan without --platform needs the backend
+
+  return jax.default_backend()
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+  with open_store(args.path, units=args.units, streamable=False) as store:
+    n, unit, static = store.unit_count, store.unit_nbytes, store.static_nbytes
+    streamable = bool(store.chunked_per_unit)
+  plan = plan_budgets(
+    args.path,
+    units=n,
+    unit_bytes=unit,
+    static_bytes=static,
+    device_budget=args.device_budget,
+    host_budget=args.host_budget,
+    lookahead=args.lookahead,
+    streamable=streamable,
+    device_is_host=(args.platform or _default_platform()) == "cpu",
+  )
+  if args.json:
+    emit_json(plan.to_dict())
+  else:
+    emit(str(plan))
+  return 0 if plan.fitting else 1
+
+
+# --- run ---------------------------------------------------------------------
+
+
+def _policy_from_args(args: argparse.Namespace) -> Any:
+  from jax_residency._src.policy.options import (  # noqa: PLC0415
+    DenseDiskStreamLoadOptions,
+    LayerwiseLoadOptions,
+    OffloadConfig,
+  )
+  from jax_residency._src.policy.types import DenseDiskStream, FullyResident, LayerwiseHost  # noqa: PLC0415
+
+  given = {
+    "--device-budget": args.device_budget is not UNSET,
+    "--host-budget": args.host_budget is not UNSET,
+    "--lookahead": args.lookahead is not None,
+    "--queue": args.queue is not None,
+    "--prefetch-depth": args.prefetch_depth is not None,
+  }
+  allowed = {
+    "fully_resident": set(),
+    "layerwise_host": {"--device-budget", "--host-budget", "--prefetch-depth"},
+    "dense_disk_stream": {"--device-budget", "--host-budget", "--lookahead", "--queue"},
+  }[args.policy]
+  extra = sorted(flag for flag, set_ in given.items() if set_ and flag not in allowed)
+  if extra:
+    raise CommandError(f"{', '.join(extra)} does not apply to --policy {args.policy}")
+  if args.policy == "fully_resident":
+    return FullyResident()
+  if args.policy == "layerwise_host":
+    return LayerwiseHost(
+      LayerwiseLoadOptions(
+        offload=OffloadConfig(
+          device_budget_bytes=args.device_budget if given["--device-budget"] else None,
+          host_budget_bytes=args.host_budget if given["--host-budget"] else None,
+          prefetch_depth=args.prefetch_depth or 1,
+        ),
+        sample_process_memory=True,
+        sample_backend_memory=True,
+      )
+    )
+  defaults = DenseDiskStreamLoadOptions()
+  host = args.host_budget if given["--host-budget"] else defaults.host_budget_bytes
+  device = args.device_budget if given["--device-budget"] else defaults.device_budget_bytes
+  direct = host == 0
+  return DenseDiskStream(
+    DenseDiskStreamLoadOptions(
+      device_budget_bytes=device,
+      host_budget_bytes=host,
+      host_lookahead=args.lookahead if args.lookahead is not None else (0 if direct else 2),
+      background_queue_capacity=args.queue if args.queue is not None else (0 if direct else 2),
+      sample_process_memory=True,
+      sample_backend_memory=True,
+    )
+  )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from jax_residency._src.placement.place import place  # noqa: PLC0415
+
+  policy = _policy_from_args(args)
+  store = open_store(args.path, streamable=args.policy == "dense_disk_stream")
+  with store:
+    if args.model is not None:
+      if args.vocab is None:
+        raise CommandError("--model needs --vocab: token ids are drawn from [0, VOCAB)")
+      abstract, vocab = abstract_from_factory(args.model), args.vocab
+    else:
+      record = read_model_record(args.path)
+      if record is None:
+        raise CommandError(
+          f"{args.path} has no recorded toy config ({MODEL_FILE}); `run` only runs stores "
+          f"written by `{PROG} demo`, unless you pass --model module:factory"
+        )
+      config = toy_config(record)
+      if len(args.shape) != 2:
+        raise CommandError(f"--shape {args.shape}: the toy model takes (batch, tokens), e.g. 1,16")
+      abstract = abstract_toy(config, int(record.get("seed", 0)))
+      vocab = args.vocab or config.vocab
+    model = abstract
+    kwargs: dict[str, Any] = {}
+    if args.policy == "dense_disk_stream":
+      kwargs["store"] = args.path
+    else:
+      model = load_concrete(abstract, store)
+  tokens = jax.random.randint(jax.random.key(args.seed), args.shape, 0, vocab)
+  with place(model, policy, mesh=single_device_mesh(), **kwargs) as placed:
+    out = jax.block_until_ready(placed(tokens))
+    report = placed.report()
+    metadata = placed.metadata
+  shape = tuple(np.shape(out))
+  if args.json:
+    emit_json(
+      {
+        "path": args.path,
+        "policy": report.to_dict()["policy"],
+        "input_shape": list(args.shape),
+        "output_shape": list(shape),
+        "output_dtype": str(out.dtype),
+        "report": report.to_dict(),
+      }
+    )
+    return 0
+  lines = [
+    f"ran {args.policy} on {args.path}: token ids {tuple(args.shape)} -> output {shape} "
+    f"{out.dtype} in {report.total.seconds:.3f} s",
+    "",
+    str(metadata),
+    "",
+    str(report),
+  ]
+  emit("\n".join(lines))
+  return 0
+
+
+# --- rechunk -----------------------------------------------------------------
+
+
+def cmd_rechunk(args: argparse.Namespace) -> int:
+  from jax_residency._src.placement.split import path_str  # noqa: PLC0415
+  from jax_residency._src.store.writer import rechunk_store  # noqa: PLC0415
+
+  if "://" not in args.src and not os.path.exists(args.src):
+    raise CommandError(f"{args.src}: no such file or directory")
+  try:
+    info = rechunk_store(
+      args.src,
+      args.dst,
+      unit_prefix=parse_prefix(args.units),
+      progress=None,
+      overwrite=args.overwrite,
+    )
+  except (OSError, ValueError) as e:
+    from jax_residency._src.policy.errors import ResidencyError  # noqa: PLC0415
+
+    if isinstance(e, ResidencyError):
+      raise
+    raise CommandError(f"cannot rechunk {args.src}: {type(e).__name__}: {e}") from e
+  src_model, dst_model = model_file(args.src), model_file(args.dst)
+  if src_model and dst_model and os.path.exists(src_model):
+    shutil.copyfile(src_model, dst_model)
+  emit(
+    f"rechunked {args.src} -> {args.dst}: {info.unit_count} units x "
+    f"{fmt_bytes(info.unit_nbytes)} under {path_str(info.unit_prefix)!r}, static "
+    f"{fmt_bytes(info.static_nbytes)}; one uncompressed chunk per unit"
+  )
+  return 0

@@ -364,7 +364,8 @@ def test_dense_field_errors(field, value, error):
 
 
 def test_dense_field_errors_come_before_the_host_cache_rules():
-  # max_cached_shards=0 is reported even though the host-cache rules also fail.
+  # max_cached_shards=0 is reported (host_budget_bytes=0 alone now selects direct mode; the
+  # test below adds an explicit host control so that the host-cache rules fail too).
   with pytest.raises(ZeroMaxCachedShardsError):
     DenseDiskStreamLoadOptions(host_budget_bytes=0, max_cached_shards=0)
 
@@ -1035,3 +1036,244 @@ def test_layerwise_policies_forward_their_options(device, host, depth, eviction,
   assert (policy.max_cached_shards, policy.strict_loading) == (shards, flags[0])
   assert (policy.sample_backend_memory, policy.sample_process_memory) == flags[1:]
   assert LayerWeightResidency.from_dict(json.loads(json.dumps(policy.to_dict()))) == policy
+
+
+# --- flat keyword constructors -------------------------------------------------------
+
+
+def test_flat_constructors_equal_the_nested_form():
+  assert LayerwiseHost(prefetch_depth=2) == LayerwiseHost(
+    LayerwiseLoadOptions(offload=OffloadConfig(prefetch_depth=2))
+  )
+  flat = LayerwiseHost(
+    device_budget_bytes="3GiB",
+    host_budget_bytes=9 * GiB,
+    prefetch_depth=3,
+    eviction_policy=LFU,
+    max_cached_shards=7,
+    strict_loading=False,
+    sample_backend_memory=True,
+    sample_process_memory=True,
+  )
+  assert flat == LayerwiseHost(CUSTOM_LAYERWISE)
+  assert hash(flat) == hash(LayerwiseHost(CUSTOM_LAYERWISE))
+  assert LayerwiseHost(offload=CUSTOM_OFFLOAD, max_cached_shards=3) == LayerwiseHost(
+    LayerwiseLoadOptions(offload=CUSTOM_OFFLOAD, max_cached_shards=3)
+  )
+  dense = DenseDiskStream(
+    device_budget_bytes=2 * GiB,
+    host_budget_bytes="8GiB",
+    host_lookahead=5,
+    background_queue_capacity=3,
+    eviction_policy=LFU,
+    max_cached_shards=9,
+    strict_loading=False,
+    sample_backend_memory=True,
+    sample_process_memory=False,
+  )
+  assert dense == DenseDiskStream(CUSTOM_DENSE)
+  assert hash(dense) == hash(DenseDiskStream(CUSTOM_DENSE))
+  assert DenseDiskStream(host_lookahead=3) == DenseDiskStream(
+    DenseDiskStreamLoadOptions(host_lookahead=3)
+  )
+  # No keywords at all is the default options object, as before.
+  assert LayerwiseHost() == LayerwiseHost(LayerwiseLoadOptions())
+  assert DenseDiskStream() == DenseDiskStream(DenseDiskStreamLoadOptions())
+
+
+def test_dense_zero_host_budget_alone_is_direct_mode():
+  policy = DenseDiskStream(host_budget_bytes=0)
+  assert policy.options.host_lookahead == 0
+  assert policy.options.background_queue_capacity == 0
+  assert policy.options == DIRECT_DENSE
+  assert policy == DenseDiskStream(DIRECT_DENSE)
+  assert policy.offload() == OffloadConfig(
+    device_budget_bytes=4 * GiB, host_budget_bytes=0, prefetch_depth=2
+  )
+  # The options type follows the same rule, also from a size string and from a dict.
+  assert DenseDiskStreamLoadOptions(host_budget_bytes=0) == DIRECT_DENSE
+  assert DenseDiskStreamLoadOptions(host_budget_bytes="0 GiB") == DIRECT_DENSE
+  assert DenseDiskStreamLoadOptions.from_dict({"host_budget_bytes": 0}) == DIRECT_DENSE
+  assert LayerWeightResidency.from_dict(
+    {"kind": "dense_disk_stream", "options": {"host_budget_bytes": 0}}
+  ) == DenseDiskStream(DIRECT_DENSE)
+  # Only the unset control follows; an explicit 0 is accepted too.
+  assert DenseDiskStream(host_budget_bytes=0, host_lookahead=0).options == DIRECT_DENSE
+  # With a host cache, unset controls keep their default of 2.
+  opts = DenseDiskStream(host_budget_bytes="1GiB").options
+  assert (opts.host_lookahead, opts.background_queue_capacity) == (2, 2)
+  opts = DenseDiskStream(host_budget_bytes=None).options
+  assert (opts.host_lookahead, opts.background_queue_capacity) == (2, 2)
+
+
+@pytest.mark.parametrize(
+  "controls",
+  [
+    dict(host_lookahead=2),
+    dict(background_queue_capacity=1),
+    dict(host_lookahead=2, background_queue_capacity=2),
+    dict(host_lookahead=0, background_queue_capacity=3),
+  ],
+)
+@pytest.mark.parametrize("build", ["flat", "nested"])
+def test_dense_zero_host_budget_with_explicit_controls_still_raises(controls, build):
+  with pytest.raises(HostDisabledControlsError) as excinfo:
+    if build == "flat":
+      DenseDiskStream(host_budget_bytes=0, **controls)
+    else:
+      DenseDiskStream(DenseDiskStreamLoadOptions(host_budget_bytes=0, **controls))
+  message = str(excinfo.value)
+  assert "host_budget_bytes=0" in message
+  for field, value in controls.items():
+    _names_field_and_value(message, field, value)
+  assert "set both to 0" in message
+
+
+def test_dense_field_errors_come_before_the_host_cache_rules_with_explicit_controls():
+  with pytest.raises(ZeroMaxCachedShardsError):
+    DenseDiskStreamLoadOptions(host_budget_bytes=0, host_lookahead=2, max_cached_shards=0)
+
+
+@pytest.mark.parametrize(
+  ("variant", "options", "fields"),
+  [
+    (LayerwiseHost, LayerwiseLoadOptions(), {"prefetch_depth": 2}),
+    (LayerwiseHost, CUSTOM_LAYERWISE, {"max_cached_shards": 3}),
+    (DenseDiskStream, DenseDiskStreamLoadOptions(), {"host_budget_bytes": 0}),
+    (DenseDiskStream, CUSTOM_DENSE, {"host_lookahead": 3, "strict_loading": False}),
+  ],
+)
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_mixing_options_and_keyword_fields_raises(variant, options, fields, by_keyword):
+  with pytest.raises(InvalidPolicyValueError) as excinfo:
+    if by_keyword:
+      variant(options=options, **fields)
+    else:
+      variant(options, **fields)
+  message = str(excinfo.value)
+  assert message.startswith(f"{variant.__name__}: ")
+  _names_field_and_value(message, "options", options)
+  for field, value in fields.items():
+    _names_field_and_value(message, field, value)
+  assert "not both" in message
+
+
+def test_mixing_offload_and_its_fields_raises():
+  with pytest.raises(InvalidPolicyValueError) as excinfo:
+    LayerwiseHost(offload=CUSTOM_OFFLOAD, prefetch_depth=2)
+  message = str(excinfo.value)
+  _names_field_and_value(message, "offload", CUSTOM_OFFLOAD)
+  _names_field_and_value(message, "prefetch_depth", 2)
+  assert "not both" in message
+
+
+@pytest.mark.parametrize(
+  ("variant", "field", "close", "valid"),
+  [
+    (LayerwiseHost, "prefetch_dept", "prefetch_depth", "max_cached_shards"),
+    (LayerwiseHost, "host_lookahead", None, "prefetch_depth"),
+    (DenseDiskStream, "prefetch_depth", None, "host_lookahead"),
+    (DenseDiskStream, "host_budget", "host_budget_bytes", "background_queue_capacity"),
+    (FullyResident, "prefetch_depth", None, "device_budget_bytes"),
+    (FullyResident, "options", None, "device_budget_bytes"),
+  ],
+)
+def test_unknown_keyword_field_raises(variant, field, close, valid):
+  with pytest.raises(UnknownPolicyFieldError) as excinfo:
+    variant(**{field: 1})
+  message = str(excinfo.value)
+  assert message.startswith(f"{variant.__name__}: unknown field {field!r}")
+  assert "valid fields are" in message and repr(valid) in message
+  if close is not None:
+    assert f"did you mean {close!r}?" in message
+
+
+def test_unknown_keyword_field_is_reported_even_with_options():
+  with pytest.raises(UnknownPolicyFieldError, match="unknown field 'depth'"):
+    LayerwiseHost(LayerwiseLoadOptions(), depth=2)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "error"),
+  [
+    (dict(prefetch_depth=0), ZeroPrefetchDepthError),
+    (dict(device_budget_bytes="lots"), InvalidBudgetError),
+    (dict(max_cached_shards=0), ZeroMaxCachedShardsError),
+    (dict(strict_loading="yes"), InvalidPolicyValueError),
+  ],
+)
+def test_flat_layerwise_fields_are_validated(kwargs, error):
+  with pytest.raises(error) as excinfo:
+    LayerwiseHost(**kwargs)
+  ((field, value),) = kwargs.items()
+  _names_field_and_value(str(excinfo.value), field, value)
+
+
+def test_flat_dense_fields_are_validated():
+  with pytest.raises(ZeroHostLookaheadError):
+    DenseDiskStream(host_lookahead=0)
+  with pytest.raises(InvalidBudgetError, match="host_budget_bytes=-1"):
+    DenseDiskStream(host_budget_bytes=-1)
+
+
+def test_fully_resident_device_budget():
+  policy = FullyResident(device_budget_bytes="8GiB")
+  assert policy.device_budget_bytes == 8 * GiB
+  assert type(policy.device_budget_bytes) is int
+  assert policy.offload() == OffloadConfig(device_budget_bytes=8 * GiB)
+  assert policy.device_depth(5) == 5
+  assert policy == FullyResident(device_budget_bytes=8 * GiB)
+  assert hash(policy) == hash(FullyResident(device_budget_bytes=8 * GiB))
+  assert policy != FullyResident()
+  assert FullyResident(device_budget_bytes=None) == FullyResident()
+  assert repr(policy) == "FullyResident(device_budget_bytes=8.0 GiB)"
+  assert policy.to_dict() == {"kind": "fully_resident", "device_budget_bytes": 8 * GiB}
+  assert FullyResident().to_dict() == {"kind": "fully_resident"}
+  with pytest.raises(InvalidBudgetError, match="FullyResident: .*device_budget_bytes=-2"):
+    FullyResident(device_budget_bytes=-2)
+  with pytest.raises(TypeError):
+    FullyResident(8 * GiB)  # type: ignore[misc]
+  match policy:
+    case FullyResident(device_budget_bytes=budget):
+      assert budget == 8 * GiB
+  assert dataclasses.replace(policy, device_budget_bytes="1GiB").device_budget_bytes == GiB
+
+
+FLAT_POLICIES = [
+  FullyResident(device_budget_bytes="2GiB"),
+  LayerwiseHost(prefetch_depth=2, device_budget_bytes="2GiB"),
+  LayerwiseHost(host_budget_bytes=0, eviction_policy=LFU, sample_process_memory=True),
+  DenseDiskStream(host_budget_bytes=0),
+  DenseDiskStream(host_budget_bytes="512MiB", host_lookahead=3, device_budget_bytes=None),
+]
+
+
+@pytest.mark.parametrize("policy", FLAT_POLICIES, ids=repr)
+@pytest.mark.parametrize("base", [LayerWeightResidency, OrdinaryWeightResidency])
+def test_flat_policy_round_trips(policy, base):
+  text = json.dumps(policy.to_dict())
+  restored = base.from_dict(json.loads(text))
+  assert restored == policy and hash(restored) == hash(policy)
+  assert type(restored) is type(policy)
+  assert json.dumps(restored.to_dict()) == text
+  assert type(policy).from_dict(policy.to_dict()) == policy
+  assert pickle.loads(pickle.dumps(policy)) == policy
+  assert copy.deepcopy(policy) == policy
+  assert LayerWeightResidency.of(policy) is policy
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    policy.options = None  # type: ignore[misc,union-attr]
+
+
+def test_fully_resident_from_dict_rejects_unknown_keys():
+  with pytest.raises(UnknownPolicyFieldError) as excinfo:
+    LayerWeightResidency.from_dict({"kind": "fully_resident", "prefetch_depth": 2})
+  assert "'device_budget_bytes'" in str(excinfo.value)
+
+
+def test_of_keeps_converting_options():
+  assert LayerWeightResidency.of(LayerwiseLoadOptions(max_cached_shards=2)) == LayerwiseHost(
+    max_cached_shards=2
+  )
+  assert LayerWeightResidency.of(
+    DenseDiskStreamLoadOptions(host_budget_bytes=0)
+  ) == DenseDiskStream(host_budget_bytes=0)

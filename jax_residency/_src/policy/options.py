@@ -11,11 +11,19 @@ as static `jax.jit` arguments) and serialized without a backend.
 Validation happens in `__post_init__`, so `dataclasses.replace` revalidates.
 Per object, fields are checked in declaration order (types, then ranges), then
 the cross-field rules. For `DenseDiskStreamLoadOptions` those rules apply in
-this order: `host_budget_bytes == 0` with any host control set raises
-`HostDisabledControlsError`; otherwise `host_lookahead < 1` raises
+this order: `host_budget_bytes == 0` with a host control set to a non-zero
+value raises `HostDisabledControlsError`; otherwise `host_lookahead < 1` raises
 `ZeroHostLookaheadError`, then `background_queue_capacity < 1` raises
-`ZeroQueueCapacityError`. Budgets may be given as size strings (`"512MiB"`) and
-are stored as ints.
+`ZeroQueueCapacityError`. `host_lookahead` and `background_queue_capacity` left
+unset follow the host budget: 2 with a host cache, 0 with `host_budget_bytes=0`.
+Budgets may be given as size strings (`"512MiB"`) and are stored as ints.
+
+Default budgets, one rule for every policy: a budget that only checks what the
+policy places (the device budget of `FullyResident` and `LayerwiseHost`, the
+host budget of `LayerwiseHost`) is unbounded unless given; a budget that sizes a
+cache the policy fills on its own (the host unit cache and the device tier of
+`DenseDiskStream`) has a finite default, `DEFAULT_DENSE_HOST_BUDGET_BYTES` and
+`DEFAULT_DENSE_DEVICE_BUDGET_BYTES`.
 """
 
 from __future__ import annotations
@@ -41,6 +49,29 @@ from jax_residency._src.policy.sizes import GiB, format_bytes, parse_bytes
 DEFAULT_MAX_CACHED_SHARDS = 4
 """Default bound on open checkpoint shard handles/readers."""
 
+DEFAULT_DENSE_DEVICE_BUDGET_BYTES = 4 * GiB
+"""Default `device_budget_bytes` of `DenseDiskStream` (its device tier); 4 GiB."""
+
+DEFAULT_DENSE_HOST_BUDGET_BYTES = 16 * GiB
+"""Default `host_budget_bytes` of `DenseDiskStream` (its host unit cache); 16 GiB."""
+
+DEFAULT_HOST_LOOKAHEAD = 2
+"""Default `host_lookahead` of `DenseDiskStream` with a host cache (0 without one)."""
+
+DEFAULT_BACKGROUND_QUEUE_CAPACITY = 2
+"""Default `background_queue_capacity` of `DenseDiskStream` with a host cache (0 without one)."""
+
+
+class _FollowsHostBudget:
+  """Default of the dense host controls, resolved in `__post_init__` from `host_budget_bytes`."""
+
+  def __repr__(self) -> str:
+    return "<2, or 0 when host_budget_bytes=0>"
+
+
+FOLLOWS_HOST_BUDGET: Any = _FollowsHostBudget()
+"""Default of `host_lookahead` / `background_queue_capacity`: 2 with a host cache, 0 without."""
+
 _E = TypeVar("_E", bound=enum.Enum)
 
 
@@ -64,7 +95,8 @@ class CacheEvictionPolicy(enum.Enum):
 # --- field checks ----------------------------------------------------------
 
 
-def _budget(owner: str, field: str, value: object) -> int | None:
+def check_budget(owner: str, field: str, value: object) -> int | None:
+  """Returns a byte budget (an int, a size string or `None`) as an int or `None`."""
   try:
     return parse_bytes(cast(Any, value), name=field)
   except InvalidBudgetError as e:
@@ -125,7 +157,8 @@ def check_keys(owner: str, data: object, valid: Iterable[str]) -> Mapping[str, A
   return data
 
 
-def _format_budget(n: int | None) -> str:
+def format_budget(n: int | None) -> str:
+  """Formats a budget in human units, adding the exact bytes where those do not round-trip."""
   text = format_bytes(n)
   try:
     exact = parse_bytes(text) == n
@@ -179,14 +212,14 @@ class _Options:
     the class name errors are reported under."""
     owner = type(self).__name__
     for name in ("device_budget_bytes", "host_budget_bytes"):
-      object.__setattr__(self, name, _budget(owner, name, getattr(self, name)))
+      object.__setattr__(self, name, check_budget(owner, name, getattr(self, name)))
     return owner
 
   def __repr__(self) -> str:
     parts = []
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      text = _format_budget(value) if f.name.endswith("_budget_bytes") else repr(value)
+      text = format_budget(value) if f.name.endswith("_budget_bytes") else repr(value)
       parts.append(f"{f.name}={text}")
     return f"{type(self).__name__}({', '.join(parts)})"
 
@@ -289,19 +322,23 @@ def _max_cached_shards(owner: str, value: object) -> int:
 class DenseDiskStreamLoadOptions(_Options):
   """Controls of `DenseDiskStream`: units on disk, a host cache, a device window.
 
-  The defaults are those of `DenseDiskStreamLoadOptions.default()`: 4 GiB
-  device, 16 GiB host, lookahead 2, queue 2. `host_budget_bytes=0` selects
-  direct disk-to-device loading (no host cache, no background thread) and then
-  requires `host_lookahead=0` and `background_queue_capacity=0`.
+  Defaults: `device_budget_bytes` 4 GiB, `host_budget_bytes` 16 GiB (budgets
+  of caches the stream fills on its own, so bounded by default), lookahead 2,
+  queue 2. `host_budget_bytes=0` selects direct disk-to-device loading (no host
+  cache, no background thread): `host_lookahead` and
+  `background_queue_capacity` then follow to 0 when left unset, and an explicit
+  non-zero value for either raises `HostDisabledControlsError`.
 
   Attributes:
     device_budget_bytes: bytes the device may hold (static parameters plus a
       window of `DENSE_TRANSFER_WINDOW` units); `None` means unbounded.
     host_budget_bytes: bytes of the host unit cache; `None` means unbounded,
       `0` disables the cache.
-    host_lookahead: units read ahead into (and protected in) the host cache.
+    host_lookahead: units read ahead into (and protected in) the host cache;
+      unset, 2 with a host cache and 0 with `host_budget_bytes=0`.
     background_queue_capacity: pending reads the prefetch worker's FIFO holds;
-      a full queue blocks the submitter.
+      a full queue blocks the submitter. Unset, it follows the host budget
+      like `host_lookahead`.
     eviction_policy: which cached unit to evict first.
     max_cached_shards: open TensorStore handles/readers kept; at least 1.
     strict_loading: reject stored tensors the model does not claim.
@@ -318,16 +355,17 @@ class DenseDiskStreamLoadOptions(_Options):
       host_lookahead=3, background_queue_capacity=2,
       eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED, max_cached_shards=4,
       strict_loading=True, sample_backend_memory=False, sample_process_memory=False)
-    >>> direct = DenseDiskStreamLoadOptions(
-    ...     host_budget_bytes=0, host_lookahead=0, background_queue_capacity=0)
+    >>> direct = DenseDiskStreamLoadOptions(host_budget_bytes=0)
+    >>> direct.host_lookahead, direct.background_queue_capacity
+    (0, 0)
     >>> DenseDiskStream(direct).offload().prefetch_depth
     2
   """
 
-  device_budget_bytes: int | None = 4 * GiB
-  host_budget_bytes: int | None = 16 * GiB
-  host_lookahead: int = 2
-  background_queue_capacity: int = 2
+  device_budget_bytes: int | None = DEFAULT_DENSE_DEVICE_BUDGET_BYTES
+  host_budget_bytes: int | None = DEFAULT_DENSE_HOST_BUDGET_BYTES
+  host_lookahead: int = FOLLOWS_HOST_BUDGET
+  background_queue_capacity: int = FOLLOWS_HOST_BUDGET
   eviction_policy: CacheEvictionPolicy = CacheEvictionPolicy.LEAST_RECENTLY_USED
   max_cached_shards: int = DEFAULT_MAX_CACHED_SHARDS
   strict_loading: bool = True
@@ -337,6 +375,13 @@ class DenseDiskStreamLoadOptions(_Options):
   def __post_init__(self) -> None:
     owner = self._check_budgets()
     set_ = object.__setattr__
+    direct = self.host_budget_bytes == 0
+    for name, default in (
+      ("host_lookahead", DEFAULT_HOST_LOOKAHEAD),
+      ("background_queue_capacity", DEFAULT_BACKGROUND_QUEUE_CAPACITY),
+    ):
+      if getattr(self, name) is FOLLOWS_HOST_BUDGET:
+        set_(self, name, 0 if direct else default)
     set_(self, "host_lookahead", check_int(owner, "host_lookahead", self.host_lookahead, 2))
     set_(
       self,
@@ -350,7 +395,7 @@ class DenseDiskStreamLoadOptions(_Options):
 
     Raises:
       HostDisabledControlsError: `host_budget_bytes == 0` and `host_lookahead`
-        or `background_queue_capacity` is not 0.
+        or `background_queue_capacity` was set to a value other than 0.
       ZeroHostLookaheadError: a host cache (budget > 0 or `None`) with
         `host_lookahead < 1`.
       ZeroQueueCapacityError: a host cache with `background_queue_capacity < 1`.
@@ -358,8 +403,8 @@ class DenseDiskStreamLoadOptions(_Options):
         a field has a bad type or value.
     """
     owner = type(self).__name__
-    _budget(owner, "device_budget_bytes", self.device_budget_bytes)
-    host = _budget(owner, "host_budget_bytes", self.host_budget_bytes)
+    check_budget(owner, "device_budget_bytes", self.device_budget_bytes)
+    host = check_budget(owner, "host_budget_bytes", self.host_budget_bytes)
     lookahead = check_int(owner, "host_lookahead", self.host_lookahead, 2)
     queue = check_int(owner, "background_queue_capacity", self.background_queue_capacity, 2)
     _member(owner, "eviction_policy", self.eviction_policy, CacheEvictionPolicy)
@@ -370,8 +415,9 @@ class DenseDiskStreamLoadOptions(_Options):
       if lookahead != 0 or queue != 0:
         raise HostDisabledControlsError(
           f"{owner}: host_budget_bytes=0 disables the host cache, but host_lookahead="
-          f"{lookahead!r} and background_queue_capacity={queue!r}; set both to 0 for direct "
-          "disk-to-device loading, or give host_budget_bytes > 0 to use a host cache."
+          f"{lookahead!r} and background_queue_capacity={queue!r}; set both to 0 (or leave "
+          "them unset) for direct disk-to-device loading, or give host_budget_bytes > 0 to "
+          "use a host cache."
         )
       return
     if lookahead < 1:

@@ -5,11 +5,23 @@ as static `jax.jit` arguments) and serialized without a backend. Their load
 options, and the field checks, are in `options.py`.
 
 * `FullyResident()` keeps every unit on the execution device(s).
-* `LayerwiseHost(LayerwiseLoadOptions(...))` keeps units in host memory and
-  moves a window of `prefetch_depth` units to the device.
-* `DenseDiskStream(DenseDiskStreamLoadOptions(...))` leaves units on disk and
+* `LayerwiseHost(prefetch_depth=2, ...)` keeps units in host memory and moves a
+  window of `prefetch_depth` units to the device.
+* `DenseDiskStream(host_budget_bytes="8GiB", ...)` leaves units on disk and
   streams them through a byte-bounded host cache into a device window of
   `DENSE_TRANSFER_WINDOW` units.
+
+Policies take their fields as keywords (the fields of `OffloadConfig`,
+`LayerwiseLoadOptions` or `DenseDiskStreamLoadOptions` that apply). The nested
+form, `LayerwiseHost(LayerwiseLoadOptions(...))` or
+`DenseDiskStream(DenseDiskStreamLoadOptions(...))`, remains valid and builds an
+equal policy; giving an options object and keyword fields together raises
+`InvalidPolicyValueError`, an unknown keyword `UnknownPolicyFieldError`.
+
+Default budgets follow one rule (see `options.py`): a budget that only checks
+what a policy places is unbounded unless given (`FullyResident`,
+`LayerwiseHost`); the budgets of the caches `DenseDiskStream` fills on its own
+default to 4 GiB (device) and 16 GiB (host).
 
 `OrdinaryWeightResidency` is the same three-way choice, used inside composite
 placements. It is a distinct class between `LayerWeightResidency` and the three
@@ -23,18 +35,22 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import difflib
 import enum
-from collections.abc import Mapping
-from typing import Any, ClassVar, Self, cast
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Self, TypedDict, TypeVar, Unpack, cast
 
 from jax_residency._src.policy.errors import InvalidPolicyValueError, UnknownPolicyFieldError
 from jax_residency._src.policy.options import (
   DEFAULT_MAX_CACHED_SHARDS,
+  CacheEvictionPolicy,
   DenseDiskStreamLoadOptions,
   LayerwiseLoadOptions,
   OffloadConfig,
+  check_budget,
   check_int,
   check_keys,
+  format_budget,
 )
 
 DENSE_TRANSFER_WINDOW = 2
@@ -63,9 +79,9 @@ class ExecutionResidency(enum.Enum):
 class LayerWeightResidency(abc.ABC):
   """Where a model's ordinary execution units (its layers) live.
 
-  One of `FullyResident()`, `LayerwiseHost(options)` or
-  `DenseDiskStream(options)`. Match on the variants, with a wildcard arm: more
-  variants may be added.
+  One of `FullyResident(...)`, `LayerwiseHost(...)` or `DenseDiskStream(...)`,
+  each built from keyword fields (or, equally, from its options object). Match
+  on the variants, with a wildcard arm: more variants may be added.
 
   Example:
     >>> from jax_residency._src.policy.sizes import format_bytes
@@ -81,8 +97,10 @@ class LayerWeightResidency(abc.ABC):
     ...       return "unknown"
     >>> describe(LayerWeightResidency.default())
     'all on device'
-    >>> describe(LayerWeightResidency.of(DenseDiskStreamLoadOptions()))
-    'disk, host cache 16.0 GiB'
+    >>> describe(DenseDiskStream(host_budget_bytes="2GiB"))
+    'disk, host cache 2.0 GiB'
+    >>> describe(LayerWeightResidency.of(LayerwiseLoadOptions()))
+    'host, window 1'
   """
 
   name: ClassVar[str]
@@ -124,11 +142,14 @@ class LayerWeightResidency(abc.ABC):
   def from_dict(cls, data: Mapping[str, Any]) -> Self:
     """Builds a policy from `to_dict()` output, e.g. `{"kind": "layerwise_host", "options": {}}`.
 
-    Missing options take their defaults. Raises `UnknownPolicyFieldError` for an
-    unknown key or kind.
+    `FullyResident` has no options; a device budget set on it is a top-level
+    `"device_budget_bytes"` key. Missing options take their defaults. Raises
+    `UnknownPolicyFieldError` for an unknown key or kind.
     """
     owner = cls.__name__
-    data = check_keys(owner, data, ("kind", "options"))
+    data = check_keys(
+      owner, data, dict.fromkeys(k for v in _VARIANTS.values() for k in v._dict_keys)
+    )
     if "kind" not in data:
       raise InvalidPolicyValueError(
         f"{owner}.from_dict: missing key 'kind' in {dict(data)!r}; "
@@ -141,7 +162,7 @@ class LayerWeightResidency(abc.ABC):
         f"{owner}: unknown kind={kind!r}; valid kinds are {', '.join(map(repr, _VARIANTS))}."
       )
     data = check_keys(f"{owner}(kind={kind!r})", data, variant._dict_keys)
-    policy: object = variant._from_options(data.get("options"))
+    policy: object = variant._from_data(data)
     if not isinstance(policy, cls):
       raise InvalidPolicyValueError(f"{owner}.from_dict: kind={kind!r} is not a {owner}.")
     return policy
@@ -218,23 +239,174 @@ def _unit_count(unit_count: object) -> int:
   return count
 
 
-@dataclasses.dataclass(frozen=True)
+# --- keyword fields ----------------------------------------------------------
+
+_O = TypeVar("_O", LayerwiseLoadOptions, DenseDiskStreamLoadOptions)
+
+
+class _Unset:
+  def __repr__(self) -> str:
+    return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
+class ResidentFields(TypedDict, total=False):
+  """The keyword fields of `FullyResident`."""
+
+  device_budget_bytes: int | str | None
+
+
+class _LoadControls(TypedDict, total=False):
+  max_cached_shards: int
+  strict_loading: bool
+  sample_backend_memory: bool
+  sample_process_memory: bool
+
+
+class LayerwiseFields(_LoadControls, total=False):
+  """The keyword fields of `LayerwiseHost`: those of `OffloadConfig` and `LayerwiseLoadOptions`."""
+
+  device_budget_bytes: int | str | None
+  host_budget_bytes: int | str | None
+  prefetch_depth: int
+  eviction_policy: CacheEvictionPolicy
+  offload: OffloadConfig
+
+
+class DenseFields(_LoadControls, total=False):
+  """The keyword fields of `DenseDiskStream`: those of `DenseDiskStreamLoadOptions`."""
+
+  device_budget_bytes: int | str | None
+  host_budget_bytes: int | str | None
+  host_lookahead: int
+  background_queue_capacity: int
+  eviction_policy: CacheEvictionPolicy
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+  return tuple(f.name for f in dataclasses.fields(cls))
+
+
+_OFFLOAD_FIELDS = _field_names(OffloadConfig)
+_LAYERWISE_FIELDS = _OFFLOAD_FIELDS + _field_names(LayerwiseLoadOptions)
+_DENSE_FIELDS = _field_names(DenseDiskStreamLoadOptions)
+_RESIDENT_FIELDS = ("device_budget_bytes",)
+
+
+def _check_fields(
+  owner: str, fields: Mapping[str, object], valid: Iterable[str], note: str = ""
+) -> None:
+  """Raises `UnknownPolicyFieldError` for the first keyword not in `valid`."""
+  valid = tuple(valid)
+  for key in fields:
+    if key not in valid:
+      close = difflib.get_close_matches(key, valid, n=1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      raise UnknownPolicyFieldError(
+        f"{owner}: unknown field {key!r}{hint}{note}; valid fields are "
+        f"{', '.join(map(repr, valid))}."
+      )
+
+
+def _format_fields(fields: Mapping[str, object]) -> str:
+  return ", ".join(f"{k}={v!r}" for k, v in fields.items())
+
+
+def _options_of(
+  owner: str,
+  options: object,
+  fields: dict[str, Any],
+  expected: type[_O],
+  valid: tuple[str, ...],
+  build: Callable[[dict[str, Any]], _O],
+) -> _O:
+  """The options of a policy given either an options object or keyword fields."""
+  _check_fields(owner, fields, valid)
+  if options is _UNSET:
+    return build(fields)
+  if fields:
+    raise InvalidPolicyValueError(
+      f"{owner}: got both options={options!r} and the keyword fields {_format_fields(fields)}; "
+      f"pass either a {expected.__name__} or keyword fields, not both, e.g. "
+      f"{owner}({_format_fields(fields)})."
+    )
+  if not isinstance(options, expected):
+    raise InvalidPolicyValueError(
+      f"{owner}: options={options!r} has type {type(options).__name__}; pass a "
+      f"{expected.__name__} or keyword fields, or use LayerWeightResidency.of(options) to pick "
+      "the variant."
+    )
+  return options
+
+
+def _layerwise_options(fields: dict[str, Any]) -> LayerwiseLoadOptions:
+  offload = {k: fields.pop(k) for k in _OFFLOAD_FIELDS if k in fields}
+  if offload:
+    if "offload" in fields:
+      raise InvalidPolicyValueError(
+        f"LayerwiseHost: got both offload={fields['offload']!r} and the keyword fields "
+        f"{_format_fields(offload)}; pass either an OffloadConfig or its fields, not both."
+      )
+    fields["offload"] = OffloadConfig(**offload)
+  return LayerwiseLoadOptions(**fields)
+
+
+# --- variants ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class FullyResident(OrdinaryWeightResidency):
   """Every unit is built once and kept on the execution device(s).
+
+  The one `OffloadConfig` field that applies is `device_budget_bytes`: bytes the
+  device may hold for the whole model, checked when it is placed; `None` (the
+  default) means unbounded. Size strings such as `"8GiB"` are accepted.
 
   Example:
     >>> p = FullyResident()
     >>> p.device_depth(32), p.max_cached_shards, p.dense, p.offload() == OffloadConfig()
     (32, 4, None, True)
+    >>> FullyResident(device_budget_bytes="8GiB")
+    FullyResident(device_budget_bytes=8.0 GiB)
+    >>> FullyResident(device_budget_bytes="8GiB").offload().device_budget_bytes
+    8589934592
   """
 
+  device_budget_bytes: int | None = None
+  __match_args__: ClassVar[tuple[str, ...]] = ()
   name: ClassVar[str] = "fully_resident"
+  _dict_keys: ClassVar[tuple[str, ...]] = ("kind", *_RESIDENT_FIELDS)
 
-  _dict_keys: ClassVar[tuple[str, ...]] = ("kind",)
+  def __init__(self, **fields: Unpack[ResidentFields]) -> None:
+    owner = type(self).__name__
+    _check_fields(
+      owner,
+      fields,
+      _RESIDENT_FIELDS,
+      " (every unit stays on the device, so only the device budget applies)",
+    )
+    budget = fields.get("device_budget_bytes")
+    object.__setattr__(
+      self, "device_budget_bytes", check_budget(owner, "device_budget_bytes", budget)
+    )
 
   @classmethod
-  def _from_options(cls, options: object) -> Self:
-    return cls()
+  def _from_data(cls, data: Mapping[str, Any]) -> Self:
+    return cls(**{k: v for k, v in data.items() if k != "kind"})
+
+  def to_dict(self) -> dict[str, Any]:
+    """Returns `{"kind": "fully_resident"}`, plus `"device_budget_bytes"` where one is set."""
+    out: dict[str, Any] = {"kind": self.name}
+    if self.device_budget_bytes is not None:
+      out["device_budget_bytes"] = self.device_budget_bytes
+    return out
+
+  def __repr__(self) -> str:
+    if self.device_budget_bytes is None:
+      return f"{type(self).__name__}()"
+    return f"{type(self).__name__}(device_budget_bytes={format_budget(self.device_budget_bytes)})"
 
   @property
   def max_cached_shards(self) -> int:
@@ -260,7 +432,7 @@ class FullyResident(OrdinaryWeightResidency):
     return _unit_count(unit_count)
 
   def offload(self) -> OffloadConfig:
-    return OffloadConfig()
+    return OffloadConfig(device_budget_bytes=self.device_budget_bytes)
 
 
 class _ForwardsControls:
@@ -289,26 +461,52 @@ class _ForwardsControls:
     return {"kind": self.name, "options": self.options.to_dict()}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class LayerwiseHost(_ForwardsControls, OrdinaryWeightResidency):
   """Units are materialized in host memory; a window of `prefetch_depth` is on device.
 
+  Keyword fields: those of `OffloadConfig` (`device_budget_bytes`,
+  `host_budget_bytes`, `prefetch_depth`, `eviction_policy`) and of
+  `LayerwiseLoadOptions` (`offload`, `max_cached_shards`, `strict_loading`,
+  `sample_backend_memory`, `sample_process_memory`). `LayerwiseHost(options)`
+  with a `LayerwiseLoadOptions` remains valid and equal.
+
+  Defaults: both budgets unbounded (they only check what is placed: the device
+  budget the static parameters plus the window, the host budget every unit),
+  `prefetch_depth=1`, least-recently-used eviction, `max_cached_shards=4`.
+
   Example:
-    >>> p = LayerwiseHost(LayerwiseLoadOptions(offload=OffloadConfig(prefetch_depth=3)))
+    >>> p = LayerwiseHost(prefetch_depth=3, device_budget_bytes="2GiB")
     >>> p.device_depth(32), p.offload().prefetch_depth, p.name
     (3, 3, 'layerwise_host')
+    >>> cfg = OffloadConfig(prefetch_depth=3, device_budget_bytes="2GiB")
+    >>> p == LayerwiseHost(LayerwiseLoadOptions(offload=cfg))
+    True
+    >>> LayerwiseHost.from_dict(p.to_dict()) == p
+    True
   """
 
   options: LayerwiseLoadOptions = LayerwiseLoadOptions()
   name: ClassVar[str] = "layerwise_host"
   _dict_keys: ClassVar[tuple[str, ...]] = ("kind", "options")
 
-  def __post_init__(self) -> None:
-    _check_options(self, LayerwiseLoadOptions)
+  def __init__(
+    self, options: LayerwiseLoadOptions = _UNSET, **fields: Unpack[LayerwiseFields]
+  ) -> None:
+    opts = _options_of(
+      type(self).__name__,
+      options,
+      dict(fields),
+      LayerwiseLoadOptions,
+      _LAYERWISE_FIELDS,
+      _layerwise_options,
+    )
+    object.__setattr__(self, "options", opts)
 
   @classmethod
-  def _from_options(cls, options: object) -> Self:
-    return cls() if options is None else cls(LayerwiseLoadOptions.from_dict(cast(Any, options)))
+  def _from_data(cls, data: Mapping[str, Any]) -> Self:
+    options = data.get("options")
+    return cls() if options is None else cls(LayerwiseLoadOptions.from_dict(options))
 
   @property
   def execution_residency(self) -> ExecutionResidency:
@@ -322,15 +520,33 @@ class LayerwiseHost(_ForwardsControls, OrdinaryWeightResidency):
     return self.options.offload
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class DenseDiskStream(_ForwardsControls, OrdinaryWeightResidency):
   """Units stay cold on disk and stream through a host cache into a 2-unit device window.
 
+  Keyword fields: those of `DenseDiskStreamLoadOptions` (`device_budget_bytes`,
+  `host_budget_bytes`, `host_lookahead`, `background_queue_capacity`,
+  `eviction_policy`, `max_cached_shards`, `strict_loading`,
+  `sample_backend_memory`, `sample_process_memory`).
+  `DenseDiskStream(options)` with a `DenseDiskStreamLoadOptions` remains valid
+  and equal.
+
+  Defaults: `device_budget_bytes` 4 GiB and `host_budget_bytes` 16 GiB (the
+  stream fills these caches on its own, so they are bounded by default),
+  `host_lookahead=2`, `background_queue_capacity=2`. `host_budget_bytes=0`
+  alone selects direct disk-to-device loading: lookahead and queue then follow
+  to 0; an explicit non-zero value for either raises `HostDisabledControlsError`.
+
   Example:
-    >>> p = DenseDiskStream(DenseDiskStreamLoadOptions(host_lookahead=4))
+    >>> p = DenseDiskStream(host_lookahead=4)
     >>> p.device_depth(32), p.device_depth(1), p.offload().prefetch_depth
     (2, 1, 4)
     >>> p.dense is p.options
+    True
+    >>> direct = DenseDiskStream(host_budget_bytes=0)
+    >>> direct.options.host_lookahead, direct.options.background_queue_capacity
+    (0, 0)
+    >>> direct == DenseDiskStream(DenseDiskStreamLoadOptions(host_budget_bytes=0))
     True
   """
 
@@ -338,14 +554,23 @@ class DenseDiskStream(_ForwardsControls, OrdinaryWeightResidency):
   name: ClassVar[str] = "dense_disk_stream"
   _dict_keys: ClassVar[tuple[str, ...]] = ("kind", "options")
 
-  def __post_init__(self) -> None:
-    _check_options(self, DenseDiskStreamLoadOptions)
+  def __init__(
+    self, options: DenseDiskStreamLoadOptions = _UNSET, **fields: Unpack[DenseFields]
+  ) -> None:
+    opts = _options_of(
+      type(self).__name__,
+      options,
+      dict(fields),
+      DenseDiskStreamLoadOptions,
+      _DENSE_FIELDS,
+      lambda kw: DenseDiskStreamLoadOptions(**kw),
+    )
+    object.__setattr__(self, "options", opts)
 
   @classmethod
-  def _from_options(cls, options: object) -> Self:
-    return (
-      cls() if options is None else cls(DenseDiskStreamLoadOptions.from_dict(cast(Any, options)))
-    )
+  def _from_data(cls, data: Mapping[str, Any]) -> Self:
+    options = data.get("options")
+    return cls() if options is None else cls(DenseDiskStreamLoadOptions.from_dict(options))
 
   @property
   def dense(self) -> DenseDiskStreamLoadOptions | None:
@@ -366,16 +591,6 @@ class DenseDiskStream(_ForwardsControls, OrdinaryWeightResidency):
       host_budget_bytes=o.host_budget_bytes,
       prefetch_depth=max(o.host_lookahead, DENSE_TRANSFER_WINDOW),
       eviction_policy=o.eviction_policy,
-    )
-
-
-def _check_options(policy: LayerwiseHost | DenseDiskStream, expected: type) -> None:
-  options = policy.options
-  if not isinstance(options, expected):
-    owner = type(policy).__name__
-    raise InvalidPolicyValueError(
-      f"{owner}: options={options!r} has type {type(options).__name__}; pass a "
-      f"{expected.__name__}, or use LayerWeightResidency.of(options) to pick the variant."
     )
 
 

@@ -265,7 +265,7 @@ class _ProcessView:
 
 
 def test_addressable_box_covers_only_this_process_shards():
-  from jax_residency._src.stream.engine import addressable_box
+  from jax_residency._src.stream.boxes import addressable_box
 
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
@@ -277,7 +277,7 @@ def test_addressable_box_covers_only_this_process_shards():
 
 
 def test_from_local_box_places_what_the_process_read():
-  from jax_residency._src.stream.engine import from_local_box
+  from jax_residency._src.stream.boxes import from_local_box
 
   mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))

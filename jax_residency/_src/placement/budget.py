@@ -12,9 +12,18 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
+from jax_residency._src.placement import shardings as pl
+from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.policy.errors import DeviceBudgetTooSmallError, HostBudgetTooSmallError
 from jax_residency._src.policy.sizes import format_bytes
-from jax_residency._src.policy.types import DenseDiskStream, LayerWeightResidency, LayerwiseHost
+from jax_residency._src.policy.types import (
+  DenseDiskStream,
+  ExecutionResidency,
+  LayerWeightResidency,
+  LayerwiseHost,
+)
 
 #: Bytes of decoded OCDBT index nodes an open store may cache: the one cache a
 #: store keeps besides the unit buffers the budgets hold.
@@ -392,4 +401,42 @@ def check_budgets(
       device_is_host=device_is_host,
     ),
     device_is_host=device_is_host,
+  )
+
+
+def metadata_for(
+  split: SplitModel,
+  policy: LayerWeightResidency,
+  static_shardings: Sequence[jax.sharding.Sharding],
+  slice_shardings: Sequence[jax.sharding.Sharding],
+) -> ModelMetadata:
+  static_bytes = sum(
+    pl.per_device_bytes(leaf.shape, leaf.dtype, s)
+    for leaf, s in zip(split.static_leaves(), static_shardings, strict=True)
+  )
+  unit_leaves = split.unit_leaves()
+  one_unit = [(leaf.shape[1:], leaf.dtype) for leaf in unit_leaves]
+  unit_total = sum(leaf.nbytes for leaf in unit_leaves) // max(split.unit_count, 1)
+  device_unit = sum(
+    pl.per_device_bytes(shape, dtype, s)
+    for (shape, dtype), s in zip(one_unit, slice_shardings, strict=True)
+  )
+  if policy.execution_residency is ExecutionResidency.LAYERWISE_HOST:
+    host_unit = sum(
+      pl.per_process_bytes(shape, dtype, s)
+      for (shape, dtype), s in zip(one_unit, slice_shardings, strict=True)
+    )
+  elif policy.execution_residency is ExecutionResidency.DENSE_DISK_STREAM:
+    host_unit = unit_total
+  else:
+    host_unit = 0
+  n = split.unit_count
+  devices: set[Any] = {d for s in (*static_shardings, *slice_shardings) for d in s.device_set}
+  return check_budgets(
+    policy,
+    static_device_bytes=static_bytes,
+    unit_bytes=[unit_total] * n,
+    device_unit_bytes=[device_unit] * n,
+    host_unit_bytes=[host_unit] * n,
+    device_is_host=all(d.platform == "cpu" for d in devices),
   )

@@ -10,6 +10,7 @@ and calls it. Placement never mutates the user's model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,6 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jax_residency._src.placement.unit_loop import LoopContext, active_loop
 from jax_residency._src.policy.errors import UnitSelectionError, format_paths
 from jax_residency._src.typing import ParamPath
 
@@ -62,6 +62,20 @@ class Leaf:
     return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """A model rebuilt from leaf values.
+
+  Attributes:
+    call: calls the rebuilt model (``call(*args, **kwargs)``).
+    units: what identifies its unit stack to the layer loop: the rebuilt NNX
+      module, or for Linen the stack's scope path.
+  """
+
+  call: Callable[..., Any]
+  units: Any
+
+
 @dataclasses.dataclass
 class SplitModel:
   """A model reduced to leaves, a unit selection and a pure forward.
@@ -74,9 +88,9 @@ class SplitModel:
       the ``params`` collection name).
     unit_index: positions in ``leaves`` of the unit leaves, in order.
     static_index: positions of the static leaves, in order.
-    forward: ``forward(leaves, loop, *args, **kwargs)`` rebuilds the model and
-      calls it with ``loop`` (a :class:`LoopContext` or ``None``) active, its
-      ``units_ref`` pointed at the rebuilt unit stack.
+    bind: ``bind(leaves)`` rebuilds the model from leaf values (a
+      :class:`Bound`: its call and its unit stack). The unit loop
+      (``unit_loop.run_in_loop``) runs it; this module knows nothing of loops.
     unit_path_prefix: the unit prefix as it appears in leaf paths.
   """
 
@@ -86,7 +100,7 @@ class SplitModel:
   unit_prefix: ParamPath
   unit_index: list[int]
   static_index: list[int]
-  forward: Callable[..., Any]
+  bind: Callable[[Sequence[Any]], Bound]
   unit_path_prefix: ParamPath
 
   @property
@@ -221,17 +235,11 @@ def _split_nnx(model: nnx.Module, units: Any) -> SplitModel:
   prefix = _select_units(paths, shapes, units, ())
   leaves = _leaves(paths, shapes, values, _specs(state, nnx.get_partition_spec, len(values)))
 
-  def forward(
-    leaf_values: Sequence[Any], loop: LoopContext | None, *args: Any, **kwargs: Any
-  ) -> Any:
+  def bind(leaf_values: Sequence[Any]) -> Bound:
     merged = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(leaf_values)))
-    if loop is None:
-      return merged(*args, **kwargs)
-    loop.units_ref = _walk(merged, prefix)
-    with active_loop(loop):
-      return merged(*args, **kwargs)
+    return Bound(call=merged, units=_walk(merged, prefix))
 
-  return _finish("nnx", leaves, values, prefix, prefix, forward)
+  return _finish("nnx", leaves, values, prefix, prefix, bind)
 
 
 def _split_linen(model: nn.Module, variables: Any, units: Any) -> SplitModel:
@@ -245,17 +253,11 @@ def _split_linen(model: nn.Module, variables: Any, units: Any) -> SplitModel:
   prefix = _select_units(param_paths, param_shapes, units, ("params",))
   leaves = _leaves(paths, shapes, values, _specs(specs_tree, lambda t: t, len(values)))
 
-  def forward(
-    leaf_values: Sequence[Any], loop: LoopContext | None, *args: Any, **kwargs: Any
-  ) -> Any:
+  def bind(leaf_values: Sequence[Any]) -> Bound:
     variables = jax.tree.unflatten(treedef, list(leaf_values))
-    if loop is None:
-      return model.apply(variables, *args, **kwargs)
-    loop.units_ref = prefix
-    with active_loop(loop):
-      return model.apply(variables, *args, **kwargs)
+    return Bound(call=functools.partial(model.apply, variables), units=prefix)
 
-  return _finish("linen", leaves, values, prefix, ("params", *prefix), forward)
+  return _finish("linen", leaves, values, prefix, ("params", *prefix), bind)
 
 
 def _finish(
@@ -264,7 +266,7 @@ def _finish(
   values: list[Any],
   prefix: ParamPath,
   full_prefix: ParamPath,
-  forward: Callable[..., Any],
+  bind: Callable[[Sequence[Any]], Bound],
 ) -> SplitModel:
   n = len(full_prefix)
   unit_index = [i for i, leaf in enumerate(leaves) if leaf.path[:n] == full_prefix]
@@ -276,6 +278,6 @@ def _finish(
     unit_prefix=prefix,
     unit_index=unit_index,
     static_index=static_index,
-    forward=forward,
+    bind=bind,
     unit_path_prefix=full_prefix,
   )

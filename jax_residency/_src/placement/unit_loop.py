@@ -47,7 +47,7 @@ class LoopContext:
     unit_shardings: the ``device`` sharding each leaf of one unit is moved to,
       in the leaf order of the unit stack's pytree.
     units_ref: the unit stack this placement streams: the rebuilt NNX module,
-      or for Linen the scope path of the stack. Set by the model's forward.
+      or for Linen the scope path of the stack (``split.Bound.units``).
     loops_run: how many unit loops ran while tracing (a placed forward checks
       the model really ran its layers through the loop).
   """
@@ -112,6 +112,40 @@ def active_loop(ctx: LoopContext) -> Iterator[LoopContext]:
     yield ctx
   finally:
     _ACTIVE.reset(token)
+
+
+def run_in_loop(
+  call: Callable[..., Any],
+  units: Any,
+  *,
+  kind: ExecutionResidency,
+  depth: int,
+  unit_shardings: tuple[jax.sharding.Sharding, ...],
+  unit_prefix: tuple[str, ...],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+) -> Any:
+  """Calls a rebuilt model with its unit stack (``units``, see ``split.Bound``)
+  placed in a loop context, and checks that its layers ran through the loop.
+
+  Raises:
+    PlacementError: the model never ran ``scan_units`` over its unit stack (the
+      error says how to fix the model); an error raised before the loop ran gets
+      a note saying so.
+  """
+  loop = LoopContext(kind=kind, depth=depth, unit_shardings=unit_shardings, units_ref=units)
+  try:
+    with active_loop(loop):
+      out = call(*args, **kwargs)
+  except Exception as e:
+    if loop.loops_run == 0:
+      if "memory_space" in str(e) or "memory kind" in str(e):  # host layers used off-loop
+        raise not_looped_error(unit_prefix) from e
+      e.add_note(f"jax_residency: the layer loop had not run yet. {not_looped_error(unit_prefix)}")
+    raise
+  if loop.loops_run == 0:
+    raise not_looped_error(unit_prefix)
+  return out
 
 
 def current_loop() -> LoopContext | None:

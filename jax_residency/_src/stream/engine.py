@@ -28,21 +28,19 @@ from typing import Any, NoReturn, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 try:  # XLA's deferred-reference pass, see release_dropped_buffers
   from jax._src.lib import _jax as _jax_lib
 except ImportError:  # pragma: no cover - a jaxlib that moved it
   _jax_lib = None
 
-from jax_residency._src.placement import shardings as pl
 from jax_residency._src.placement.budget import ModelMetadata
-from jax_residency._src.placement.split import SplitModel, path_str
-from jax_residency._src.placement.unit_loop import LoopContext, not_looped_error
+from jax_residency._src.placement.split import SplitModel
+from jax_residency._src.placement.unit_loop import not_looped_error, run_in_loop
 from jax_residency._src.policy.errors import AdmissionError, StoreError
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.telemetry import PassCounters, Telemetry, TimelinePoint
-from jax_residency._src.store.loading import open_for
+from jax_residency._src.stream.boxes import addressable_box, box_nbytes, from_local_box
 from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger, Tier
 from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker
 from jax_residency._src.stream.staged import StagedForward, run_staged, trace
@@ -107,7 +105,7 @@ class DenseStreamEngine:
     self._host_unit_bytes = metadata.unit_bytes[0] if metadata.unit_bytes else 0
     if self._read_index is not None:
       self._host_unit_bytes = sum(
-        _box_nbytes(leaf.shape[1:], leaf.dtype, self._read_index[p])
+        box_nbytes(leaf.shape[1:], leaf.dtype, self._read_index[p])
         for p, leaf in zip(self._rel_paths, split.unit_leaves(), strict=True)
       )
     self._device_unit_bytes = metadata.largest_device_unit_bytes
@@ -201,10 +199,17 @@ class DenseStreamEngine:
     return staged
 
   def _forward(self, static: list[Any], units: list[Any], args: Any, kwargs: Any) -> Any:
-    loop = LoopContext(
-      kind=self._policy.execution_residency, depth=2, unit_shardings=tuple(self._unit_shardings)
+    bound = self._split.bind(self._split.join(static, units))
+    return run_in_loop(
+      bound.call,
+      bound.units,
+      kind=self._policy.execution_residency,
+      depth=2,
+      unit_shardings=tuple(self._unit_shardings),
+      unit_prefix=self._split.unit_prefix,
+      args=tuple(args),
+      kwargs=dict(kwargs),
     )
-    return self._split.forward(self._split.join(static, units), loop, *args, **kwargs)
 
   def _begin_pass(self) -> None:
     self.ledger.begin_pass()
@@ -468,110 +473,5 @@ def release_dropped_buffers() -> None:
     gc.collect(0)
 
 
-def addressable_box(
-  sharding: jax.sharding.Sharding, shape: tuple[int, ...]
-) -> tuple[slice, ...] | None:
-  """The smallest box of an array of ``shape`` covering this process's shards.
-
-  ``None`` when every device of ``sharding`` belongs to this process (read all).
-  """
-  if sharding.is_fully_addressable:
-    return None
-  starts, stops = list(shape), [0] * len(shape)
-  for index in sharding.addressable_devices_indices_map(shape).values():
-    for d, n in enumerate(shape):
-      lo, hi, _ = (index[d] if index is not None else slice(None)).indices(n)
-      starts[d], stops[d] = min(starts[d], lo), max(stops[d], hi)
-  return tuple(slice(lo, hi) for lo, hi in zip(starts, stops, strict=True))
-
-
-def _box_nbytes(shape: tuple[int, ...], dtype: np.dtype, box: tuple[slice, ...]) -> int:
-  if box == ():
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  return int(np.prod([b.stop - b.start for b in box], dtype=np.int64)) * dtype.itemsize
-
-
-def from_local_box(
-  local: np.ndarray,
-  shape: tuple[int, ...],
-  sharding: jax.sharding.Sharding,
-  box: tuple[slice, ...],
-) -> jax.Array:
-  """Builds a global array from the box of it this process read."""
-  if box == ():
-    return jax.device_put(local, sharding)
-  origin = [b.start for b in box]
-
-  def shard(index: tuple[slice, ...] | None) -> np.ndarray:
-    full = index if index is not None else (slice(None),) * len(shape)
-    local_index = tuple(
-      slice(sl.indices(n)[0] - o, sl.indices(n)[1] - o)
-      for sl, n, o in zip(full, shape, origin, strict=True)
-    )
-    return local[local_index]
-
-  return jax.make_array_from_callback(shape, sharding, shard)
-
-
 def _raise_read_error(i: int, e: Exception) -> NoReturn:
   raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e
-
-
-def place_dense(
-  split: SplitModel,
-  policy: DenseDiskStream,
-  *,
-  mesh: Mesh,
-  rules: pl.Rules | None,
-  store: str,
-  telemetry_factory: Callable[..., Telemetry] | None = None,
-  sequence_axis: int = 1,
-) -> Any:
-  """Opens ``store`` and builds a placed model that streams its units."""
-  from jax_residency._src.placement.place import PlacedModel, metadata_for  # noqa: PLC0415 - placed imports us lazily
-
-  placed_at = pl.layout(split, mesh, rules, unit_kind=pl.DEVICE)
-  static_shardings, unit_shardings = placed_at.static, placed_at.unit_slices
-  metadata = metadata_for(split, policy, static_shardings, unit_shardings)
-  split.values = []  # weights come from the store; never keep the caller's arrays
-  opened = open_for(
-    split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
-  )
-  try:
-    # One tensor at a time: host memory holds the placed static weights plus one
-    # tensor in transit, never a second copy of all of them.
-    static = [
-      pl.put([opened.read_static_tensor(leaf.path)], [sharding])[0]
-      for leaf, sharding in zip(split.static_leaves(), static_shardings, strict=True)
-    ]
-    if telemetry_factory is None:
-      telemetry = Telemetry.for_policy(
-        policy=policy, metadata=metadata, sequence_axis=sequence_axis
-      )
-    else:
-      telemetry = telemetry_factory(policy=policy, metadata=metadata)
-    engine = DenseStreamEngine(
-      split=split,
-      policy=policy,
-      source=opened,
-      static=static,
-      unit_shardings=unit_shardings,
-      metadata=metadata,
-      telemetry=telemetry,
-    )
-  except BaseException:
-    opened.close()
-    raise
-  return PlacedModel(
-    split,
-    policy,
-    mesh,
-    metadata,
-    engine.run,
-    [opened.close, engine.close],
-    telemetry=telemetry,
-    clear_caches=engine.clear_caches,
-    arrays=lambda: {
-      path_str(leaf.path): a for leaf, a in zip(split.static_leaves(), static, strict=True)
-    },
-  )

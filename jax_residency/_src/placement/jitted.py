@@ -1,0 +1,157 @@
+"""``FullyResident`` and ``LayerwiseHost``: the whole forward as one jitted program.
+
+`JittedExecutor` places the static leaves and the unit stack (units in device
+memory, or in ``pinned_host`` memory moved through the unit loop's device
+window), and runs the forward as one XLA program per input signature, compiled
+ahead of its first call so each pass reports its temporaries. Called under a
+JAX transformation (``jax.grad``, ``jax.make_jaxpr``, an outer ``jit``) the
+forward is traced instead, so input gradients work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_residency._src.placement import shardings as pl
+from jax_residency._src.placement.budget import ModelMetadata, metadata_for
+from jax_residency._src.placement.split import SplitModel, path_str
+from jax_residency._src.placement.unit_loop import run_in_loop
+from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResidency
+from jax_residency._src.report.compile_time import temp_bytes
+from jax_residency._src.report.telemetry import PassCounters, Telemetry
+from jax_residency._src.store.loading import open_for, read_all
+
+
+class JittedExecutor:
+  """Runs ``FullyResident`` / ``LayerwiseHost`` placements (see `executor.Executor`)."""
+
+  def __init__(
+    self,
+    split: SplitModel,
+    policy: LayerWeightResidency,
+    *,
+    mesh: Mesh,
+    rules: pl.Rules | None,
+    sequence_axis: int = 1,
+    store: str | None = None,
+  ) -> None:
+    self._layerwise = policy.execution_residency is ExecutionResidency.LAYERWISE_HOST
+    if self._layerwise:
+      pl.require_memory_kind(mesh, pl.PINNED_HOST)
+    placed_at = pl.layout(
+      split, mesh, rules, unit_kind=pl.PINNED_HOST if self._layerwise else pl.DEVICE
+    )
+    self.metadata: ModelMetadata = metadata_for(
+      split, policy, placed_at.static, placed_at.unit_slices
+    )
+    values = _weights(split, policy, store)
+    split.values = []  # the placement holds its own copies, not the caller's arrays
+    self._static = pl.put([values[i] for i in split.static_index], placed_at.static)
+    self._units = pl.put([values[i] for i in split.unit_index], placed_at.units)
+    del values
+    self._split = split
+    depth = policy.device_depth(split.unit_count)
+
+    def forward(static: list[Any], units: list[Any], *args: Any, **kwargs: Any) -> Any:
+      bound = split.bind(split.join(static, units))
+      return run_in_loop(
+        bound.call,
+        bound.units,
+        kind=policy.execution_residency,
+        depth=depth,
+        unit_shardings=tuple(placed_at.unit_slices),
+        unit_prefix=split.unit_prefix,
+        args=args,
+        kwargs=kwargs,
+      )
+
+    self._jitted = jax.jit(forward)
+    self.telemetry = Telemetry.for_policy(
+      policy=policy, metadata=self.metadata, sequence_axis=sequence_axis
+    )
+    self._moved = self.metadata.total_unit_bytes if self._layerwise else 0
+    # One program per input signature, with the temporaries XLA gives it.
+    self._compiled: dict[Any, tuple[Any, int]] = {}
+
+  def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+    key = signature(args, kwargs)
+    found = self._compiled.get(key)
+    if found is None:
+      exe = self._jitted.trace(self._static, self._units, *args, **kwargs).lower().compile()
+      found = self._compiled[key] = (exe, temp_bytes(exe) or 0)
+    return found
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    start = time.perf_counter()
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+      # Under a transformation (grad, make_jaxpr, an outer jit) the forward is traced.
+      exe, temp = self._jitted, 0
+    else:
+      exe, temp = self._program(args, kwargs)
+    out = jax.block_until_ready(exe(self._static, self._units, *args, **kwargs))
+    meta = self.metadata
+    self.telemetry.commit_pass(
+      args=args,
+      seconds=time.perf_counter() - start,
+      counters=PassCounters(host_to_device_bytes=self._moved, step_temp_bytes=temp),
+      peak_device_units=meta.device_window_units,
+      peak_device_bytes=meta.device_window_bytes,
+      peak_host_units=meta.layer_count if self._layerwise else 0,
+      peak_host_bytes=meta.largest_host_unit_bytes * meta.layer_count if self._layerwise else 0,
+    )
+    return out
+
+  def lower(self, *args: Any, platforms: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
+    traced = self._jitted.trace(self._static, self._units, *args, **kwargs)
+    return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+
+  def arrays(self) -> dict[str, jax.Array]:
+    leaves = self._split.join(self._static, self._units)
+    return {path_str(leaf.path): a for leaf, a in zip(self._split.leaves, leaves, strict=True)}
+
+  def clear_caches(self) -> None:
+    """Every unit stays placed: nothing to drop."""
+
+  def close(self) -> None:
+    # Dropping the references frees the copies; deleting them outright could free
+    # buffers shared with the caller's model (device_put to an equal sharding aliases).
+    self._static, self._units = [], []
+    self._compiled.clear()
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  """What a compiled program is specialised to: the call's pytree structure and, per
+  leaf, its shape, dtype, weak type and (for arrays) sharding."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+
+  def aval(x: Any) -> Any:
+    weak = bool(getattr(x, "weak_type", isinstance(x, bool | int | float | complex)))
+    return (np.shape(x), jax.dtypes.result_type(x), weak, getattr(x, "sharding", None))
+
+  return tree, tuple(aval(x) for x in leaves)
+
+
+def _weights(split: SplitModel, policy: LayerWeightResidency, store: str | None) -> list[Any]:
+  """The model's own weights, or (with ``store``) the weights read from the store."""
+  if store is not None:
+    with open_for(
+      split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
+    ) as opened:
+      return read_all(split, opened)
+  abstract = [
+    path_str(leaf.path)
+    for leaf, v in zip(split.leaves, split.values, strict=True)
+    if isinstance(v, jax.ShapeDtypeStruct)
+  ]
+  if abstract:
+    raise PlacementError(
+      f"the model is abstract ({len(abstract)} parameters have no values, e.g. "
+      f"{abstract[0]!r}); pass store=<path> written by jax_residency.save to read its weights"
+    )
+  return split.values

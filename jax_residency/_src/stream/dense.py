@@ -1,0 +1,92 @@
+"""``DenseDiskStream``: a placement that streams its units from a store.
+
+`DenseExecutor` opens the store, places the static weights (one tensor at a
+time), and runs passes through a `DenseStreamEngine` (``stream/engine.py``),
+which feeds the staged forward's unit loop from the store through byte-bounded
+host and device tiers. It implements ``placement/executor.py``'s `Executor`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jax_residency._src.placement import shardings as pl
+from jax_residency._src.placement.budget import ModelMetadata, metadata_for
+from jax_residency._src.placement.split import SplitModel, path_str
+from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.policy.types import DenseDiskStream
+from jax_residency._src.report.telemetry import Telemetry
+from jax_residency._src.store.loading import open_for
+from jax_residency._src.stream.engine import DenseStreamEngine
+
+
+class DenseExecutor:
+  """Runs ``DenseDiskStream`` placements (see `executor.Executor`)."""
+
+  def __init__(
+    self,
+    split: SplitModel,
+    policy: DenseDiskStream,
+    *,
+    mesh: Mesh,
+    rules: pl.Rules | None,
+    store: str,
+    sequence_axis: int = 1,
+  ) -> None:
+    placed_at = pl.layout(split, mesh, rules, unit_kind=pl.DEVICE)
+    self.metadata: ModelMetadata = metadata_for(
+      split, policy, placed_at.static, placed_at.unit_slices
+    )
+    split.values = []  # weights come from the store; never keep the caller's arrays
+    self._store = open_for(
+      split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
+    )
+    try:
+      # One tensor at a time: host memory holds the placed static weights plus one
+      # tensor in transit, never a second copy of all of them.
+      self._static = [
+        pl.put([self._store.read_static_tensor(leaf.path)], [sharding])[0]
+        for leaf, sharding in zip(split.static_leaves(), placed_at.static, strict=True)
+      ]
+      self.telemetry = Telemetry.for_policy(
+        policy=policy, metadata=self.metadata, sequence_axis=sequence_axis
+      )
+      self._engine = DenseStreamEngine(
+        split=split,
+        policy=policy,
+        source=self._store,
+        static=self._static,
+        unit_shardings=placed_at.unit_slices,
+        metadata=self.metadata,
+        telemetry=self.telemetry,
+      )
+    except BaseException:
+      self._store.close()
+      raise
+    self._split = split
+    self._policy_name = policy.name
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._engine.run(*args, **kwargs)
+
+  def clear_caches(self) -> None:
+    self._engine.clear_caches()
+
+  def lower(self, *args: Any, platforms: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
+    raise PlacementError(
+      f"{self._policy_name} does not run as one jitted program; there is nothing to lower"
+    )
+
+  def arrays(self) -> dict[str, jax.Array]:
+    """The static arrays: a dense stream holds no units between passes."""
+    leaves = self._split.static_leaves()
+    return {path_str(leaf.path): a for leaf, a in zip(leaves, self._static, strict=True)}
+
+  def close(self) -> None:
+    try:
+      self._engine.close()
+    finally:
+      self._store.close()

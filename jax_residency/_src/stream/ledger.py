@@ -5,32 +5,27 @@ The ledger is the bookkeeping of that cache and nothing else: it never reads or
 moves data. Values are opaque (numpy dicts, jax arrays); their byte size is
 whatever the caller charges for them.
 
-* **Admission is atomic.** `reserve` either makes room by evicting unprotected,
-  unleased entries in policy order and holds the bytes, or raises
-  `AdmissionError` naming every blocking unit and changes nothing.
+* **Admission is atomic.** `reserve` either makes room by evicting unprotected
+  entries in policy order and holds the bytes, or raises `AdmissionError`
+  naming every blocking unit and changes nothing.
 * **Reservations are context managers** (orbax `LimitInFlightBytes` style):
   bytes are charged while pending, `commit(value)` installs the entry, leaving
   the block without committing gives the bytes back.
-* **Leases and protected windows** pin entries: a leased entry (a unit in use)
-  or one in the protected window (current + next on device, the lookahead on
-  host) is never evicted.
+* **Protected windows** pin entries: one in the protected window (current +
+  next on device, the lookahead on host) is never evicted.
 * **Telemetry** (SPEC §3) is kept per pass: `begin_pass()` starts a fresh
-  accumulator, `end_pass(commit=...)` returns an immutable snapshot and folds it
-  into the totals only when the pass succeeded.
+  accumulator, `end_pass()` returns an immutable snapshot.
 
-Everything is guarded by one lock and one condition; the condition lets a
-`reserve(..., timeout=...)` wait for leases, reservations or windows to move.
+Everything is guarded by one lock.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import operator
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jax_residency._src.policy.errors import (
@@ -41,6 +36,7 @@ from jax_residency._src.policy.errors import (
   WeightResidencyPolicyError,
 )
 from jax_residency._src.policy.options import CacheEvictionPolicy
+from jax_residency._src.report.metrics import Metrics, Tally, peak, total
 
 
 class Tier(enum.Enum):
@@ -51,53 +47,42 @@ class Tier(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TierMetrics:
-  """Cache counters of one tier over one pass (or the committed totals).
+class TierMetrics(Metrics):
+  """Cache counters of one tier over one pass (or over passes, merged with `+`).
 
   Attributes:
     requests: `get` calls.
     hits: `get` calls that found the unit.
     misses: `get` calls that did not.
-    evictions: entries removed to make room or by an explicit `evict`.
+    evictions: entries removed to make room.
     evicted_bytes: charged bytes of those entries.
     peak_units: most resident entries at once.
     peak_bytes: most charged bytes at once, pending reservations included.
   """
 
-  requests: int = 0
-  hits: int = 0
-  misses: int = 0
-  evictions: int = 0
-  evicted_bytes: int = 0
-  peak_units: int = 0
-  peak_bytes: int = 0
+  requests: int = total()
+  hits: int = total()
+  misses: int = total()
+  evictions: int = total()
+  evicted_bytes: int = total()
+  peak_units: int = peak()
+  peak_bytes: int = peak()
 
   @property
   def hit_rate(self) -> float | None:
     """`hits / requests`, or `None` when nothing was requested."""
     return self.hits / self.requests if self.requests else None
 
-  def merged(self, other: TierMetrics) -> TierMetrics:
-    """Counts summed, peaks maxed: the metrics of two passes taken together."""
-    values = {}
-    for field in dataclasses.fields(self):
-      a, b = getattr(self, field.name), getattr(other, field.name)
-      values[field.name] = max(a, b) if field.name.startswith("peak_") else a + b
-    return TierMetrics(**values)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LedgerMetrics:
+class LedgerMetrics(Metrics):
   """`TierMetrics` of both tiers; `metrics[Tier.HOST]` works too."""
 
-  host: TierMetrics = TierMetrics()
-  device: TierMetrics = TierMetrics()
+  host: TierMetrics = total(TierMetrics())
+  device: TierMetrics = total(TierMetrics())
 
   def __getitem__(self, tier: Tier) -> TierMetrics:
     return self.host if tier is Tier.HOST else self.device
-
-  def merged(self, other: LedgerMetrics) -> LedgerMetrics:
-    return LedgerMetrics(host=self.host.merged(other.host), device=self.device.merged(other.device))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,20 +104,6 @@ class Eviction:
 
 
 @dataclasses.dataclass(slots=True)
-class _Counters:
-  requests: int = 0
-  hits: int = 0
-  misses: int = 0
-  evictions: int = 0
-  evicted_bytes: int = 0
-  peak_units: int = 0
-  peak_bytes: int = 0
-
-  def snapshot(self) -> TierMetrics:
-    return TierMetrics(**dataclasses.asdict(self))
-
-
-@dataclasses.dataclass(slots=True)
 class _Entry:
   value: Any
   nbytes: int
@@ -142,15 +113,14 @@ class _Entry:
 
 
 class _TierState:
-  __slots__ = ("budget", "entries", "pending", "leases", "protected", "counters")
+  __slots__ = ("budget", "entries", "pending", "protected", "counters")
 
   def __init__(self, budget: int | None):
     self.budget = budget
     self.entries: dict[int, _Entry] = {}
     self.pending: dict[int, int] = {}  # unit -> reserved bytes
-    self.leases: dict[int, int] = {}  # unit -> lease count
     self.protected: frozenset[int] = frozenset()
-    self.counters = _Counters()
+    self.counters = Tally(TierMetrics)
 
   def resident_bytes(self) -> int:
     return sum(e.nbytes for e in self.entries.values())
@@ -158,16 +128,11 @@ class _TierState:
   def charged_bytes(self) -> int:
     return self.resident_bytes() + sum(self.pending.values())
 
-  def evictable(self, unit: int) -> bool:
-    return unit not in self.protected and not self.leases.get(unit)
-
   def note_peaks(self) -> None:
-    c = self.counters
-    c.peak_units = max(c.peak_units, len(self.entries))
-    c.peak_bytes = max(c.peak_bytes, self.charged_bytes())
+    self.counters.raise_to(peak_units=len(self.entries), peak_bytes=self.charged_bytes())
 
   def fresh_counters(self) -> None:
-    self.counters = _Counters()
+    self.counters = Tally(TierMetrics)
     self.note_peaks()
 
 
@@ -210,14 +175,6 @@ class Reservation:
     self.evicted = evicted
     self._state = "pending"  # -> "committed" | "released"
 
-  @property
-  def pending(self) -> bool:
-    return self._state == "pending"
-
-  @property
-  def committed(self) -> bool:
-    return self._state == "committed"
-
   def commit(self, value: Any, *, prefetched: bool = False) -> None:
     """Installs `value` as the unit's entry, charged `nbytes`.
 
@@ -259,14 +216,14 @@ class ResidencyLedger:
     device_budget_bytes: the same for the device tier.
     eviction_policy: which entry goes first. LRU: least recent use (install or
       hit, on a logical clock). LFU: fewest uses, ties by older use, then unit id.
-    on_evict: called with an `Eviction` for every eviction (by `reserve` or
-      `evict`; not by `discard_all`), after the ledger's lock is released. It
-      must not raise; if it does, the `reserve` that evicted is undone as far as
-      the reservation goes (the evictions stay) and the error propagates.
+    on_evict: called with an `Eviction` for every eviction by `reserve` (not
+      by `discard_all`), after the ledger's lock is released. It must not
+      raise; if it does, the `reserve` that evicted is undone as far as the
+      reservation goes (the evictions stay) and the error propagates.
 
   Semantics: reserving a unit that already has an entry or a pending
   reservation on that tier raises `AdmissionError` (check `contains` /
-  `is_pending` first). Explicit `evict` of a leased or protected entry raises.
+  `is_pending` first).
 
   Example:
     >>> from jax_residency._src.policy.options import CacheEvictionPolicy
@@ -275,11 +232,11 @@ class ResidencyLedger:
     >>> for unit in range(3):
     ...   with ledger.reserve(Tier.HOST, unit, 100) as r:
     ...     r.commit({"w": unit})
-    >>> ledger.resident_units(Tier.HOST)
-    (1, 2)
+    >>> [unit for unit in range(3) if ledger.contains(Tier.HOST, unit)]
+    [1, 2]
     >>> ledger.get(Tier.HOST, 2)
     {'w': 2}
-    >>> ledger.end_pass(commit=True).host.evictions
+    >>> ledger.end_pass().host.evictions
     1
   """
 
@@ -299,29 +256,12 @@ class ResidencyLedger:
     self._policy = eviction_policy
     self._on_evict = on_evict
     self._lock = threading.Lock()
-    self._changed = threading.Condition(self._lock)  # room may have appeared
     self._clock = 0
     self._closed = False
     self._tiers = {
       Tier.HOST: _TierState(_check_budget("host_budget_bytes", host_budget_bytes)),
       Tier.DEVICE: _TierState(_check_budget("device_budget_bytes", device_budget_bytes)),
     }
-    self._totals = LedgerMetrics()
-
-  # --- properties ------------------------------------------------------------
-
-  @property
-  def eviction_policy(self) -> CacheEvictionPolicy:
-    return self._policy
-
-  @property
-  def closed(self) -> bool:
-    return self._closed
-
-  def budget(self, tier: Tier) -> int | None:
-    return self._tiers[tier].budget
-
-  # --- lookups ---------------------------------------------------------------
 
   def get(self, tier: Tier, unit: int) -> Any | None:
     """The unit's value or None; counts a request and a hit or a miss.
@@ -332,22 +272,15 @@ class ResidencyLedger:
     with self._lock:
       self._check_open()
       st = self._tiers[tier]
-      st.counters.requests += 1
       entry = st.entries.get(unit)
       if entry is None:
-        st.counters.misses += 1
+        st.counters.add(requests=1, misses=1)
         return None
-      st.counters.hits += 1
+      st.counters.add(requests=1, hits=1)
       entry.last_use = self._tick()
       entry.uses += 1
       entry.used = True
       return entry.value
-
-  def peek(self, tier: Tier, unit: int) -> Any | None:
-    """The unit's value or None, without counting or touching recency."""
-    with self._lock:
-      entry = self._tiers[tier].entries.get(unit)
-      return None if entry is None else entry.value
 
   def contains(self, tier: Tier, unit: int) -> bool:
     with self._lock:
@@ -358,47 +291,22 @@ class ResidencyLedger:
     with self._lock:
       return unit in self._tiers[tier].pending
 
-  def resident_units(self, tier: Tier) -> tuple[int, ...]:
-    """Units with an entry on the tier, ascending."""
-    with self._lock:
-      return tuple(sorted(self._tiers[tier].entries))
-
   def resident_bytes(self, tier: Tier) -> int:
     """Bytes charged by installed entries."""
     with self._lock:
       return self._tiers[tier].resident_bytes()
 
-  def charged_bytes(self, tier: Tier) -> int:
-    """Bytes counted against the budget: entries plus pending reservations."""
-    with self._lock:
-      return self._tiers[tier].charged_bytes()
-
-  def lease_count(self, tier: Tier, unit: int) -> int:
-    with self._lock:
-      return self._tiers[tier].leases.get(unit, 0)
-
-  def protected(self, tier: Tier) -> frozenset[int]:
-    with self._lock:
-      return self._tiers[tier].protected
-
-  # --- admission -------------------------------------------------------------
-
-  def reserve(
-    self, tier: Tier, unit: int, nbytes: int, *, timeout: float | None = 0.0
-  ) -> Reservation:
+  def reserve(self, tier: Tier, unit: int, nbytes: int) -> Reservation:
     """Holds `nbytes` on `tier` for `unit`, evicting by policy to make room.
 
     Admission happens when `reserve` is called (not on `__enter__`). It is
-    atomic: either enough unprotected, unleased entries are evicted (fewest
-    needed, policy order) and the bytes are held, or nothing changes.
+    atomic: either enough unprotected entries are evicted (fewest needed,
+    policy order) and the bytes are held, or nothing changes.
 
     Args:
       tier: the tier.
       unit: the unit id; it must have no entry and no pending reservation.
       nbytes: bytes to hold; they count against the budget until released.
-      timeout: seconds to wait for leases, reservations or the protected
-        window to move when it does not fit. 0 (the default) fails at once,
-        None waits forever.
 
     Raises:
       AdmissionError: it does not fit even after evicting everything
@@ -410,30 +318,26 @@ class ResidencyLedger:
     unit = operator.index(unit)
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
       raise AdmissionError(f"reserve(nbytes={nbytes!r}) needs a non-negative int byte count.")
-    deadline = None if timeout is None else time.monotonic() + timeout
     with self._lock:
-      while True:
-        self._check_open()
-        st = self._tiers[tier]
-        if unit in st.entries or unit in st.pending:
-          what = "resident" if unit in st.entries else "already reserved (pending)"
-          raise AdmissionError(
-            f"cannot reserve unit {unit} on the {tier.value} tier: it is {what}. "
-            "Check contains()/is_pending() before reserving; nothing was changed."
-          )
-        victims = self._plan(st, nbytes)
-        if victims is not None:
-          break
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-          raise AdmissionError(self._blocked_message(tier, st, unit, nbytes))
-        self._changed.wait(remaining)
+      self._check_open()
+      st = self._tiers[tier]
+      if unit in st.entries or unit in st.pending:
+        what = "resident" if unit in st.entries else "already reserved (pending)"
+        raise AdmissionError(
+          f"cannot reserve unit {unit} on the {tier.value} tier: it is {what}. "
+          "Check contains()/is_pending() before reserving; nothing was changed."
+        )
+      victims = self._plan(st, nbytes)
+      if victims is None:
+        raise AdmissionError(self._blocked_message(tier, st, unit, nbytes))
       evictions = [self._drop(tier, st, victim) for victim in victims]
       st.pending[unit] = nbytes
       st.note_peaks()
       reservation = Reservation(self, tier, unit, nbytes, tuple(victims))
     try:
-      self._fire(evictions)
+      if self._on_evict is not None:
+        for eviction in evictions:
+          self._on_evict(eviction)
     except BaseException:
       reservation.release()
       raise
@@ -457,15 +361,10 @@ class ResidencyLedger:
     return None
 
   def _eviction_order(self, st: _TierState) -> list[int]:
-    units = [u for u in st.entries if st.evictable(u)]
+    units = [u for u in st.entries if u not in st.protected]
     if self._policy is CacheEvictionPolicy.LEAST_FREQUENTLY_USED:
       return sorted(units, key=lambda u: (st.entries[u].uses, st.entries[u].last_use, u))
     return sorted(units, key=lambda u: (st.entries[u].last_use, u))
-
-  def eviction_order(self, tier: Tier) -> tuple[int, ...]:
-    """Evictable units of the tier, first victim first."""
-    with self._lock:
-      return tuple(self._eviction_order(self._tiers[tier]))
 
   def _blocked_message(self, tier: Tier, st: _TierState, unit: int, nbytes: int) -> str:
     name = f"{tier.value}_budget_bytes"
@@ -476,7 +375,7 @@ class ResidencyLedger:
         f"Fix: use a positive {name} or do not stage units on this tier."
       )
     assert st.budget is not None
-    evictable = sum(e.nbytes for u, e in st.entries.items() if st.evictable(u))
+    evictable = sum(e.nbytes for u, e in st.entries.items() if u not in st.protected)
     charged = st.charged_bytes()
     short = charged - evictable + nbytes - st.budget
     lines = [
@@ -486,24 +385,16 @@ class ResidencyLedger:
     ]
     if nbytes > st.budget:
       lines.append(f"The unit alone exceeds the budget. Fix: raise {name} to at least {nbytes}.")
-    blockers: list[tuple[int, str]] = []
-    for u, e in st.entries.items():
-      why = []
-      if st.leases.get(u):
-        why.append(f"leased ({st.leases[u]} lease(s))")
-      if u in st.protected:
-        why.append("in the protected window")
-      if why:
-        blockers.append((u, f"  unit {u} ({e.nbytes} bytes): {', '.join(why)}"))
-    for u, n in st.pending.items():
-      blockers.append((u, f"  unit {u} ({n} bytes): pending reservation"))
+    blockers = [
+      (u, f"  unit {u} ({e.nbytes} bytes): in the protected window")
+      for u, e in st.entries.items()
+      if u in st.protected
+    ]
+    blockers += [(u, f"  unit {u} ({n} bytes): pending reservation") for u, n in st.pending.items()]
     if blockers:
       lines.append("Blocking units:")
       lines.extend(line for _, line in sorted(blockers))
-      lines.append(
-        f"Fix: release leases or finish reservations first, shrink the protected window, "
-        f"or raise {name}."
-      )
+      lines.append(f"Fix: finish reservations first, shrink the protected window, or raise {name}.")
     return "\n".join(lines)
 
   def _commit(self, res: Reservation, value: Any, prefetched: bool) -> None:
@@ -535,99 +426,38 @@ class ResidencyLedger:
     if res._state == "pending":
       del self._tiers[res.tier].pending[res.unit]
       res._state = "released"
-      self._changed.notify_all()
-
-  # --- pinning ---------------------------------------------------------------
-
-  @contextlib.contextmanager
-  def lease(self, tier: Tier, unit: int) -> Iterator[None]:
-    """Pins the unit on the tier while the block runs; leases are counted.
-
-    The unit need not be resident: a lease taken first makes a following
-    `get` race-free (the entry cannot be evicted between the two). Any thread
-    may hold leases on the same unit at once.
-    """
-    unit = operator.index(unit)
-    with self._lock:
-      self._check_open()
-      leases = self._tiers[tier].leases
-      leases[unit] = leases.get(unit, 0) + 1
-    try:
-      yield
-    finally:
-      with self._lock:
-        left = leases[unit] - 1
-        if left:
-          leases[unit] = left
-        else:
-          del leases[unit]
-        self._changed.notify_all()
 
   def protect(self, tier: Tier, units: Iterable[int]) -> None:
     """Replaces the tier's protected window; entries in it are never evicted."""
     window = frozenset(operator.index(u) for u in units)
     with self._lock:
       self._tiers[tier].protected = window
-      self._changed.notify_all()
-
-  # --- removal ---------------------------------------------------------------
-
-  def evict(self, tier: Tier, unit: int) -> bool:
-    """Removes the unit's entry (counted as an eviction). False if absent.
-
-    Raises:
-      ResidencyRuntimeError: the entry is leased or in the protected window.
-    """
-    with self._lock:
-      st = self._tiers[tier]
-      if unit not in st.entries:
-        return False
-      if not st.evictable(unit):
-        why = "leased" if st.leases.get(unit) else "in the protected window"
-        raise ResidencyRuntimeError(
-          f"cannot evict unit {unit} from the {tier.value} tier: it is {why}. "
-          "Release its leases or move the protected window first."
-        )
-      eviction = self._drop(tier, st, unit)
-    self._fire([eviction])
-    return True
 
   def discard_all(self) -> int:
     """Drops every entry of both tiers, whatever pins them; returns how many.
 
     Not counted as evictions and not reported to `on_evict` (this is a reset,
-    e.g. at close). Pending reservations, leases and windows are kept.
+    e.g. at close). Pending reservations and windows are kept.
     """
     with self._lock:
       dropped = 0
       for st in self._tiers.values():
         dropped += len(st.entries)
         st.entries.clear()
-      self._changed.notify_all()
       return dropped
 
   def close(self) -> None:
-    """Discards all entries; afterwards `reserve`, `get`, `lease` and `commit`
-    raise `ClosedError`. Idempotent."""
+    """Discards all entries; afterwards `reserve`, `get` and `commit` raise
+    `ClosedError`. Idempotent."""
     with self._lock:
       self._closed = True
       for st in self._tiers.values():
         st.entries.clear()
-      self._changed.notify_all()
 
   def _drop(self, tier: Tier, st: _TierState, unit: int) -> Eviction:
     entry = st.entries.pop(unit)
-    st.counters.evictions += 1
-    st.counters.evicted_bytes += entry.nbytes
-    self._changed.notify_all()
+    st.counters.add(evictions=1, evicted_bytes=entry.nbytes)
     return Eviction(tier=tier, unit=unit, nbytes=entry.nbytes, used=entry.used)
-
-  def _fire(self, evictions: list[Eviction]) -> None:
-    if self._on_evict is not None:
-      for eviction in evictions:
-        self._on_evict(eviction)
-
-  # --- telemetry -------------------------------------------------------------
 
   def begin_pass(self) -> None:
     """Starts a fresh per-pass accumulator; peaks start at the current occupancy."""
@@ -635,37 +465,22 @@ class ResidencyLedger:
       for st in self._tiers.values():
         st.fresh_counters()
 
-  def end_pass(self, *, commit: bool) -> LedgerMetrics:
+  def end_pass(self, *, commit: bool = True) -> LedgerMetrics:
     """Ends the pass: returns its metrics and starts a fresh accumulator.
 
     Args:
-      commit: fold the pass into `totals()` (only for a pass that succeeded).
+      commit: unused (the telemetry of the placed model keeps the totals of
+        the passes that succeeded); accepted for the callers that still pass it.
     """
+    del commit
     with self._lock:
-      snapshot = self._snapshot()
-      if commit:
-        self._totals = self._totals.merged(snapshot)
+      snapshot = LedgerMetrics(
+        host=self._tiers[Tier.HOST].counters.snapshot(),
+        device=self._tiers[Tier.DEVICE].counters.snapshot(),
+      )
       for st in self._tiers.values():
         st.fresh_counters()
       return snapshot
-
-  def pass_metrics(self) -> LedgerMetrics:
-    """The metrics accumulated so far in the current pass."""
-    with self._lock:
-      return self._snapshot()
-
-  def totals(self) -> LedgerMetrics:
-    """The committed passes taken together."""
-    with self._lock:
-      return self._totals
-
-  def _snapshot(self) -> LedgerMetrics:
-    return LedgerMetrics(
-      host=self._tiers[Tier.HOST].counters.snapshot(),
-      device=self._tiers[Tier.DEVICE].counters.snapshot(),
-    )
-
-  # --- helpers ---------------------------------------------------------------
 
   def _tick(self) -> int:
     self._clock += 1

@@ -53,6 +53,12 @@ def eventually(predicate: Callable[[], bool]) -> None:
     time.sleep(0.001)
 
 
+def counted(worker: PrefetchWorker) -> WorkerMetrics:
+  """The current pass's counters, without ending the pass (for polling another thread)."""
+  with worker._lock:
+    return worker._counters.snapshot()
+
+
 def worker_threads(name: str) -> list[threading.Thread]:
   return [t for t in threading.enumerate() if t.name == name]
 
@@ -81,11 +87,11 @@ def test_loads_in_fifo_order(loader):
     for unit in range(1, 6):
       assert worker.submit(unit)
     assert worker.queued_units() == (1, 2, 3, 4, 5)
-    assert worker.in_flight() == 0
+    assert worker.is_pending(0)  # in flight
     loader.gate.set()
     assert all(worker.wait(unit, TIMEOUT) for unit in range(6))
   assert loader.calls == [0, 1, 2, 3, 4, 5]
-  metrics = worker.end_pass(commit=True)
+  metrics = worker.end_pass()
   assert (metrics.submitted, metrics.completed, metrics.peak_queue_occupancy) == (6, 6, 5)
 
 
@@ -103,7 +109,7 @@ def test_coalesces_queued_and_in_flight_units(loader):
     assert worker.submit(0)  # a completed unit is queued anew
     assert worker.wait(0, TIMEOUT)
   assert loader.calls == [0, 1, 0]
-  metrics = worker.pass_metrics()
+  metrics = worker.end_pass()
   assert (metrics.submitted, metrics.coalesced, metrics.completed) == (3, 2, 3)
 
 
@@ -121,7 +127,7 @@ def test_backpressure_blocks_and_drops_nothing():
     thread = threading.Thread(target=submitter)
     thread.start()
     # Unit 1 fills the queue; the submitter then blocks on unit 2.
-    eventually(lambda: worker.pass_metrics().backpressure_count == 1)
+    eventually(lambda: counted(worker).backpressure_count == 1)
     assert thread.is_alive() and worker.queued_units() == (1,)
     loader.gate.set()
     thread.join(TIMEOUT)
@@ -129,7 +135,7 @@ def test_backpressure_blocks_and_drops_nothing():
     assert all(worker.wait(unit, TIMEOUT) for unit in range(5))
   assert results == [True] * 5
   assert loader.calls == [0, 1, 2, 3, 4]
-  metrics = worker.pass_metrics()
+  metrics = worker.end_pass()
   assert metrics.submitted == metrics.completed == 5
   assert metrics.cancelled == metrics.rejected == 0
   assert metrics.backpressure_count >= 1 and metrics.backpressure_seconds > 0
@@ -146,7 +152,7 @@ def test_non_blocking_submit_on_a_full_queue_is_rejected(loader):
     assert not worker.is_pending(2) and worker.wait(2) is False
     loader.gate.set()
     assert worker.wait(1, TIMEOUT)
-  metrics = worker.pass_metrics()
+  metrics = worker.end_pass()
   assert (metrics.rejected, metrics.submitted, metrics.backpressure_count) == (2, 2, 1)
   assert 2 not in loader.calls and 3 not in loader.calls
 
@@ -157,7 +163,7 @@ def test_non_blocking_submit_on_a_full_queue_is_rejected(loader):
 def test_wait_for_a_unit_never_submitted_returns_false_at_once(loader):
   with PrefetchWorker(loader, capacity=1) as worker:
     assert worker.wait(42) is False
-  assert worker.pass_metrics().demand_waits == 0
+  assert worker.end_pass().demand_waits == 0
 
 
 def test_wait_counts_demand_waits_and_ready_before_demand(loader):
@@ -172,7 +178,7 @@ def test_wait_counts_demand_waits_and_ready_before_demand(loader):
 
     thread = threading.Thread(target=demander)
     thread.start()
-    eventually(lambda: worker.pass_metrics().demand_waits == 1)
+    eventually(lambda: counted(worker).demand_waits == 1)
     assert not waited.is_set()
     loader.gate.set()
     thread.join(TIMEOUT)
@@ -182,7 +188,7 @@ def test_wait_counts_demand_waits_and_ready_before_demand(loader):
     eventually(lambda: not worker.is_pending(1))
     assert worker.wait(1) and worker.wait(1)  # counted once
     assert worker.wait(0)  # demanded before: neither counter moves
-  metrics = worker.pass_metrics()
+  metrics = worker.end_pass()
   assert (metrics.demand_waits, metrics.ready_before_demand) == (1, 1)
   assert metrics.demand_wait_seconds > 0
 
@@ -213,7 +219,7 @@ def test_load_errors_reach_the_waiter():
     del loader.fail[3]
     assert worker.submit(3)
     assert worker.wait(3, TIMEOUT)
-  metrics = worker.pass_metrics()
+  metrics = worker.end_pass()
   assert (metrics.failed, metrics.completed) == (1, 3)  # 2, 4, then 3 resubmitted
 
 
@@ -236,14 +242,14 @@ def test_cancel_drops_queued_work_and_fences_the_load_in_flight(loader):
     loader.gate.set()
     assert worker.wait(0, TIMEOUT) is False
     assert loader.installed == {}
-    metrics = worker.pass_metrics()
+    metrics = worker.end_pass()
     assert (metrics.completed, metrics.cancelled, metrics.submitted) == (0, 3, 3)
     # A new epoch works normally.
     assert worker.submit(1)
     assert worker.wait(1, TIMEOUT)
   assert loader.calls == [0, 1]
   assert loader.installed == {1: "unit 1"}
-  assert worker.pass_metrics().completed == 1
+  assert worker.end_pass().completed == 1
 
 
 def test_cancel_of_a_failing_load_counts_cancelled_not_failed(loader):
@@ -254,7 +260,7 @@ def test_cancel_of_a_failing_load_counts_cancelled_not_failed(loader):
     worker.cancel()
     loader.gate.set()
     assert worker.wait(0, TIMEOUT) is False  # no error delivered
-  metrics = worker.pass_metrics()
+  metrics = worker.end_pass()
   assert (metrics.failed, metrics.cancelled) == (0, 1)
 
 
@@ -274,7 +280,7 @@ def test_cancel_wait_blocks_until_the_fenced_load_returns(loader):
     assert not returned.is_set()  # ...but cancel(wait=True) is still waiting
     loader.gate.set()
     thread.join(TIMEOUT)
-    assert returned.is_set() and worker.in_flight() is None
+    assert returned.is_set() and worker._running is None  # the fenced load returned
 
 
 def test_cancel_fences_a_blocked_submitter(loader):
@@ -285,13 +291,13 @@ def test_cancel_fences_a_blocked_submitter(loader):
     result: list[bool] = []
     thread = threading.Thread(target=lambda: result.append(worker.submit(2)))
     thread.start()
-    eventually(lambda: worker.pass_metrics().backpressure_count == 1)
+    eventually(lambda: counted(worker).backpressure_count == 1)
     worker.cancel()
     thread.join(TIMEOUT)
     assert result == [False]
     loader.gate.set()
   assert loader.calls == [0]
-  assert worker.pass_metrics().cancelled == 3  # queued 1, in-flight 0, blocked 2
+  assert worker.end_pass().cancelled == 3  # queued 1, in-flight 0, blocked 2
 
 
 # --- shutdown ----------------------------------------------------------------------
@@ -305,7 +311,6 @@ def test_close_joins_the_thread_and_rejects_submits(loader):
   assert worker.wait(0, TIMEOUT)
   worker.close()
   worker.close()  # idempotent
-  assert worker.closed
   assert worker_threads("test-prefetch-close") == []
   with pytest.raises(ClosedError):
     worker.submit(1)
@@ -313,8 +318,10 @@ def test_close_joins_the_thread_and_rejects_submits(loader):
 
 def test_context_manager_closes(loader):
   with PrefetchWorker(loader, capacity=1, name="test-prefetch-ctx") as worker:
-    assert worker.name == "test-prefetch-ctx" and worker.capacity == 1
-  assert worker.closed and worker_threads("test-prefetch-ctx") == []
+    assert len(worker_threads("test-prefetch-ctx")) == 1
+  assert worker_threads("test-prefetch-ctx") == []
+  with pytest.raises(ClosedError):
+    worker.submit(0)
 
 
 def test_close_while_a_load_is_blocked_returns_once_it_does(loader):
@@ -366,23 +373,22 @@ def test_idle_worker_does_not_spin(loader):
 # --- telemetry -----------------------------------------------------------------------
 
 
-def test_passes_commit_only_on_success(loader):
+def test_pass_metrics_merge_over_passes(loader):
   loader.gate.set()
   with PrefetchWorker(loader, capacity=2) as worker:
     worker.begin_pass()
     worker.submit(0)
     worker.wait(0, TIMEOUT)
     worker.note_evicted_before_use()
-    first = worker.end_pass(commit=True)
+    first = worker.end_pass()
     worker.begin_pass()
     worker.submit(1)
     worker.wait(1, TIMEOUT)
     worker.note_evicted_before_use(2)
-    failed = worker.end_pass(commit=False)
+    failed = worker.end_pass()
   assert (first.submitted, first.completed, first.evicted_before_use) == (1, 1, 1)
   assert (failed.submitted, failed.evicted_before_use) == (1, 2)
-  assert worker.totals() == first
-  assert first.merged(failed) == WorkerMetrics(
+  assert first + failed == WorkerMetrics(
     submitted=2,
     completed=2,
     evicted_before_use=3,
@@ -426,9 +432,9 @@ def test_prefetch_into_the_ledger_host_tier():
     for unit in range(3):
       worker.submit(unit)
       assert worker.wait(unit, TIMEOUT)
-    assert ledger.resident_units(Tier.HOST) == (1, 2)
+    assert [u for u in range(4) if ledger.contains(Tier.HOST, u)] == [1, 2]
     assert ledger.get(Tier.HOST, 2) == {"w": 2}
     worker.submit(3)  # evicts 1, never used
     assert worker.wait(3, TIMEOUT)
-  assert worker.pass_metrics().evicted_before_use == 2  # units 0 and 1
-  assert ledger.resident_units(Tier.HOST) == (2, 3)
+  assert worker.end_pass().evicted_before_use == 2  # units 0 and 1
+  assert [u for u in range(4) if ledger.contains(Tier.HOST, u)] == [2, 3]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import operator
 import threading
 import time
 import types
@@ -26,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from jax_residency._src.placement.budget import ModelMetadata
-from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import LayerWeightResidency
-from jax_residency._src.report import compile_time
-from jax_residency._src.stream.ledger import LedgerMetrics, TierMetrics
+from jax_residency._src.report import compile_time, text
+from jax_residency._src.report.metrics import Metrics, peak, total
+from jax_residency._src.stream.ledger import LedgerMetrics, Tier, TierMetrics
 from jax_residency._src.stream.prefetch import WorkerMetrics
 
 PREFILL = "prefill"
@@ -164,34 +163,34 @@ class PassReport(_Moved):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Totals(_Moved):
-  """Counters summed (peaks maxed) over a set of passes.
+class Totals(_Moved, Metrics):
+  """Counters summed (peaks and ``step_temp_bytes`` maxed) over a set of passes.
 
   ``peak_rss_bytes``, ``minor_faults`` and ``major_faults`` come from the
   passes' process samples and are ``None`` when no pass had one.
   """
 
-  passes: int = 0
-  seconds: float = 0.0
-  compile_seconds: float = 0.0
-  host: TierMetrics | None = None
-  device: TierMetrics | None = None
-  disk_to_host_bytes: int = 0
-  disk_to_device_bytes: int = 0
-  host_to_device_bytes: int = 0
-  stalls: int = 0
-  stall_seconds: float = 0.0
-  peak_device_units: int = 0
-  peak_device_bytes: int = 0
-  peak_host_units: int = 0
-  peak_host_bytes: int = 0
-  peak_buffer_bytes: int = 0
-  mapped_bytes: int = 0
-  step_temp_bytes: int = 0
-  worker: WorkerMetrics | None = None
-  peak_rss_bytes: int | None = None
-  minor_faults: int | None = None
-  major_faults: int | None = None
+  passes: int = total()
+  seconds: float = total(0.0)
+  compile_seconds: float = total(0.0)
+  host: TierMetrics | None = total(None)
+  device: TierMetrics | None = total(None)
+  disk_to_host_bytes: int = total()
+  disk_to_device_bytes: int = total()
+  host_to_device_bytes: int = total()
+  stalls: int = total()
+  stall_seconds: float = total(0.0)
+  peak_device_units: int = peak()
+  peak_device_bytes: int = peak()
+  peak_host_units: int = peak()
+  peak_host_bytes: int = peak()
+  peak_buffer_bytes: int = peak()
+  mapped_bytes: int = total()
+  step_temp_bytes: int = peak()
+  worker: WorkerMetrics | None = total(None)
+  peak_rss_bytes: int | None = peak(None)
+  minor_faults: int | None = total(None)
+  major_faults: int | None = total(None)
 
   @classmethod
   def of(cls, p: PassReport) -> Totals:
@@ -202,50 +201,9 @@ class Totals(_Moved):
     values.update((name, process.get(name)) for name in _PROCESS_FIELDS)
     return cls(passes=1, **values)
 
-  def __add__(self, other: Totals) -> Totals:
-    return Totals(
-      passes=self.passes + other.passes,
-      seconds=self.seconds + other.seconds,
-      compile_seconds=self.compile_seconds + other.compile_seconds,
-      host=_merge(self.host, other.host),
-      device=_merge(self.device, other.device),
-      disk_to_host_bytes=self.disk_to_host_bytes + other.disk_to_host_bytes,
-      disk_to_device_bytes=self.disk_to_device_bytes + other.disk_to_device_bytes,
-      host_to_device_bytes=self.host_to_device_bytes + other.host_to_device_bytes,
-      stalls=self.stalls + other.stalls,
-      stall_seconds=self.stall_seconds + other.stall_seconds,
-      peak_device_units=max(self.peak_device_units, other.peak_device_units),
-      peak_device_bytes=max(self.peak_device_bytes, other.peak_device_bytes),
-      peak_host_units=max(self.peak_host_units, other.peak_host_units),
-      peak_host_bytes=max(self.peak_host_bytes, other.peak_host_bytes),
-      peak_buffer_bytes=max(self.peak_buffer_bytes, other.peak_buffer_bytes),
-      mapped_bytes=self.mapped_bytes + other.mapped_bytes,
-      step_temp_bytes=max(self.step_temp_bytes, other.step_temp_bytes),
-      worker=_merge(self.worker, other.worker),
-      peak_rss_bytes=_optional(max, self.peak_rss_bytes, other.peak_rss_bytes),
-      minor_faults=_optional(operator.add, self.minor_faults, other.minor_faults),
-      major_faults=_optional(operator.add, self.major_faults, other.major_faults),
-    )
-
 
 #: Process-sample keys that :class:`Totals` aggregates (peak maxed, faults summed).
 _PROCESS_FIELDS = ("peak_rss_bytes", "minor_faults", "major_faults")
-
-
-def _merge(a: Any, b: Any) -> Any:
-  if a is None:
-    return b
-  if b is None:
-    return a
-  return a.merged(b)
-
-
-def _optional(op: Callable[[int, int], int], a: int | None, b: int | None) -> int | None:
-  if a is None:
-    return b
-  if b is None:
-    return a
-  return op(a, b)
 
 
 def _freeze(x: Any) -> Any:
@@ -316,63 +274,7 @@ class Report:
     }
 
   def __str__(self) -> str:
-    cols = ("", "passes", "seconds", "compile", "read", "host→dev", "stalls", "dev hit", "host hit")
-    rows = []
-    for name, t in (("prefill", self.prefill), ("decode", self.decode), ("total", self.total)):
-      rows.append(
-        (
-          name,
-          str(t.passes),
-          f"{t.seconds:.3f}",
-          f"{t.compile_seconds:.3f}",
-          format_bytes(t.bytes_read),
-          format_bytes(t.host_to_device_bytes),
-          str(t.stalls),
-          _rate(t.device),
-          _rate(t.host),
-        )
-      )
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    lines = [f"policy: {self.policy.get('kind')}"]
-    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    t = self.total
-    lines.append(
-      f"peak device: {t.peak_device_units} units, {format_bytes(t.peak_device_bytes)}; "
-      f"peak host: {t.peak_host_units} units, {format_bytes(t.peak_host_bytes)}"
-    )
-    if t.peak_rss_bytes is not None:
-      lines.append(
-        f"peak RSS: {format_bytes(t.peak_rss_bytes)}; page faults: "
-        f"{t.minor_faults} minor, {t.major_faults} major"
-      )
-    last = self.last
-    if last is not None and last.backend is not None:
-      lines.append(f"backend memory: {_backend_line(last.backend)}")
-    return "\n".join(lines)
-
-
-def _backend_line(backend: Mapping[str, Any]) -> str:
-  if backend.get("source") == "memory_stats":
-    parts = []
-    for name, stats in backend.get("devices", {}).items():
-      in_use = stats.get("bytes_in_use")
-      peak = stats.get("peak_bytes_in_use")
-      text = f"{name} {format_bytes(in_use) if isinstance(in_use, int) else '?'} in use"
-      if isinstance(peak, int):
-        text += f" (peak {format_bytes(peak)})"
-      parts.append(text)
-    return "; ".join(parts)
-  kinds = backend.get("bytes_by_memory_kind", {})
-  return "live arrays " + (
-    ", ".join(f"{kind} {format_bytes(n)}" for kind, n in kinds.items()) or "none"
-  )
-
-
-def _rate(m: TierMetrics | None) -> str:
-  if m is None or m.hit_rate is None:
-    return "-"
-  return f"{100 * m.hit_rate:.0f}%"
+    return text.render(self)
 
 
 def count_tokens(args: Sequence[Any], sequence_axis: int) -> int:
@@ -496,6 +398,18 @@ class Telemetry:
     compiling = min(seconds, compile_time.seconds_between(now - seconds, now))
     compile_time.forget_before(now - seconds)
     counters = counters or PassCounters()
+    moved = {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)}
+    moved["timeline"] = tuple(counters.timeline)
+    peaks: dict[str, Any] = {
+      "peak_device_units": peak_device_units,
+      "peak_device_bytes": peak_device_bytes,
+      "peak_host_units": peak_host_units,
+      "peak_host_bytes": peak_host_bytes,
+    }
+    for name, value in peaks.items():
+      if value is None:  # peak_<tier>_<what> of the ledger's tier
+        _, tier, what = name.split("_")
+        peaks[name] = 0 if ledger is None else getattr(ledger[Tier(tier)], f"peak_{what}")
     tokens = count_tokens(args, self._sequence_axis)
     extra = self._sample()
     with self._lock:
@@ -507,30 +421,11 @@ class Telemetry:
         compile_seconds=compiling,
         host=None if ledger is None else ledger.host,
         device=None if ledger is None else ledger.device,
-        disk_to_host_bytes=counters.disk_to_host_bytes,
-        disk_to_device_bytes=counters.disk_to_device_bytes,
-        host_to_device_bytes=counters.host_to_device_bytes,
-        stalls=counters.stalls,
-        stall_seconds=counters.stall_seconds,
-        peak_device_units=(
-          peak_device_units if peak_device_units is not None else _peak(ledger, "device", "units")
-        ),
-        peak_device_bytes=(
-          peak_device_bytes if peak_device_bytes is not None else _peak(ledger, "device", "bytes")
-        ),
-        peak_host_units=(
-          peak_host_units if peak_host_units is not None else _peak(ledger, "host", "units")
-        ),
-        peak_host_bytes=(
-          peak_host_bytes if peak_host_bytes is not None else _peak(ledger, "host", "bytes")
-        ),
-        peak_buffer_bytes=counters.peak_buffer_bytes,
-        mapped_bytes=counters.mapped_bytes,
-        step_temp_bytes=counters.step_temp_bytes,
+        **moved,
+        **peaks,
         worker=worker,
         process=extra.get("process"),
         backend=extra.get("backend"),
-        timeline=tuple(counters.timeline),
       )
       self._passes.append(report)
       self._count += 1
@@ -548,10 +443,3 @@ class Telemetry:
         decode=decode,
         total=prefill + decode,
       )
-
-
-def _peak(ledger: LedgerMetrics | None, tier: str, what: str) -> int:
-  if ledger is None:
-    return 0
-  m = getattr(ledger, tier)
-  return int(m.peak_units if what == "units" else m.peak_bytes)

@@ -18,8 +18,8 @@ The worker knows nothing about stores or the ledger. It calls the caller's
   `wait`s for that unit, as `PrefetchError` with the original as `__cause__`.
 * **Closing joins.** `close()` cancels, stops the thread and joins it.
 
-Telemetry follows the ledger's per-pass pattern: `begin_pass()`,
-`end_pass(commit=...)`, `totals()`. Nothing polls: every wait is on a
+Telemetry follows the ledger's per-pass pattern: `begin_pass()`, then
+`end_pass()` returns the pass's `WorkerMetrics`. Nothing polls: every wait is on a
 `threading.Condition` sharing one lock.
 """
 
@@ -34,11 +34,12 @@ import time
 from collections.abc import Callable
 
 from jax_residency._src.policy.errors import ClosedError, PrefetchError, ZeroQueueCapacityError
+from jax_residency._src.report.metrics import Metrics, Tally, peak, total
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WorkerMetrics:
-  """Counters of the prefetch worker over one pass (or the committed totals).
+class WorkerMetrics(Metrics):
+  """Counters of the prefetch worker over one pass (or over passes, merged with `+`).
 
   Attributes:
     submitted: requests queued by `submit`.
@@ -58,47 +59,19 @@ class WorkerMetrics:
       the engine through `note_evicted_before_use`).
   """
 
-  submitted: int = 0
-  coalesced: int = 0
-  rejected: int = 0
-  completed: int = 0
-  cancelled: int = 0
-  failed: int = 0
-  peak_queue_occupancy: int = 0
-  backpressure_count: int = 0
-  backpressure_seconds: float = 0.0
-  demand_waits: int = 0
-  demand_wait_seconds: float = 0.0
-  ready_before_demand: int = 0
-  evicted_before_use: int = 0
-
-  def merged(self, other: WorkerMetrics) -> WorkerMetrics:
-    """Counts summed, peak maxed: the metrics of two passes taken together."""
-    values = {}
-    for field in dataclasses.fields(self):
-      a, b = getattr(self, field.name), getattr(other, field.name)
-      values[field.name] = max(a, b) if field.name.startswith("peak_") else a + b
-    return WorkerMetrics(**values)
-
-
-@dataclasses.dataclass(slots=True)
-class _Counters:
-  submitted: int = 0
-  coalesced: int = 0
-  rejected: int = 0
-  completed: int = 0
-  cancelled: int = 0
-  failed: int = 0
-  peak_queue_occupancy: int = 0
-  backpressure_count: int = 0
-  backpressure_seconds: float = 0.0
-  demand_waits: int = 0
-  demand_wait_seconds: float = 0.0
-  ready_before_demand: int = 0
-  evicted_before_use: int = 0
-
-  def snapshot(self) -> WorkerMetrics:
-    return WorkerMetrics(**dataclasses.asdict(self))
+  submitted: int = total()
+  coalesced: int = total()
+  rejected: int = total()
+  completed: int = total()
+  cancelled: int = total()
+  failed: int = total()
+  peak_queue_occupancy: int = peak()
+  backpressure_count: int = total()
+  backpressure_seconds: float = total(0.0)
+  demand_waits: int = total()
+  demand_wait_seconds: float = total(0.0)
+  ready_before_demand: int = total()
+  evicted_before_use: int = total()
 
 
 class _Epoch:
@@ -196,34 +169,14 @@ class PrefetchWorker:
     self._running: _Request | None = None
     self._epoch = _Epoch()
     self._closed = False
-    self._counters = _Counters()
-    self._totals = WorkerMetrics()
+    self._counters = Tally(WorkerMetrics)
     self._thread = threading.Thread(target=self._run, name=name, daemon=True)
     self._thread.start()
-
-  # --- properties ------------------------------------------------------------
-
-  @property
-  def capacity(self) -> int:
-    return self._capacity
-
-  @property
-  def name(self) -> str:
-    return self._thread.name
-
-  @property
-  def closed(self) -> bool:
-    return self._closed
 
   def queued_units(self) -> tuple[int, ...]:
     """Units waiting in the queue, in FIFO order."""
     with self._lock:
       return tuple(r.unit for r in self._queue)
-
-  def in_flight(self) -> int | None:
-    """The unit being loaded, or None (a fenced load counts until it returns)."""
-    with self._lock:
-      return None if self._running is None else self._running.unit
 
   def is_pending(self, unit: int) -> bool:
     """Whether a live (queued or in-flight, not cancelled) request exists for `unit`."""
@@ -248,15 +201,15 @@ class PrefetchWorker:
     with self._lock:
       self._check_open()
       if self._live(unit):
-        self._counters.coalesced += 1
+        self._counters.add(coalesced=1)
         return False
       if len(self._queue) >= self._capacity:
         if not block:
-          self._counters.rejected += 1
+          self._counters.add(rejected=1)
           return False
         epoch = self._epoch
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._counters.backpressure_count += 1
+        self._counters.add(backpressure_count=1)
         start = time.perf_counter()
         try:
           while len(self._queue) >= self._capacity and not self._closed and epoch is self._epoch:
@@ -265,21 +218,21 @@ class PrefetchWorker:
               break
             self._not_full.wait(remaining)
         finally:
-          self._counters.backpressure_seconds += time.perf_counter() - start
+          self._counters.add(backpressure_seconds=time.perf_counter() - start)
         self._check_open()
         if epoch is not self._epoch:
-          self._counters.cancelled += 1
+          self._counters.add(cancelled=1)
           return False
         if len(self._queue) >= self._capacity:
-          self._counters.rejected += 1
+          self._counters.add(rejected=1)
           return False
         if self._live(unit):
-          self._counters.coalesced += 1
+          self._counters.add(coalesced=1)
           return False
       request = _Request(unit, self._epoch)
       self._queue.append(request)
       self._requests[unit] = request
-      self._counters.submitted += 1
+      self._counters.add(submitted=1)
       self._note_occupancy()
       self._not_empty.notify()
       return True
@@ -306,14 +259,14 @@ class PrefetchWorker:
       if request.state in _LIVE:
         if not request.demanded:
           request.demanded = True
-          self._counters.demand_waits += 1
+          self._counters.add(demand_waits=1)
         start = time.perf_counter()
         settled = self._settled.wait_for(lambda: request.state not in _LIVE, timeout)
-        self._counters.demand_wait_seconds += time.perf_counter() - start
+        self._counters.add(demand_wait_seconds=time.perf_counter() - start)
         if not settled:
           return False
       elif request.state is _State.DONE and not request.demanded:
-        self._counters.ready_before_demand += 1
+        self._counters.add(ready_before_demand=1)
       request.demanded = True
       if request.state is _State.FAILED:
         error = request.error
@@ -362,31 +315,25 @@ class PrefetchWorker:
   def note_evicted_before_use(self, count: int = 1) -> None:
     """Counts prefetched units evicted before any use (wire to the ledger's `on_evict`)."""
     with self._lock:
-      self._counters.evicted_before_use += count
+      self._counters.add(evicted_before_use=count)
 
   def begin_pass(self) -> None:
     """Starts a fresh per-pass accumulator; the peak starts at the current queue length."""
     with self._lock:
       self._fresh_counters()
 
-  def end_pass(self, *, commit: bool) -> WorkerMetrics:
-    """Ends the pass: returns its metrics, folding them into `totals()` if `commit`."""
+  def end_pass(self, *, commit: bool = True) -> WorkerMetrics:
+    """Ends the pass: returns its metrics and starts a fresh accumulator.
+
+    Args:
+      commit: unused (the telemetry of the placed model keeps the totals of
+        the passes that succeeded); accepted for the callers that still pass it.
+    """
+    del commit
     with self._lock:
       snapshot = self._counters.snapshot()
-      if commit:
-        self._totals = self._totals.merged(snapshot)
       self._fresh_counters()
       return snapshot
-
-  def pass_metrics(self) -> WorkerMetrics:
-    """The metrics accumulated so far in the current pass."""
-    with self._lock:
-      return self._counters.snapshot()
-
-  def totals(self) -> WorkerMetrics:
-    """The committed passes taken together."""
-    with self._lock:
-      return self._totals
 
   # --- internals (hold the lock) ----------------------------------------------
 
@@ -401,17 +348,16 @@ class PrefetchWorker:
     for request in self._queue:
       request.state = _State.CANCELLED
     self._queue.clear()
-    self._counters.cancelled += dropped
+    self._counters.add(cancelled=dropped)
     self._not_full.notify_all()
     self._settled.notify_all()
     return dropped
 
   def _note_occupancy(self) -> None:
-    c = self._counters
-    c.peak_queue_occupancy = max(c.peak_queue_occupancy, len(self._queue))
+    self._counters.raise_to(peak_queue_occupancy=len(self._queue))
 
   def _fresh_counters(self) -> None:
-    self._counters = _Counters()
+    self._counters = Tally(WorkerMetrics)
     self._note_occupancy()
 
   def _check_open(self) -> None:
@@ -440,13 +386,13 @@ class PrefetchWorker:
         self._running = None
         if request.epoch.event.is_set():
           request.state = _State.CANCELLED
-          self._counters.cancelled += 1
+          self._counters.add(cancelled=1)
         elif error is not None:
           request.state = _State.FAILED
           request.error = error
-          self._counters.failed += 1
+          self._counters.add(failed=1)
         else:
           request.state = _State.DONE
-          self._counters.completed += 1
+          self._counters.add(completed=1)
         self._settled.notify_all()
       del error

@@ -429,3 +429,15 @@ def test_bfloat16_model_under_every_policy(tokens, tmp_path):
       assert placed.metadata.total_unit_bytes == 4 * unit
     if policy is dense_policy:
       assert placed.report().total.bytes_read == 4 * unit
+
+
+def test_transformations_are_a_clear_error(model, tokens, store):
+  """The dense stream runs its loop from the host: grad/jit/make_jaxpr say so plainly."""
+  emb = jnp.ones((2, 6, CFG.d_model))
+  with jr.place(model, dense(0, 0), store=store, mesh=MESH1) as placed:
+    for transform in (jax.jit(placed), jax.make_jaxpr(placed)):
+      with pytest.raises(jr.PlacementError, match="FullyResident or LayerwiseHost"):
+        transform(tokens)
+    with pytest.raises(jr.PlacementError, match="jax.grad"):
+      jax.grad(lambda t: jnp.sum(placed(t).astype(jnp.float32)))(emb)
+    np.testing.assert_array_equal(placed(tokens), model(tokens))  # still usable

@@ -70,6 +70,13 @@ class DenseExecutor:
     self._policy_name = policy.name
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+      raise PlacementError(
+        f"{self._policy_name} drives its layer loop from the host, one compiled step per "
+        "unit, so it cannot run under a JAX transformation (jax.grad, jax.jit, jax.vmap, "
+        "jax.make_jaxpr). Call it with concrete arrays, or place the model with "
+        "FullyResident or LayerwiseHost, which support input gradients."
+      )
     return self._engine.run(*args, **kwargs)
 
   def clear_caches(self) -> None:

@@ -27,7 +27,7 @@ os.environ["JAX_RESIDENCY_COMPILATION_CACHE"] = "0"
 import jax  # noqa: E402 - must follow the XLA_FLAGS update above
 
 try:
-  from jax._src import xla_bridge as _xb  # noqa: E402
+  from jax._src import xla_bridge as _xb
 
   if not _xb.backends_are_initialized():
     jax.config.update("jax_num_cpu_devices", N_DEVICES)

@@ -603,7 +603,7 @@ def test_concurrent_use_keeps_the_budget():
             pass  # resident/pending from another thread
         else:
           assert value == unit
-    except BaseException as e:  # pragma: no cover - reported below
+    except BaseException as e:  # noqa: BLE001  # pragma: no cover - reported below
       errors.append(e)
 
   threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]

@@ -18,10 +18,10 @@ from pathlib import Path
 # ``filterwarnings = error`` would turn that into a failure here.
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 
-import jupytext  # noqa: E402
-import nbformat  # noqa: E402
-import pytest  # noqa: E402
-from nbclient import NotebookClient  # noqa: E402
+import jupytext
+import nbformat
+import pytest
+from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = sorted(p.stem for p in NOTEBOOKS.glob("[0-9]*.ipynb"))

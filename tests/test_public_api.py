@@ -187,7 +187,7 @@ def test_reports_doc_example_runs(capsys):
   assert blocks, "docs/reports.md has no python example"
   namespace: dict[str, object] = {"__name__": "docs_reports_example"}
   for block in blocks:
-    exec(compile(block, str(REPORTS_MD), "exec"), namespace)  # noqa: S102 - the doc's own code
+    exec(compile(block, str(REPORTS_MD), "exec"), namespace)
   assert isinstance(namespace["report"], jr.Report)
   assert isinstance(namespace["meta"], jr.ModelMetadata)
   assert "prefill" in capsys.readouterr().out

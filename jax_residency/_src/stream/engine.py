@@ -350,7 +350,7 @@ class DenseStreamEngine:
       return self._source.read_unit(i, index=self._read_index)
     except StoreError:
       raise
-    except Exception as e:  # noqa: BLE001 - re-raised with the unit named
+    except Exception as e:
       _raise_read_error(i, e)
       raise  # unreachable
 
@@ -371,7 +371,7 @@ class DenseStreamEngine:
         return pending.result()
       except StoreError:
         raise
-      except Exception as e:  # noqa: BLE001 - re-raised with the unit named
+      except Exception as e:
         _raise_read_error(i, e)
         raise  # unreachable
 

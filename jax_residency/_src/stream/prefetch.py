@@ -380,7 +380,7 @@ class PrefetchWorker:
       error: BaseException | None = None
       try:
         self._load(request.unit, CancelToken(request.unit, request.epoch))
-      except BaseException as e:  # delivered to `wait`, never lost in the thread
+      except BaseException as e:  # noqa: BLE001 - delivered to `wait`, never lost in the thread
         error = e
       with self._lock:
         self._running = None

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jax_residency._src.models.bert import BertConfig, BertEncoder
-from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.placement.split import normalise_path, path_str
 from jax_residency._src.policy.errors import (
   CheckpointShapeMismatchError,
   MissingCheckpointParametersError,
@@ -165,7 +165,7 @@ def bert_params_from_hf(
 
   def take(path: ParamPath, name: str, value: np.ndarray, want: tuple[int, ...]) -> bool:
     if value.shape != want:
-      bad.append(f"{name} {value.shape} → {'.'.join(path)}: expected {want}")
+      bad.append(f"{name} {value.shape} → {path_str(path)}: expected {want}")
       return False
     return True
 

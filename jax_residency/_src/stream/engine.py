@@ -229,8 +229,8 @@ class DenseStreamEngine:
     # A failed pass leaves no leases behind; clear the windows either way.
     self.ledger.protect(Tier.DEVICE, ())
     self.ledger.protect(Tier.HOST, ())
-    ledger_metrics = self.ledger.end_pass(commit=ok)
-    worker_metrics = self.worker.end_pass(commit=ok) if self.worker is not None else None
+    ledger_metrics = self.ledger.end_pass()
+    worker_metrics = self.worker.end_pass() if self.worker is not None else None
     with self._counters_lock:
       counters = self._counters
     counters.peak_buffer_bytes = int(getattr(self._source, "buffer_peak_bytes", 0))

@@ -465,14 +465,9 @@ class ResidencyLedger:
       for st in self._tiers.values():
         st.fresh_counters()
 
-  def end_pass(self, *, commit: bool = True) -> LedgerMetrics:
-    """Ends the pass: returns its metrics and starts a fresh accumulator.
-
-    Args:
-      commit: unused (the telemetry of the placed model keeps the totals of
-        the passes that succeeded); accepted for the callers that still pass it.
-    """
-    del commit
+  def end_pass(self) -> LedgerMetrics:
+    """Ends the pass: returns its metrics and starts a fresh accumulator (the placed
+    model's telemetry keeps the totals of the passes that succeeded)."""
     with self._lock:
       snapshot = LedgerMetrics(
         host=self._tiers[Tier.HOST].counters.snapshot(),

@@ -322,14 +322,9 @@ class PrefetchWorker:
     with self._lock:
       self._fresh_counters()
 
-  def end_pass(self, *, commit: bool = True) -> WorkerMetrics:
-    """Ends the pass: returns its metrics and starts a fresh accumulator.
-
-    Args:
-      commit: unused (the telemetry of the placed model keeps the totals of
-        the passes that succeeded); accepted for the callers that still pass it.
-    """
-    del commit
+  def end_pass(self) -> WorkerMetrics:
+    """Ends the pass: returns its metrics and starts a fresh accumulator (the placed
+    model's telemetry keeps the totals of the passes that succeeded)."""
     with self._lock:
       snapshot = self._counters.snapshot()
       self._fresh_counters()

@@ -324,5 +324,11 @@ def buffer_layout(
   layout, offset = [], 0
   for name, shape, dtype in specs:
     layout.append((name, shape, dtype, offset))
-    offset += -(-tensor_nbytes(shape, dtype) // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
+    offset += padded_nbytes(shape, dtype)
   return layout, offset
+
+
+def padded_nbytes(shape: Sequence[int], dtype: Any) -> int:
+  """Bytes one tensor takes in a unit buffer (or a mapping of its chunk): its
+  bytes rounded up to `BUFFER_ALIGNMENT`, a page."""
+  return -(-tensor_nbytes(shape, dtype) // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.store.buffers import tensor_nbytes
+from jax_residency._src.store.buffers import padded_nbytes, tensor_nbytes
 from jax_residency._src.typing import ParamPath
 
 _log = logging.getLogger(__name__)
@@ -115,15 +115,6 @@ def ocdbt_extents(root: str) -> dict[str, Extent]:
   return out
 
 
-def mapped_size(shape: tuple[int, ...], dtype: np.dtype) -> int:
-  """Bytes a mapping of one such tensor counts: its bytes rounded up to whole pages,
-  as a read buffer would hold them (a chunk that starts inside a page maps one
-  page more, at most 4 KiB per tensor, not counted)."""
-  page = mmap.PAGESIZE
-  nbytes = tensor_nbytes(shape, dtype)
-  return -(-nbytes // page) * page
-
-
 def chunk_key(name: str, unit: int, ndim: int) -> str:
   """The zarr3 key (default encoding) of unit ``unit``'s chunk of array ``name``."""
   return f"{name}/c/" + "/".join([str(unit)] + ["0"] * (ndim - 1))
@@ -157,8 +148,6 @@ class UnitMapper:
     # Sizes of mappings whose arrays died (appended by finalizers, see `_unmapped`).
     self._unmapped_sizes: collections.deque[int] = collections.deque()
     self.total_bytes = 0  # tensor bytes mapped so far
-    self.maps = 0
-    self.fallbacks = 0
 
   @property
   def mapped_bytes(self) -> int:
@@ -195,13 +184,10 @@ class UnitMapper:
     out = {}
     for rel, (_, shape, dtype) in self._tensors.items():
       extent = self._extent(rel, unit)
-      nbytes = tensor_nbytes(shape, dtype)
-      array = None
-      if extent is not None and extent.length == nbytes and nbytes:
-        array = self._map(extent, shape, dtype)
-      if array is None:
-        self.fallbacks += 1
-      else:
+      if extent is None or not extent.length or extent.length != tensor_nbytes(shape, dtype):
+        continue
+      array = self._map(extent, shape, dtype)
+      if array is not None:
         out[rel] = array
     return out
 
@@ -225,11 +211,12 @@ class UnitMapper:
       return None
     finally:
       os.close(fd)
-    size = mapped_size(shape, dtype)
+    # Counted as a read buffer would hold it; a chunk that starts inside a page
+    # maps one page more (at most 4 KiB per tensor, not counted).
+    size = padded_nbytes(shape, dtype)
     with self._count_lock:
       self._take_back_locked()
       self._mapped += size
-      self.maps += 1
       self.total_bytes += extent.length
     count = int(np.prod(shape, dtype=np.int64))
     array = np.frombuffer(region, dtype, count, skip).reshape(shape)

@@ -44,7 +44,7 @@ from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
 from jax_residency._src.store import checks, discovery, handles, mapped
-from jax_residency._src.store.buffers import BufferPool, buffer_layout, tensor_nbytes
+from jax_residency._src.store.buffers import BufferPool, buffer_layout, padded_nbytes, tensor_nbytes
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
 from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read
 from jax_residency._src.typing import ParamPath, TensorSpec
@@ -282,7 +282,7 @@ class UnitStore:
     tensors = {
       rel: (path_str(self._prefix + rel), a.shape[1:], a.dtype)
       for rel, a in self._units.items()
-      if a.raw and a.read_chunk[:1] == (1,) and tuple(a.read_chunk[1:]) == tuple(a.shape[1:])
+      if a.raw and a.read_chunk == (1, *a.shape[1:])
     }
     if self._loc.local is None or not tensors or not mapped.mapped_reads_enabled():
       return False
@@ -290,7 +290,7 @@ class UnitStore:
     # Mapped units count against the same limit as read buffers (`limit_buffers`).
     self._pool.count_external(lambda: self._mapper.mapped_bytes if self._mapper else 0)
     self._mapped_unit_bytes = sum(
-      mapped.mapped_size(shape, dtype) for _, shape, dtype in tensors.values()
+      padded_nbytes(shape, dtype) for _, shape, dtype in tensors.values()
     )
     return True
 

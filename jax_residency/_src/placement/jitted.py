@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from jax_residency._src.placement import shardings as pl
@@ -23,7 +22,7 @@ from jax_residency._src.placement.split import SplitModel, path_str
 from jax_residency._src.placement.unit_loop import run_in_loop
 from jax_residency._src.policy.errors import PlacementError
 from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResidency
-from jax_residency._src.report.compile_time import temp_bytes
+from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.telemetry import PassCounters, Telemetry
 from jax_residency._src.store.loading import open_for, read_all
 
@@ -123,18 +122,6 @@ class JittedExecutor:
     # buffers shared with the caller's model (device_put to an equal sharding aliases).
     self._static, self._units = [], []
     self._compiled.clear()
-
-
-def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-  """What a compiled program is specialised to: the call's pytree structure and, per
-  leaf, its shape, dtype, weak type and (for arrays) sharding."""
-  leaves, tree = jax.tree.flatten((args, kwargs))
-
-  def aval(x: Any) -> Any:
-    weak = bool(getattr(x, "weak_type", isinstance(x, bool | int | float | complex)))
-    return (np.shape(x), jax.dtypes.result_type(x), weak, getattr(x, "sharding", None))
-
-  return tree, tuple(aval(x) for x in leaves)
 
 
 def _weights(split: SplitModel, policy: LayerWeightResidency, store: str | None) -> list[Any]:

@@ -9,7 +9,9 @@ answers how long the calling thread spent compiling within a window of
 count once.
 
 A pass's telemetry reads the window the pass ran in, so compiles made before
-the pass, or on other threads, are not charged to it.
+the pass, or on other threads, are not charged to it. Beside it: what a compiled
+program is specialised to (:func:`signature`, the key of the placed forwards'
+program caches) and the temporaries it allocates (:func:`temp_bytes`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import threading
 import time
 from typing import Any
 
+import jax
+import numpy as np
 from jax import monitoring
 
 #: The ``jax.monitoring`` duration events that count as compiling (jax 0.10).
@@ -106,3 +110,15 @@ def temp_bytes(compiled: Any) -> int | None:
     return None
   temp = getattr(analysis, "temp_size_in_bytes", None)
   return int(temp) if temp is not None else None
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  """What a compiled program is specialised to: the call's pytree structure and, per
+  leaf, its shape, dtype, weak type and (for arrays) sharding."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+
+  def aval(x: Any) -> Any:
+    weak = bool(getattr(x, "weak_type", isinstance(x, bool | int | float | complex)))
+    return (np.shape(x), jax.dtypes.result_type(x), weak, getattr(x, "sharding", None))
+
+  return tree, tuple(aval(x) for x in leaves)

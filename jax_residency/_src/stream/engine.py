@@ -39,6 +39,7 @@ from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.placement.unit_loop import not_looped_error, run_in_loop
 from jax_residency._src.policy.errors import AdmissionError, StoreError
 from jax_residency._src.policy.types import DenseDiskStream
+from jax_residency._src.report.compile_time import signature
 from jax_residency._src.report.telemetry import PassCounters, Telemetry, TimelinePoint
 from jax_residency._src.stream.boxes import addressable_box, box_nbytes, from_local_box
 from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger, Tier
@@ -184,8 +185,7 @@ class DenseStreamEngine:
         self._end_pass(ok, args, time.perf_counter() - start)
 
   def _stage(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StagedForward:
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    key = (tree, tuple((np.shape(x), jax.dtypes.result_type(x)) for x in leaves))
+    key = signature(args, kwargs)
     staged = self._staged.get(key)
     if staged is None:
       unit_specs = [

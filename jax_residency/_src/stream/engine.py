@@ -140,12 +140,8 @@ class DenseStreamEngine:
     # Where device memory is host memory, whole units are mapped from the store's
     # files instead of copied (see `mapped`): the page cache is the read buffer.
     use_mapped = getattr(source, "use_mapped_reads", None)
-    self.mapped_reads = bool(
-      use_mapped is not None
-      and metadata.device_is_host
-      and self._read_index is None
-      and use_mapped()
-    )
+    if use_mapped is not None and metadata.device_is_host and self._read_index is None:
+      use_mapped()
     self.worker: PrefetchWorker | None = None
     if self._host_enabled:
       self.worker = PrefetchWorker(self._prefetch, capacity=opts.background_queue_capacity)

@@ -2,7 +2,8 @@
 
 Pure Python, no JAX: policies can be built, validated, compared, hashed (so used
 as static `jax.jit` arguments) and serialized without a backend. Their load
-options, and the field checks, are in `options.py`.
+options, and the field checks, are in `options.py`; the keyword fields of the
+constructors are in `fields.py`.
 
 * `FullyResident()` keeps every unit on the execution device(s).
 * `LayerwiseHost(prefetch_depth=2, ...)` keeps units in host memory and moves a
@@ -35,15 +36,25 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import difflib
 import enum
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar, Self, TypedDict, TypeVar, Unpack, cast
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self, Unpack, cast
 
 from jax_residency._src.policy.errors import InvalidPolicyValueError, UnknownPolicyFieldError
+from jax_residency._src.policy.fields import (
+  DENSE_FIELDS,
+  LAYERWISE_FIELDS,
+  RESIDENT_FIELDS,
+  UNSET,
+  DenseFields,
+  LayerwiseFields,
+  ResidentFields,
+  check_fields,
+  layerwise_options,
+  options_of,
+)
 from jax_residency._src.policy.options import (
   DEFAULT_MAX_CACHED_SHARDS,
-  CacheEvictionPolicy,
   DenseDiskStreamLoadOptions,
   LayerwiseLoadOptions,
   OffloadConfig,
@@ -239,120 +250,6 @@ def _unit_count(unit_count: object) -> int:
   return count
 
 
-# --- keyword fields ----------------------------------------------------------
-
-_O = TypeVar("_O", LayerwiseLoadOptions, DenseDiskStreamLoadOptions)
-
-
-class _Unset:
-  def __repr__(self) -> str:
-    return "<unset>"
-
-
-_UNSET: Any = _Unset()
-
-
-class ResidentFields(TypedDict, total=False):
-  """The keyword fields of `FullyResident`."""
-
-  device_budget_bytes: int | str | None
-
-
-class _LoadControls(TypedDict, total=False):
-  max_cached_shards: int
-  strict_loading: bool
-  sample_backend_memory: bool
-  sample_process_memory: bool
-
-
-class LayerwiseFields(_LoadControls, total=False):
-  """The keyword fields of `LayerwiseHost`: those of `OffloadConfig` and `LayerwiseLoadOptions`."""
-
-  device_budget_bytes: int | str | None
-  host_budget_bytes: int | str | None
-  prefetch_depth: int
-  eviction_policy: CacheEvictionPolicy
-  offload: OffloadConfig
-
-
-class DenseFields(_LoadControls, total=False):
-  """The keyword fields of `DenseDiskStream`: those of `DenseDiskStreamLoadOptions`."""
-
-  device_budget_bytes: int | str | None
-  host_budget_bytes: int | str | None
-  host_lookahead: int
-  background_queue_capacity: int
-  eviction_policy: CacheEvictionPolicy
-
-
-def _field_names(cls: type) -> tuple[str, ...]:
-  return tuple(f.name for f in dataclasses.fields(cls))
-
-
-_OFFLOAD_FIELDS = _field_names(OffloadConfig)
-_LAYERWISE_FIELDS = _OFFLOAD_FIELDS + _field_names(LayerwiseLoadOptions)
-_DENSE_FIELDS = _field_names(DenseDiskStreamLoadOptions)
-_RESIDENT_FIELDS = ("device_budget_bytes",)
-
-
-def _check_fields(
-  owner: str, fields: Mapping[str, object], valid: Iterable[str], note: str = ""
-) -> None:
-  """Raises `UnknownPolicyFieldError` for the first keyword not in `valid`."""
-  valid = tuple(valid)
-  for key in fields:
-    if key not in valid:
-      close = difflib.get_close_matches(key, valid, n=1)
-      hint = f" (did you mean {close[0]!r}?)" if close else ""
-      raise UnknownPolicyFieldError(
-        f"{owner}: unknown field {key!r}{hint}{note}; valid fields are "
-        f"{', '.join(map(repr, valid))}."
-      )
-
-
-def _format_fields(fields: Mapping[str, object]) -> str:
-  return ", ".join(f"{k}={v!r}" for k, v in fields.items())
-
-
-def _options_of(
-  owner: str,
-  options: object,
-  fields: dict[str, Any],
-  expected: type[_O],
-  valid: tuple[str, ...],
-  build: Callable[[dict[str, Any]], _O],
-) -> _O:
-  """The options of a policy given either an options object or keyword fields."""
-  _check_fields(owner, fields, valid)
-  if options is _UNSET:
-    return build(fields)
-  if fields:
-    raise InvalidPolicyValueError(
-      f"{owner}: got both options={options!r} and the keyword fields {_format_fields(fields)}; "
-      f"pass either a {expected.__name__} or keyword fields, not both, e.g. "
-      f"{owner}({_format_fields(fields)})."
-    )
-  if not isinstance(options, expected):
-    raise InvalidPolicyValueError(
-      f"{owner}: options={options!r} has type {type(options).__name__}; pass a "
-      f"{expected.__name__} or keyword fields, or use LayerWeightResidency.of(options) to pick "
-      "the variant."
-    )
-  return options
-
-
-def _layerwise_options(fields: dict[str, Any]) -> LayerwiseLoadOptions:
-  offload = {k: fields.pop(k) for k in _OFFLOAD_FIELDS if k in fields}
-  if offload:
-    if "offload" in fields:
-      raise InvalidPolicyValueError(
-        f"LayerwiseHost: got both offload={fields['offload']!r} and the keyword fields "
-        f"{_format_fields(offload)}; pass either an OffloadConfig or its fields, not both."
-      )
-    fields["offload"] = OffloadConfig(**offload)
-  return LayerwiseLoadOptions(**fields)
-
-
 # --- variants ----------------------------------------------------------------
 
 
@@ -377,14 +274,14 @@ class FullyResident(OrdinaryWeightResidency):
   device_budget_bytes: int | None = None
   __match_args__: ClassVar[tuple[str, ...]] = ()
   name: ClassVar[str] = "fully_resident"
-  _dict_keys: ClassVar[tuple[str, ...]] = ("kind", *_RESIDENT_FIELDS)
+  _dict_keys: ClassVar[tuple[str, ...]] = ("kind", *RESIDENT_FIELDS)
 
   def __init__(self, **fields: Unpack[ResidentFields]) -> None:
     owner = type(self).__name__
-    _check_fields(
+    check_fields(
       owner,
       fields,
-      _RESIDENT_FIELDS,
+      RESIDENT_FIELDS,
       " (every unit stays on the device, so only the device budget applies)",
     )
     budget = fields.get("device_budget_bytes")
@@ -491,15 +388,15 @@ class LayerwiseHost(_ForwardsControls, OrdinaryWeightResidency):
   _dict_keys: ClassVar[tuple[str, ...]] = ("kind", "options")
 
   def __init__(
-    self, options: LayerwiseLoadOptions = _UNSET, **fields: Unpack[LayerwiseFields]
+    self, options: LayerwiseLoadOptions = UNSET, **fields: Unpack[LayerwiseFields]
   ) -> None:
-    opts = _options_of(
+    opts = options_of(
       type(self).__name__,
       options,
       dict(fields),
       LayerwiseLoadOptions,
-      _LAYERWISE_FIELDS,
-      _layerwise_options,
+      LAYERWISE_FIELDS,
+      layerwise_options,
     )
     object.__setattr__(self, "options", opts)
 
@@ -555,14 +452,14 @@ class DenseDiskStream(_ForwardsControls, OrdinaryWeightResidency):
   _dict_keys: ClassVar[tuple[str, ...]] = ("kind", "options")
 
   def __init__(
-    self, options: DenseDiskStreamLoadOptions = _UNSET, **fields: Unpack[DenseFields]
+    self, options: DenseDiskStreamLoadOptions = UNSET, **fields: Unpack[DenseFields]
   ) -> None:
-    opts = _options_of(
+    opts = options_of(
       type(self).__name__,
       options,
       dict(fields),
       DenseDiskStreamLoadOptions,
-      _DENSE_FIELDS,
+      DENSE_FIELDS,
       lambda kw: DenseDiskStreamLoadOptions(**kw),
     )
     object.__setattr__(self, "options", opts)

@@ -44,7 +44,7 @@ UNSET: Any = object()
 
 def cmd_inspect(args: argparse.Namespace) -> int:
   from jax_residency._src.placement.split import path_str  # noqa: PLC0415
-  from jax_residency._src.store.buffers import tensor_nbytes  # noqa: PLC0415
+  from jax_residency._src.policy.sizes import tensor_nbytes  # noqa: PLC0415
 
   with open_store(args.path, units=args.units, streamable=False) as store:
     streamable = bool(store.chunked_per_unit)

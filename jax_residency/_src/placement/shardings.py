@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_residency._src.placement.split import Leaf, SplitModel, path_str
 from jax_residency._src.policy.errors import PlacementError, format_paths
+from jax_residency._src.policy.sizes import tensor_nbytes
 
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
@@ -168,7 +169,7 @@ def layout(split: SplitModel, mesh: Mesh, rules: Rules | None, *, unit_kind: str
 
 def per_device_bytes(shape: tuple[int, ...], dtype: np.dtype, s: jax.sharding.Sharding) -> int:
   """Bytes one device holds of an array of ``shape`` under ``s``."""
-  return int(np.prod(s.shard_shape(shape), dtype=np.int64)) * np.dtype(dtype).itemsize
+  return tensor_nbytes(s.shard_shape(shape), dtype)
 
 
 def per_process_bytes(shape: tuple[int, ...], dtype: np.dtype, s: jax.sharding.Sharding) -> int:

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jax_residency._src.policy.errors import UnitSelectionError, format_paths
+from jax_residency._src.policy.sizes import tensor_nbytes
 from jax_residency._src.typing import ParamPath
 
 #: Attribute names tried, in order, when ``units`` is not given.
@@ -59,7 +60,7 @@ class Leaf:
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    return tensor_nbytes(self.shape, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

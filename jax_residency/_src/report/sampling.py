@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_residency._src.policy.sizes import tensor_nbytes
+
 #: How often the background thread samples RSS, in seconds.
 DEFAULT_INTERVAL_SECONDS = 0.01
 
@@ -206,7 +208,7 @@ def live_array_bytes() -> dict[str, Any]:
       kind = getattr(sharding, "memory_kind", None) or "device"
       shard_shape = sharding.shard_shape(a.shape)
       local = sum(1 for d in sharding.device_set if d.process_index == jax.process_index())
-      nbytes = int(np.prod(shard_shape, dtype=np.int64)) * a.dtype.itemsize * local
+      nbytes = tensor_nbytes(shard_shape, a.dtype) * local
     except Exception:  # noqa: BLE001 - an array freed while we looked: skip it
       continue
     by_kind[kind] = by_kind.get(kind, 0) + nbytes

@@ -17,7 +17,6 @@ kernel. This module removes that cost:
   reads) be reused too; applied once, before this library opens its first
   TensorStore (see `handles.store_context`). Off by default because they are
   process-wide.
-* `tensor_nbytes`: the bytes of one tensor, the one size helper of the store.
 
 With these, `benchmarks/read_path.py` measures 1.3-1.9x of a sequential
 `readinto` cold (two unit reads in flight keep the disk queue fuller) and
@@ -41,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from jax_residency._src.policy.sizes import tensor_nbytes
+
 _log = logging.getLogger(__name__)
 
 # glibc <malloc.h> parameter numbers.
@@ -62,16 +63,6 @@ MALLOC_TUNING_ENV = "JAX_RESIDENCY_MALLOC_TUNING"
 
 _malloc_lock = threading.Lock()
 _malloc_tuned: bool | None = None
-
-
-def tensor_nbytes(shape: Sequence[int], dtype: Any) -> int:
-  """Bytes of a C-contiguous tensor of ``shape`` and ``dtype``.
-
-  Example:
-    >>> tensor_nbytes((3, 5), "float32"), tensor_nbytes((), np.int8)
-    (60, 1)
-  """
-  return int(np.prod(tuple(shape), dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def tune_malloc() -> bool:

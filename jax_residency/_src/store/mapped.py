@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.store.buffers import padded_nbytes, tensor_nbytes
+from jax_residency._src.policy.sizes import tensor_nbytes
+from jax_residency._src.store.buffers import padded_nbytes
 from jax_residency._src.typing import ParamPath
 
 _log = logging.getLogger(__name__)

@@ -43,8 +43,9 @@ import tensorstore as ts
 from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
+from jax_residency._src.policy.sizes import tensor_nbytes
 from jax_residency._src.store import checks, discovery, handles, mapped
-from jax_residency._src.store.buffers import BufferPool, buffer_layout, padded_nbytes, tensor_nbytes
+from jax_residency._src.store.buffers import BufferPool, buffer_layout, padded_nbytes
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
 from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read
 from jax_residency._src.typing import ParamPath, TensorSpec

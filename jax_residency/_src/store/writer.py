@@ -23,8 +23,8 @@ import tqdm
 
 from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
+from jax_residency._src.policy.sizes import tensor_nbytes
 from jax_residency._src.store import mapped
-from jax_residency._src.store.buffers import tensor_nbytes
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
   FORMAT_VERSION,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jax_residency._src.policy.sizes import tensor_nbytes
+
 
 def addressable_box(
   sharding: jax.sharding.Sharding, shape: tuple[int, ...]
@@ -29,9 +31,8 @@ def addressable_box(
 
 
 def box_nbytes(shape: tuple[int, ...], dtype: np.dtype, box: tuple[slice, ...]) -> int:
-  if box == ():
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  return int(np.prod([b.stop - b.start for b in box], dtype=np.int64)) * dtype.itemsize
+  """Bytes of the part ``box`` of an array of ``shape`` (``()``: the whole array)."""
+  return tensor_nbytes(shape if box == () else [b.stop - b.start for b in box], dtype)
 
 
 def from_local_box(

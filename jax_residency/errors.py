@@ -41,7 +41,8 @@ attributes: ``required`` and ``budget`` always; ``static``, ``window`` and
 budget; ``None`` where one does not apply.
 
 The most caught of these are also at the top level (``jr.ResidencyError``,
-``jr.BudgetTooSmallError``, ...); the rest are here.
+``jr.BudgetTooSmallError``, ...); the rest are here. Each type's docstring says
+when the library raises it, with a runnable example that raises and catches it.
 
 Example:
   >>> import jax_residency as jr

@@ -14,65 +14,214 @@ from collections.abc import Iterable
 
 
 class ResidencyError(Exception):
-  """Base class of every error jax_residency raises on purpose."""
+  """Base class of every error jax_residency raises on purpose.
+
+  Catch it to handle any of them; each also derives from `ValueError` (bad input)
+  or `RuntimeError` (a failure while running a placed model).
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.parse_bytes("12 potatoes")
+    ... except jr.ResidencyError as e:
+    ...   print(type(e).__name__, isinstance(e, ValueError))
+    InvalidBudgetError True
+  """
 
 
 # --- policy (SPEC §1) ------------------------------------------------------
 
 
 class WeightResidencyPolicyError(ResidencyError, ValueError):
-  """A weight-residency policy or one of its options is invalid."""
+  """A weight-residency policy or one of its options is invalid.
+
+  Raised when a policy or its options are built (constructors, ``from_dict``,
+  ``of``), never later; the subclass names the rule that was broken.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.LayerWeightResidency.from_dict({"kind": "teleport"})
+    ... except jr.errors.WeightResidencyPolicyError as e:
+    ...   print(type(e).__name__, "'teleport'" in str(e))
+    UnknownPolicyFieldError True
+  """
 
 
 class ZeroHostLookaheadError(WeightResidencyPolicyError):
-  """A dense stream with a host cache was given `host_lookahead=0`."""
+  """A dense stream with a host cache was given `host_lookahead=0`.
+
+  Raised by `DenseDiskStream` and its options when ``host_budget_bytes`` is not 0.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.DenseDiskStream(host_lookahead=0)
+    ... except jr.errors.ZeroHostLookaheadError as e:
+    ...   print(type(e).__name__, "set host_lookahead >= 1" in str(e))
+    ZeroHostLookaheadError True
+  """
 
 
 class ZeroQueueCapacityError(WeightResidencyPolicyError):
-  """A dense stream with a host cache was given `background_queue_capacity=0`."""
+  """A dense stream with a host cache was given `background_queue_capacity=0`.
+
+  Raised by `DenseDiskStream` and its options when ``host_budget_bytes`` is not 0.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.DenseDiskStream(background_queue_capacity=0)
+    ... except jr.errors.ZeroQueueCapacityError as e:
+    ...   print(type(e).__name__, "background_queue_capacity >= 1" in str(e))
+    ZeroQueueCapacityError True
+  """
 
 
 class HostDisabledControlsError(WeightResidencyPolicyError):
-  """Host-cache controls were set although `host_budget_bytes=0` disables the host cache."""
+  """Host-cache controls were set although `host_budget_bytes=0` disables the host cache.
+
+  Raised by `DenseDiskStream` and its options when ``host_lookahead`` or
+  ``background_queue_capacity`` is not 0 with a zero host budget; unset, both are 0.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.DenseDiskStream(host_budget_bytes=0, host_lookahead=2)
+    ... except jr.errors.HostDisabledControlsError as e:
+    ...   print(type(e).__name__, "disables the host cache" in str(e))
+    HostDisabledControlsError True
+  """
 
 
 class ZeroPrefetchDepthError(WeightResidencyPolicyError):
-  """`prefetch_depth` was below 1."""
+  """`prefetch_depth` was below 1.
+
+  Raised by `OffloadConfig`, `LayerwiseHost` and `LayerwiseLoadOptions`.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.LayerwiseHost(prefetch_depth=0)
+    ... except jr.errors.ZeroPrefetchDepthError as e:
+    ...   print(type(e).__name__, "prefetch_depth=0 must be >= 1" in str(e))
+    ZeroPrefetchDepthError True
+  """
 
 
 class InvalidBudgetError(WeightResidencyPolicyError):
-  """A byte budget was negative, not an integer, or not a parseable size."""
+  """A byte budget was negative, not an integer, or not a parseable size.
+
+  Raised by `parse_bytes`, `format_bytes`, and every policy or option given one.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.FullyResident(device_budget_bytes=-1)
+    ... except jr.errors.InvalidBudgetError as e:
+    ...   print(type(e).__name__, "device_budget_bytes=-1 is negative" in str(e))
+    InvalidBudgetError True
+  """
 
 
 class ZeroMaxCachedShardsError(WeightResidencyPolicyError):
-  """`max_cached_shards` was below 1."""
+  """`max_cached_shards` was below 1.
+
+  Raised by `LayerwiseHost`, `DenseDiskStream` and their load options.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.LayerwiseHost(max_cached_shards=0)
+    ... except jr.errors.ZeroMaxCachedShardsError as e:
+    ...   print(type(e).__name__, "max_cached_shards=0 must be >= 1" in str(e))
+    ZeroMaxCachedShardsError True
+  """
 
 
 class UnknownPolicyFieldError(WeightResidencyPolicyError):
-  """A policy dictionary named a key or a kind the policy types do not have."""
+  """A policy dictionary named a key or a kind the policy types do not have.
+
+  Raised for an unknown policy keyword, ``from_dict`` key or ``kind``, or
+  eviction-policy name; the message lists the valid ones.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.LayerwiseHost(prefetch_dept=2)
+    ... except jr.errors.UnknownPolicyFieldError as e:
+    ...   print(type(e).__name__, "unknown field 'prefetch_dept'" in str(e))
+    UnknownPolicyFieldError True
+  """
 
 
 class InvalidPolicyValueError(WeightResidencyPolicyError):
-  """A policy field or argument has the wrong type (e.g. a str flag), or `of()` got a non-policy."""
+  """A policy field or argument has the wrong type (e.g. a str flag), or `of()` got a non-policy.
+
+  Raised by the policy and option constructors, ``from_dict`` and ``of``.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   jr.LayerwiseHost(strict_loading="yes")
+    ... except jr.errors.InvalidPolicyValueError as e:
+    ...   print(type(e).__name__, "pass True or False" in str(e))
+    InvalidPolicyValueError True
+  """
 
 
 # --- placement (SPEC §2) ---------------------------------------------------
 
 
 class PlacementError(ResidencyError, ValueError):
-  """A model could not be placed as asked (bad unit selection, bad mesh...)."""
+  """A model could not be placed as asked (bad unit selection, bad mesh...).
+
+  Raised by `place` (e.g. `DenseDiskStream` without ``store=``) and by a placed
+  model given what it cannot run (a dense stream under ``jax.jit``).
+
+  Example:
+    >>> import flax.nnx as nnx, jax_residency as jr
+    >>> try:  # one Linear layer: no stack of layers to place
+    ...   jr.place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    ... except jr.PlacementError as e:
+    ...   print(type(e).__name__, isinstance(e, ValueError))
+    UnitSelectionError True
+  """
 
 
 class UnitSelectionError(PlacementError):
-  """The stacked layer module could not be found or is not a layer stack."""
+  """The stacked layer module could not be found or is not a layer stack.
+
+  Raised by `place` and `save` when ``units=`` names no parameters, or not a
+  stack (leaves sharing a leading layer axis), or no default name is a stack.
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(blocks=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> try:
+    ...   jr.place(net, units="layers")
+    ... except jr.errors.UnitSelectionError as e:
+    ...   print(type(e).__name__, "units='layers' names no parameters" in str(e))
+    UnitSelectionError True
+  """
 
 
 class BudgetTooSmallError(PlacementError):
   """Base of the load-time budget errors, raised before anything is placed.
 
-  The arithmetic is in the message and, as ints, in attributes: ``required``
-  and ``budget`` always; ``static``, ``window`` and ``depth`` (device) or
-  ``window`` and ``staging`` (host) where they apply, else ``None``.
+  `place` raises a subclass when the budgets cannot hold the model's windows.
+  The arithmetic is in the message and, as ints, in attributes:
+  ``required`` and ``budget`` always; ``static``, ``window`` and ``depth``
+  (device) or ``window`` and ``staging`` (host) where they apply, else ``None``.
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))  # 2 x 64 B
+    >>> try:
+    ...   jr.place(net, jr.LayerwiseHost(host_budget_bytes=100))
+    ... except jr.BudgetTooSmallError as e:
+    ...   print(type(e).__name__, e.required, e.budget)
+    HostBudgetTooSmallError 128 100
   """
 
   def __init__(
@@ -96,61 +245,244 @@ class BudgetTooSmallError(PlacementError):
 
 
 class DeviceBudgetTooSmallError(BudgetTooSmallError):
-  """Static bytes plus the largest device window exceed `device_budget_bytes`."""
+  """Static bytes plus the largest device window exceed `device_budget_bytes`.
+
+  Raised by `place`; the window is ``prefetch_depth`` units (`LayerwiseHost`),
+  2 (`DenseDiskStream`) or all of them (`FullyResident`).
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> layers = nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))  # 2 units of 64 B
+    >>> net = nnx.Dict(layers=layers, head=nnx.Param(jnp.zeros(4)))  # 16 B static
+    >>> try:
+    ...   jr.place(net, jr.LayerwiseHost(device_budget_bytes=64))
+    ... except jr.DeviceBudgetTooSmallError as e:
+    ...   print(e.static, e.window, e.depth, e.required, e.budget)
+    16 64 1 80 64
+  """
 
 
 class HostBudgetTooSmallError(BudgetTooSmallError):
-  """The host window (or every unit, for `LayerwiseHost`) exceeds `host_budget_bytes`."""
+  """The host window (or every unit, for `LayerwiseHost`) exceeds `host_budget_bytes`.
+
+  Raised by `place` for `LayerwiseHost`, and for `DenseDiskStream` with a host
+  cache (``host_lookahead`` units, plus a staging unit on an accelerator).
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))  # 2 x 64 B
+    >>> try:
+    ...   jr.place(net, jr.LayerwiseHost(host_budget_bytes=100))
+    ... except jr.HostBudgetTooSmallError as e:
+    ...   print(e.window, e.staging, e.required, e.budget)
+    128 0 128 100
+  """
 
 
 # --- stores and loading ----------------------------------------------------
 
 
 class StoreError(ResidencyError, ValueError):
-  """A unit store is missing, unreadable, or not laid out as needed."""
+  """A unit store is missing, unreadable, or not laid out as needed.
+
+  Raised by `save` (e.g. a store already there without ``overwrite=True``), by
+  `place` with ``store=``, and by a dense stream whose store read fails.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> try:
+    ...   jr.place(net, store=tempfile.mkdtemp() + "/missing")
+    ... except jr.StoreError as e:
+    ...   print(type(e).__name__, isinstance(e, ValueError))
+    StoreNotFoundError True
+  """
 
 
 class StoreNotFoundError(StoreError, FileNotFoundError):
-  """No unit store exists at the given path."""
+  """No unit store exists at the given path.
+
+  Raised by `place` with ``store=`` when the path is not a directory or holds no
+  checkpoint; it is a `FileNotFoundError` too.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> try:  # an empty directory
+    ...   jr.place(net, jr.DenseDiskStream(), store=tempfile.mkdtemp())
+    ... except FileNotFoundError as e:
+    ...   print(type(e).__name__, "found neither Orbax's _METADATA" in str(e))
+    StoreNotFoundError True
+  """
 
 
 class StoreLayoutError(StoreError):
-  """A store exists but cannot be streamed (e.g. one chunk holds many units)."""
+  """A store exists but cannot be streamed (e.g. one chunk holds many units).
+
+  Raised by `place` with ``store=`` when a unit array is chunked over several
+  units (a plain Orbax checkpoint: rechunk it) or unit counts disagree.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, orbax.checkpoint as ocp
+    >>> import jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> path = tempfile.mkdtemp() + "/ckpt"
+    >>> with ocp.StandardCheckpointer() as ckptr:  # one chunk of both units
+    ...   ckptr.save(path, nnx.to_pure_dict(nnx.state(net)))
+    >>> try:
+    ...   jr.place(net, store=path)
+    ... except jr.errors.StoreLayoutError as e:
+    ...   print(type(e).__name__, "layers.w: chunk shape (2, 4, 4)" in str(e))
+    StoreLayoutError True
+  """
 
 
 class CheckpointMismatchError(StoreError):
-  """Base of the errors that compare a stored tree with the model's tree."""
+  """Base of the errors that compare a stored tree with the model's tree.
+
+  Raised by `place` with ``store=`` before any weight is read, listing every path.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = lambda width: nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, width, width)))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(net(4), path, progress=False)
+    >>> try:
+    ...   jr.place(net(8), store=path)
+    ... except jr.errors.CheckpointMismatchError as e:
+    ...   print(type(e).__name__, isinstance(e, jr.StoreError))
+    CheckpointShapeMismatchError True
+  """
 
 
 class MissingCheckpointParametersError(CheckpointMismatchError):
-  """The model has parameters the store does not hold."""
+  """The model has parameters the store does not hold.
+
+  Raised by `place` with ``store=`` (and the `jax_residency.models` converters).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> layers = lambda: nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(nnx.Dict(layers=layers()), path, progress=False)
+    >>> try:
+    ...   jr.place(nnx.Dict(layers=layers(), head=nnx.Param(jnp.zeros(4))), store=path)
+    ... except jr.errors.MissingCheckpointParametersError as e:
+    ...   print(type(e).__name__, "head: expected (4,) float32" in str(e))
+    MissingCheckpointParametersError True
+  """
 
 
 class CheckpointShapeMismatchError(CheckpointMismatchError):
-  """Stored tensors disagree with the model's shape or dtype."""
+  """Stored tensors disagree with the model's shape or dtype.
+
+  Raised by `place` with ``store=`` (and the `jax_residency.models` converters).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = lambda width: nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, width, width)))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(net(4), path, progress=False)
+    >>> try:
+    ...   jr.place(net(8), store=path)
+    ... except jr.errors.CheckpointShapeMismatchError as e:
+    ...   print("layers.w (per unit): expected (8, 8) float32, found (4, 4) float32" in str(e))
+    True
+  """
 
 
 class UnexpectedCheckpointParametersError(CheckpointMismatchError):
-  """With `strict_loading`, the store holds tensors the model does not claim."""
+  """With `strict_loading`, the store holds tensors the model does not claim.
+
+  Raised by `place` with ``store=`` (and the `jax_residency.models` converters);
+  ``strict_loading=False`` ignores such tensors.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> layers = lambda: nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(nnx.Dict(layers=layers(), head=nnx.Param(jnp.zeros(4))), path, progress=False)
+    >>> try:
+    ...   jr.place(nnx.Dict(layers=layers()), store=path)
+    ... except jr.errors.UnexpectedCheckpointParametersError as e:
+    ...   print(type(e).__name__, "head: (4,) float32" in str(e))
+    UnexpectedCheckpointParametersError True
+    >>> lenient = jr.LayerwiseHost(strict_loading=False)  # ignores the extra "head"
+    >>> jr.place(nnx.Dict(layers=layers()), lenient, store=path).close()
+  """
 
 
 # --- running ---------------------------------------------------------------
 
 
 class ResidencyRuntimeError(ResidencyError, RuntimeError):
-  """A failure while running a placed model."""
+  """A failure while running a placed model.
+
+  Raised by a placed model, or a dense stream's caches and worker, as it runs.
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> placed = jr.place(nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))))
+    >>> placed.close()
+    >>> try:
+    ...   placed.arrays()
+    ... except jr.errors.ResidencyRuntimeError as e:
+    ...   print(type(e).__name__, isinstance(e, RuntimeError))
+    ClosedError True
+  """
 
 
 class AdmissionError(ResidencyRuntimeError):
-  """A cache reservation could not be satisfied; nothing was changed."""
+  """A cache reservation could not be satisfied; nothing was changed.
+
+  Raised by a dense stream's cache ledger when a unit does not fit a tier even
+  after evicting every unprotected unit. The stream handles it (reading the unit
+  uncached) and `place` checks the device window fits, so callers do not see it.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> try:
+    ...   raise jr.errors.AdmissionError("unit 3 does not fit the host tier")
+    ... except jr.errors.ResidencyRuntimeError as e:
+    ...   print(type(e).__name__, isinstance(e, RuntimeError))
+    AdmissionError True
+  """
 
 
 class PrefetchError(ResidencyRuntimeError):
-  """The background prefetch worker failed to read a unit."""
+  """The background prefetch worker failed to read a unit.
+
+  Raised in a `DenseDiskStream` pass that waits for a unit its worker thread
+  failed to read; the worker's error (a `StoreError`) is ``__cause__``. The
+  example builds one as the worker does (a failing read is timing-dependent).
+
+  Example:
+    >>> import jax_residency as jr
+    >>> read_error = jr.StoreError("reading unit 1 from the store failed")
+    >>> try:
+    ...   raise jr.errors.PrefetchError("prefetch of unit 1 failed") from read_error
+    ... except jr.errors.ResidencyRuntimeError as e:
+    ...   print(type(e).__name__, type(e.__cause__).__name__)
+    PrefetchError StoreError
+  """
 
 
 class ClosedError(ResidencyRuntimeError):
-  """A placed model, cache or worker was used after `close()`."""
+  """A placed model, cache or worker was used after `close()`.
+
+  Raised by a `PlacedModel` called, lowered or asked for its arrays after
+  ``close()`` (or its ``with`` block), and by a closed store, ledger or worker.
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> with jr.place(nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))) as placed:
+    ...   pass
+    >>> try:
+    ...   placed(jnp.ones((1, 4)))
+    ... except jr.ClosedError as e:
+    ...   print(e)
+    this placed model was closed; place the model again to run it
+  """
 
 
 def format_paths(paths: Iterable[str], *, limit: int = 50) -> str:

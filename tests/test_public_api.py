@@ -1,6 +1,7 @@
 """The public surface: ``jr.__all__``, ``jr.errors``, and the report docs.
 
-Every public name exists and is documented; ``jr.errors`` holds every error type
+Every public name exists and is documented, with a doctest example that
+``--doctest-modules`` runs; ``jr.errors`` holds every error type
 the library defines, in the hierarchy its docstring draws; budget errors carry
 their arithmetic as attributes; and the example in ``docs/reports.md`` runs and
 names every field of the report types.
@@ -9,6 +10,7 @@ names every field of the report types.
 from __future__ import annotations
 
 import dataclasses
+import doctest
 import inspect
 import pathlib
 import re
@@ -81,6 +83,39 @@ def test_every_public_name_exists_and_is_documented(module):
       assert is_documented(obj), f"{module.__name__}.{name} has no docstring"
     else:  # a constant: the package docstring says what it is
       assert name in (module.__doc__ or ""), f"{module.__name__}.{name} is not documented"
+
+
+def public_objects() -> dict[str, object]:
+  """Every public module, class and function by the name it is exported as (first one wins).
+
+  ``jr.__all__``, ``jr.errors.__all__``, ``jr.linen.__all__`` and ``jr.linen``
+  itself; constants are exempt (the package docstring describes them).
+  """
+  found: dict[str, object] = {"jr.linen": jr.linen}
+  for prefix, module in (("jr", jr), ("jr.errors", jr.errors), ("jr.linen", jr.linen)):
+    for name in module.__all__:
+      obj = getattr(module, name)
+      is_new = all(obj is not seen for seen in found.values())
+      if is_new and (isinstance(obj, types.ModuleType) or callable(obj)):  # classes are callable
+        found[f"{prefix}.{name}"] = obj
+  return found
+
+
+def test_every_public_name_has_a_doctest_example_that_pytest_runs():
+  """Each docstring holds an example, in a module ``--doctest-modules`` collects."""
+  finder = doctest.DocTestFinder(recurse=False)
+  objects = public_objects()
+  assert {"jr.place", "jr.linen", "jr.linen.scan", "jr.errors.StoreLayoutError"} <= set(objects)
+  missing = [
+    name for name, obj in objects.items() if not any(t.examples for t in finder.find(obj, name))
+  ]
+  assert not missing, f"public names whose docstring has no doctest example: {missing}"
+  outside = {}
+  for name, obj in objects.items():
+    module = inspect.getmodule(obj)
+    if module is None or not module.__name__.startswith("jax_residency"):
+      outside[name] = getattr(module, "__name__", None)
+  assert not outside, f"docstrings outside jax_residency, so pytest does not run them: {outside}"
 
 
 def test_what_users_get_back_is_exported():

@@ -46,6 +46,18 @@ class MemoryItem:
     counted_in: ``"device budget"``, ``"host budget"``, or ``"overhead"`` (a
       named, bounded cost outside the budgets).
     note: how the bound comes about.
+
+  Example:
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> with jr.place(model, jr.LayerwiseHost(prefetch_depth=1)) as placed:
+    ...   item = placed.metadata.memory[-1]
+    >>> item.name, item.memory, item.counted_in
+    ('host units', 'host', 'host budget')
+    >>> item.nbytes == sum(placed.metadata.unit_bytes)  # every unit, in pinned host memory
+    True
   """
 
   name: str
@@ -91,6 +103,19 @@ class ModelMetadata:
       :class:`MemoryItem` and ``docs``: "Where the bytes go" in the README).
     device_is_host: the devices' memory is this process's memory (CPU), so
       device items count in the process's RSS too.
+
+  Example:
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> cfg = ToyConfig(n_layers=2)
+    >>> model = ToyTransformer(cfg, rngs=nnx.Rngs(0))
+    >>> with jr.place(model, jr.LayerwiseHost(prefetch_depth=1)) as placed:
+    ...   meta = placed.metadata  # decided before anything ran
+    >>> meta.layer_count, meta.device_window_units, meta.unit_bytes == (cfg.unit_bytes(),) * 2
+    (2, 1, True)
+    >>> [item.name for item in meta.memory]
+    ['static parameters', 'device window', 'host units']
   """
 
   layer_count: int

@@ -44,6 +44,23 @@ class PlacedModel:
     metadata: sizes and placement decided at load time (:class:`ModelMetadata`).
     policy: the weight-residency policy.
     mesh: the mesh parameters are placed on.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> tokens = jnp.zeros((1, 4), jnp.int32)
+    >>> with jr.place(model, jr.LayerwiseHost(prefetch_depth=1)) as placed:
+    ...   same = bool((placed(tokens) == model(tokens)).all())
+    ...   kind = placed.arrays()["layers.qkv.kernel"].sharding.memory_kind
+    >>> same, kind, placed.unit_count, placed.unit_prefix
+    (True, 'pinned_host', 2, ('layers',))
+    >>> placed.metadata.device_window_units, placed.report().last.phase
+    (1, 'prefill')
+    >>> repr(placed).endswith("closed)")  # leaving the block released what it held
+    True
   """
 
   def __init__(

@@ -62,6 +62,18 @@ class TimelinePoint:
     unit: the unit the step runs.
     host_bytes: unit bytes held in the host cache.
     device_bytes: unit bytes held on the device.
+
+  Example:
+    >>> import jax.numpy as jnp, jax_residency as jr
+    >>> from flax import nnx
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> info = jr.save(model, "memory://timeline_point/toy", progress=False)  # or a directory
+    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes="1MiB"), store=info.path) as p:
+    ...   _ = p(jnp.zeros((1, 4), jnp.int32))
+    ...   points = p.report().last.timeline  # one per step of the unit loop
+    >>> [(t.unit, 0 < t.device_bytes <= p.metadata.device_window_bytes) for t in points]
+    [(0, True), (1, True)]
   """
 
   seconds: float
@@ -131,6 +143,18 @@ class PassReport(_Moved):
     timeline: for a dense stream, one :class:`TimelinePoint` per step of the
       unit loop (where the bytes were over the pass); empty for policies that
       run the loop as one compiled program.
+
+  Example:
+    >>> import jax.numpy as jnp, jax_residency as jr
+    >>> from flax import nnx
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> info = jr.save(model, "memory://pass_report/toy", progress=False)  # or a directory
+    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes="1MiB"), store=info.path) as p:
+    ...   _ = p(jnp.zeros((1, 4), jnp.int32))
+    ...   last = p.report().last
+    >>> last.index, last.phase, last.tokens, last.bytes_read == info.total_unit_bytes
+    (0, 'prefill', 4, True)
   """
 
   index: int
@@ -168,6 +192,19 @@ class Totals(_Moved, Metrics):
 
   ``peak_rss_bytes``, ``minor_faults`` and ``major_faults`` come from the
   passes' process samples and are ``None`` when no pass had one.
+
+  Example:
+    >>> import jax.numpy as jnp, jax_residency as jr
+    >>> from flax import nnx
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> info = jr.save(model, "memory://totals/toy", progress=False)  # or a directory
+    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes="1MiB"), store=info.path) as p:
+    ...   for n in (4, 1, 1):  # a prefill pass (4 tokens), then two decode passes
+    ...     _ = p(jnp.zeros((1, n), jnp.int32))
+    ...   report = p.report()
+    >>> report.prefill.passes, report.decode.passes, report.total.bytes_read > 0
+    (1, 2, True)
   """
 
   passes: int = total()
@@ -244,6 +281,21 @@ class Report:
     metadata: the placed model's metadata ``to_dict()``.
     passes: the most recent passes (up to the history length), oldest first.
     prefill, decode, total: cumulative totals over every committed pass.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> with jr.place(model, jr.LayerwiseHost(prefetch_depth=1)) as placed:
+    ...   _ = placed(jnp.zeros((1, 4), jnp.int32))  # 4 tokens: a prefill pass
+    ...   _ = placed(jnp.zeros((1, 1), jnp.int32))  # 1 token: a decode pass
+    ...   report = placed.report()  # a snapshot: later passes do not change it
+    >>> [p.phase for p in report.passes], report.total.passes, report.last is report.passes[-1]
+    (['prefill', 'decode'], 2, True)
+    >>> report.policy["kind"], report.total.bytes_read, "prefill" in str(report)
+    ('layerwise_host', 0, True)
   """
 
   policy: Mapping[str, Any]

@@ -68,6 +68,19 @@ class StoreInfo:
     unit_nbytes: Bytes of one unit (all unit tensors of one index).
     static_nbytes: Bytes of all static (non-unit) tensors.
     format_version: Version of the sidecar format.
+
+  Example:
+    >>> import tempfile
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> cfg = ToyConfig(n_layers=2)
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...   info = jr.save(ToyTransformer(cfg, rngs=nnx.Rngs(0)), tmp + "/toy", progress=False)
+    >>> info.unit_prefix, info.unit_count, info.unit_nbytes == cfg.unit_bytes()
+    (('layers',), 2, True)
+    >>> info.total_unit_bytes == 2 * info.unit_nbytes
+    True
   """
 
   path: str

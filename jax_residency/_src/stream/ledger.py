@@ -58,6 +58,19 @@ class TierMetrics(Metrics):
     evicted_bytes: charged bytes of those entries.
     peak_units: most resident entries at once.
     peak_bytes: most charged bytes at once, pending reservations included.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> info = jr.save(model, "memory://tier_metrics/toy", progress=False)  # or a directory
+    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes="1MiB"), store=info.path) as p:
+    ...   _ = p(jnp.zeros((1, 4), jnp.int32))
+    ...   host = p.report().last.host  # the host cache over this pass
+    >>> host.requests == host.hits + host.misses == 2, host.evictions, host.peak_units
+    (True, 0, 2)
   """
 
   requests: int = total()

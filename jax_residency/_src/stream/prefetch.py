@@ -57,6 +57,20 @@ class WorkerMetrics(Metrics):
     ready_before_demand: requests already completed when first waited for.
     evicted_before_use: prefetched units evicted before any use (reported by
       the engine through `note_evicted_before_use`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> info = jr.save(model, "memory://worker_metrics/toy", progress=False)  # or a directory
+    >>> policy = jr.DenseDiskStream(host_budget_bytes="1MiB", host_lookahead=2)
+    >>> with jr.place(model, policy, store=info.path) as placed:
+    ...   _ = placed(jnp.zeros((1, 4), jnp.int32))
+    ...   worker = placed.report().last.worker  # the background reads of this pass
+    >>> worker.completed > 0, worker.completed == worker.submitted, worker.failed
+    (True, True, 0)
   """
 
   submitted: int = total()

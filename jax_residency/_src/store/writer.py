@@ -1,8 +1,8 @@
 """Writing unit stores: `save_store` and `rechunk_store`.
 
-Stores are written into a temporary sibling directory and renamed into place
-only when complete (local paths), with one uncompressed chunk per unit for the
-stacked layers; see `unit_store.py` for the layout and for reading.
+Stores are written into a temporary sibling directory and put in place only
+when complete (local paths; `commit.py`), with one uncompressed chunk per unit
+for the stacked layers; see `unit_store.py` for the layout and for reading.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import sys
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,7 @@ import tqdm
 from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
 from jax_residency._src.policy.sizes import tensor_nbytes
-from jax_residency._src.store import mapped
+from jax_residency._src.store import commit, mapped, space
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
   FORMAT_VERSION,
@@ -45,8 +44,6 @@ if TYPE_CHECKING:
 _CHECKPOINT_MARKERS = ("_METADATA", "manifest.ocdbt", SIDECAR_KEY)
 #: Bytes a writer lets be in flight before it waits for the oldest write.
 WRITE_IN_FLIGHT_BYTES = 256 << 20
-_TMP_TAG = ".jax-residency-tmp-"
-_OLD_TAG = ".jax-residency-old-"
 
 
 def _orbax_metadata(paths: Iterable[ParamPath]) -> dict[str, Any]:
@@ -72,24 +69,33 @@ def _write_chunk(handle: ts.TensorStore, index: Any, value: np.ndarray) -> Any:
 
 
 class _StoreWriter:
-  """Writes one store into a temporary sibling, renamed into place on `commit`.
+  """Writes one store into a temporary sibling, put in place on `commit` (`commit.py`).
 
   For non-local kvstores (`memory://`, `gs://`...) it writes in place, markers
   (`_METADATA`, the sidecar) last. Writes are bounded to `WRITE_IN_FLIGHT_BYTES`.
+  A local writer first puts back a store a dead writer left renamed aside, and
+  removes dead writers' temporaries; it refuses a store of `total` bytes that
+  cannot fit in the free space.
   """
 
   def __init__(self, path: str, *, overwrite: bool, progress: bool | None, total: int, desc: str):
     self.dest = locate(path)
     self._overwrite = overwrite
+    self._total = total
     self._pending: collections.deque[tuple[Any, int]] = collections.deque()
     self._in_flight = 0
     self._paths: list[ParamPath] = []
-    self._check_destination()
-    self._tmp: str | None = None
     if self.dest.local is not None:
-      parent, base = os.path.split(self.dest.local)
-      os.makedirs(parent, exist_ok=True)
-      self._tmp = os.path.join(parent, f".{base}{_TMP_TAG}{uuid.uuid4().hex[:8]}")
+      ancestor = commit.existing_ancestor(self.dest.local, self.dest.path)
+      commit.recover_local(self.dest.local)
+      commit.remove_stale(self.dest.local)
+    self._replacing = self._check_destination()
+    self._tmp: str | None = None
+    self._free: int | None = None
+    if self.dest.local is not None:
+      self._free = space.check_free(self.dest.path, ancestor, total, replacing=self._replacing)
+      os.makedirs(os.path.dirname(self.dest.local), exist_ok=True)
+      self._tmp = commit.sibling_name(self.dest.local, commit.TMP_TAG)
       os.mkdir(self._tmp)
       self.target = locate(self._tmp)
     else:
@@ -103,10 +109,11 @@ class _StoreWriter:
       total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not show
     )
 
-  def _check_destination(self) -> None:
+  def _check_destination(self) -> bool:
+    """Whether a store is there (to be replaced); raises if it may not be."""
     if self.dest.local is not None:
       if not os.path.lexists(self.dest.local):
-        return
+        return False
       entries = os.listdir(self.dest.local) if os.path.isdir(self.dest.local) else None
       if entries is None or (entries and not set(entries) & set(_CHECKPOINT_MARKERS)):
         raise errors.StoreError(
@@ -122,6 +129,7 @@ class _StoreWriter:
         f"A store already exists at {self.dest.path}. Pass overwrite=True to replace "
         "it, or choose another path."
       )
+    return exists
 
   @staticmethod
   def _delete_all(loc: Location) -> None:
@@ -202,21 +210,8 @@ class _StoreWriter:
     if self._tmp is None:
       return
     assert self.dest.local is not None
-    old = None
-    if os.path.lexists(self.dest.local):
-      parent, base = os.path.split(self.dest.local)
-      old = os.path.join(parent, f".{base}{_OLD_TAG}{uuid.uuid4().hex[:8]}")
-      os.rename(self.dest.local, old)
-    try:
-      os.rename(self._tmp, self.dest.local)
-    except OSError:
-      if old is not None:
-        os.rename(old, self.dest.local)
-      raise
+    commit.put_in_place(self._tmp, self.dest.local)
     self._tmp = None
-    _fsync_dir(os.path.dirname(self.dest.local))
-    if old is not None:
-      shutil.rmtree(old, ignore_errors=True)
 
   def abort(self) -> None:
     """Waits for in-flight writes, then removes everything written."""
@@ -236,18 +231,12 @@ class _StoreWriter:
       except ValueError:
         pass
 
-
-def _fsync_dir(path: str) -> None:
-  try:
-    fd = os.open(path, os.O_RDONLY)
-  except OSError:
-    return
-  try:
-    os.fsync(fd)
-  except OSError:
-    pass
-  finally:
-    os.close(fd)
+  def fail(self, error: BaseException) -> errors.StoreError | None:
+    """Aborts after `error`; returns the error to raise instead (a full disk), if any."""
+    self.abort()
+    if not space.is_disk_full(error):
+      return None
+    return space.disk_full_error(self.dest.path, self._total, self._free, replaced=self._replacing)
 
 
 def _host(value: Any) -> Any:
@@ -293,9 +282,11 @@ def save_store(
 ) -> StoreInfo:
   """Writes a streamable, Orbax-compatible store.
 
-  Local paths are written into a temporary sibling directory and renamed into
-  place when complete, so a failed save leaves nothing behind (and a failed
-  overwrite leaves the old store intact). Other kvstores (`memory://`, `gs://`...)
+  Local paths are written into a temporary sibling directory and put in place
+  when complete, so a failed save leaves nothing behind (and a failed overwrite
+  leaves the old store intact); after a crash the path holds the old store or
+  the new one, and the next save removes what the crashed one left (see
+  `commit.py`). Other kvstores (`memory://`, `gs://`...)
   are written in place, Orbax's `_METADATA` and the sidecar last; there,
   `overwrite` deletes the old store first and a failed save deletes what it wrote.
   Path components are converted with `str()`.
@@ -315,7 +306,9 @@ def save_store(
 
   Raises:
     StoreError: `path` holds a store and `overwrite` is False; units disagree on
-      their count; paths collide as Orbax names; or a dtype is unsupported.
+      their count; paths collide as Orbax names; a dtype is unsupported; a file
+      is in the way of `path`; or the disk is full (checked before writing, and
+      reported with the bytes needed if it fills up while writing).
   """
   prefix = as_path(unit_prefix)
   if not prefix:
@@ -364,8 +357,9 @@ def save_store(
       for p, a in sorted(unit_arrays.items()):
         writer.write(handles[p], i, _native(a[i], dtypes[prefix + p]))
     writer.commit(unit_prefix=prefix, unit_count=unit_count)
-  except BaseException:
-    writer.abort()
+  except BaseException as e:
+    if (disk_full := writer.fail(e)) is not None:
+      raise disk_full from e
     raise
   return StoreInfo(
     path=path,
@@ -434,8 +428,9 @@ def rechunk_store(
       for i in range(source.unit_count):
         writer.write(handle, i, _read_unit_slice(src_handle, i))
     writer.commit(unit_prefix=prefix, unit_count=source.unit_count)
-  except BaseException:
-    writer.abort()
+  except BaseException as e:
+    if (disk_full := writer.fail(e)) is not None:
+      raise disk_full from e
     raise
   finally:
     source.close()

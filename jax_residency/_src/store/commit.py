@@ -1,0 +1,280 @@
+"""Putting a finished store in place, and cleaning up after writers that died.
+
+A local store is written into a temporary sibling of its destination and put in
+place when complete (`put_in_place`). On Linux the two directories are swapped
+in one step (`renameat2(..., RENAME_EXCHANGE)`), so the destination holds the
+old store or the new one, complete, at every instant. Where that is unavailable
+(another OS, or a filesystem that answers `EINVAL`), the old store is renamed
+aside to an `-old-` sibling first; a crash between that rename and the next one
+leaves the destination missing, and `recover_store` (run by the next save to
+the path, and by the store opener) renames the `-old-` sibling back.
+
+Sibling names say who wrote them: ``.NAME.jax-residency-tmp-HOST.PID.RAND`` and
+``.NAME.jax-residency-old-HOST.PID.RAND``, where HOST is the host name plus, on
+Linux, the PID namespace (so two containers sharing a host name never mistake
+each other's processes). A sibling is *stale* when it is of this HOST and
+``os.kill(PID, 0)`` finds no process; the next save to the same destination
+removes stale siblings (`remove_stale`). A sibling of another host, or of a live
+process, is never deleted: nothing here can tell whether another machine's
+writer is alive. A reused PID only makes a dead writer look alive (its sibling
+is kept), never the reverse.
+
+Names in the older format, without a writer (``.NAME.jax-residency-tmp-XXXXXXXX``,
+from versions before these names), are never deleted either: a writer of that
+version may still be running, and a temporary deleted under it would be renamed
+into place half gone; they stay until removed by hand. Restoring an `-old-`
+sibling (of any format or host, unless it belongs to a live process of this
+host) when the destination is missing is always safe: a writer still between its
+two renames then fails its second rename (the destination is no longer empty)
+and the path keeps the complete old store.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import re
+import shutil
+import socket
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from jax_residency._src.policy import errors
+from jax_residency._src.store.discovery import locate
+
+TMP_TAG = ".jax-residency-tmp-"
+OLD_TAG = ".jax-residency-old-"
+_NAME = re.compile(r"(?P<host>[A-Za-z0-9_+-]+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}")
+_LEGACY_NAME = re.compile(r"[0-9a-f]{8}")
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+#: What `renameat2` answers where the OS or filesystem cannot exchange.
+_NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+def crash_point(step: str) -> None:
+  """Called between the steps of a commit; does nothing.
+
+  A seam: tests replace it to fail, snapshot the directory, or kill the process
+  at `step` (``"written"``, ``"exchanged"``, ``"moved-aside"``, ``"renamed"``,
+  ``"cleaned"``).
+  """
+
+
+@functools.cache
+def _host() -> str:
+  """This host's name as it appears in sibling names (and its PID namespace)."""
+  name = re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname())[:48] or "host"
+  try:
+    return f"{name}+{os.stat('/proc/self/ns/pid').st_ino:x}"
+  except OSError:
+    return name
+
+
+def _alive(pid: int) -> bool:
+  """Whether process `pid` exists; True whenever that cannot be told."""
+  if os.name == "nt" or pid <= 0:  # os.kill(pid, 0) would terminate it on Windows.
+    return True
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (OSError, OverflowError):  # PermissionError: alive, another user's.
+    return True
+  return True
+
+
+def sibling_name(dest: str, tag: str) -> str:
+  """A fresh sibling path of `dest` for this process (`tag`: `TMP_TAG` or `OLD_TAG`)."""
+  parent, base = os.path.split(dest)
+  return os.path.join(parent, f".{base}{tag}{_host()}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+
+
+def _siblings(dest: str, tag: str) -> Iterator[tuple[str, tuple[str, int] | None]]:
+  """`(path, (host, pid))` of each `tag` sibling of `dest`; `None` for a legacy name."""
+  parent, base = os.path.split(dest)
+  prefix = f".{base}{tag}"
+  try:
+    names = sorted(os.listdir(parent))
+  except OSError:
+    return
+  for name in names:
+    if not name.startswith(prefix):
+      continue
+    rest = name[len(prefix) :]
+    if match := _NAME.fullmatch(rest):
+      yield os.path.join(parent, name), (match["host"], int(match["pid"]))
+    elif _LEGACY_NAME.fullmatch(rest):
+      yield os.path.join(parent, name), None
+
+
+def _dead(writer: tuple[str, int] | None) -> bool:
+  return writer is not None and writer[0] == _host() and not _alive(writer[1])
+
+
+def _live_here(writer: tuple[str, int] | None) -> bool:
+  return writer is not None and writer[0] == _host() and _alive(writer[1])
+
+
+def existing_ancestor(dest: str, path: str) -> str:
+  """The nearest existing directory at or above `dest`'s parent.
+
+  Raises:
+    StoreError: that nearest existing path is a file (or anything but a
+      directory), so the store's directory cannot be made.
+  """
+  ancestor = os.path.dirname(dest)
+  while not os.path.lexists(ancestor):
+    ancestor = os.path.dirname(ancestor)
+  if not os.path.isdir(ancestor):
+    raise errors.StoreError(
+      f"Cannot write a store at {path}: {ancestor} is in the way, a file and not a "
+      "directory. Choose a path outside it, or move that file."
+    )
+  return ancestor
+
+
+def recover_local(dest: str) -> bool:
+  """`recover_store` for an absolute local directory."""
+  if os.path.lexists(dest):
+    return False
+  found = [p for p, writer in _siblings(dest, OLD_TAG) if not _live_here(writer)]
+  if not found:
+    return False
+
+  def renamed_at(p: str) -> float:
+    try:
+      return os.stat(p).st_ctime  # a rename updates the directory's ctime
+    except OSError:
+      return float("-inf")
+
+  try:
+    os.rename(max(found, key=renamed_at), dest)
+  except OSError:  # another process restored it first, or `dest` appeared
+    return False
+  _fsync_dir(os.path.dirname(dest))
+  return True
+
+
+def recover_store(path: str) -> bool:
+  """Puts a store back at `path` when a writer died with it renamed aside.
+
+  A save that replaces a store where the directories cannot be exchanged
+  atomically renames the old store to ``.NAME.jax-residency-old-*`` before
+  renaming the new one in; a crash between the two leaves `path` missing. This
+  renames the newest such sibling back (not one of a live process on this host,
+  which is about to finish). Costs one `lstat` when `path` exists; does nothing
+  for non-local stores. Safe to call concurrently.
+
+  Returns:
+    Whether a store was put back.
+  """
+  local = locate(path).local
+  return local is not None and recover_local(local)
+
+
+def remove_stale(dest: str) -> list[str]:
+  """Removes temporaries of `dest` (and `-old-` siblings, if `dest` exists) whose
+  writer is gone; returns the paths removed. See the module docstring."""
+  removed = []
+  tags = (TMP_TAG, OLD_TAG) if os.path.lexists(dest) else (TMP_TAG,)
+  for tag in tags:
+    for path, writer in _siblings(dest, tag):
+      if _dead(writer):
+        _remove(path)
+        removed.append(path)
+  return removed
+
+
+@functools.cache
+def _renameat2() -> Any:
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    fn = ctypes.CDLL(None, use_errno=True).renameat2
+  except (AttributeError, OSError):  # a libc without it (glibc < 2.28)
+    return None
+  fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+  fn.restype = ctypes.c_int
+  return fn
+
+
+def exchange(a: str, b: str) -> bool:
+  """Atomically swaps two existing paths; False where the OS or filesystem cannot."""
+  fn = _renameat2()
+  if fn is None:
+    return False
+  if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in _NO_EXCHANGE:
+    return False
+  raise OSError(err, os.strerror(err), a, None, b)
+
+
+def put_in_place(tmp: str, dest: str) -> None:
+  """Renames the finished store `tmp` to `dest`, replacing what is there.
+
+  With an exchange, `dest` holds the old or the new store at every instant. In
+  the fallback, the old store is renamed aside first, and renamed back if this
+  process fails before the new one is in (a crash there is undone by
+  `recover_store`). The old store is removed once the new one is in place.
+  """
+  parent = os.path.dirname(dest)
+  crash_point("written")
+  if os.path.lexists(dest) and exchange(tmp, dest):
+    try:  # `dest` holds the new store, `tmp` the old one.
+      crash_point("exchanged")
+      _fsync_dir(parent)
+    finally:
+      _remove(tmp)
+    crash_point("cleaned")
+    return
+  old = None
+  if os.path.lexists(dest):
+    old = sibling_name(dest, OLD_TAG)
+    os.rename(dest, old)
+  try:
+    if old is not None:
+      crash_point("moved-aside")
+    os.rename(tmp, dest)
+  except BaseException:
+    if old is not None:
+      os.rename(old, dest)
+    raise
+  try:
+    crash_point("renamed")
+    _fsync_dir(parent)
+  finally:
+    if old is not None:
+      _remove(old)
+  crash_point("cleaned")
+
+
+def _remove(path: str) -> None:
+  """Removes a directory tree, or just the link if `path` is a symlink (e.g. the
+  store that was replaced, when it was a link to a directory elsewhere)."""
+  if os.path.islink(path):
+    try:
+      os.unlink(path)
+    except OSError:
+      pass
+  else:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)

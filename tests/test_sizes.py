@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import reprlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_residency._src.policy.errors import InvalidBudgetError, WeightResidencyPolicyError
-from jax_residency._src.policy.sizes import GiB, KiB, MiB, TiB, format_bytes, parse_bytes
+from jax_residency._src.policy.sizes import (
+  MAX_BYTES,
+  GiB,
+  KiB,
+  MiB,
+  TiB,
+  format_bytes,
+  parse_bytes,
+)
 
 _settings = settings(database=None, max_examples=300, deadline=None)
 
@@ -118,6 +128,51 @@ def test_parse_bytes_error_is_a_policy_value_error():
     parse_bytes("lots")
   with pytest.raises(WeightResidencyPolicyError):
     parse_bytes(-5)
+
+
+@pytest.mark.parametrize(
+  ("value", "shown", "reason"),
+  [
+    ("1" * 5000, "'111111111111...1111111111111'", "has too many digits (5000)"),
+    ("0." + "0" * 5000 + "1", "'0.0000000000...0000000000001'", "has too many digits (5003)"),
+    ("1" * 4000 + " GiB", "'111111111111...111111111 GiB'", "is larger than MAX_BYTES"),
+    (str(MAX_BYTES + 1), "'9223372036854775808'", "is larger than MAX_BYTES"),
+    ("8193 PiB", "'8193 PiB'", "has unknown unit 'pib'"),
+    (MAX_BYTES + 1, "9223372036854775808", "is larger than MAX_BYTES"),
+    (10**5000, "<an int of about 5001 digits>", "is larger than MAX_BYTES"),
+    (-(10**5000), "<an int of about 5001 digits>", "is negative"),
+    ("1e400", "'1e400'", "is not a byte size"),
+    ("nan", "'nan'", "is not a byte size"),
+    ("inf", "'inf'", "is not a byte size"),
+    ("-inf", "'-inf'", "is not a byte size"),
+    ("Infinity", "'Infinity'", "is not a byte size"),
+    (float("inf"), "inf", "has type float"),
+    (float("nan"), "nan", "has type float"),
+    ([1] * 1000, "[1, 1, 1, 1, 1, 1, ...]", "has type list"),
+  ],
+  ids=lambda v: f"{v.bit_length()}-bit-int" if isinstance(v, int) else reprlib.repr(v),
+)
+def test_parse_bytes_rejects_huge_and_non_finite_values_naming_them_briefly(value, shown, reason):
+  with pytest.raises(InvalidBudgetError) as excinfo:
+    parse_bytes(value, name="host_budget_bytes")
+  message = str(excinfo.value)
+  assert message.startswith(f"host_budget_bytes={shown} {reason}"), message
+  assert len(message) < 600
+
+
+def test_parse_bytes_accepts_up_to_max_bytes():
+  assert MAX_BYTES == 2**63 - 1
+  assert parse_bytes(MAX_BYTES) == parse_bytes(str(MAX_BYTES)) == MAX_BYTES
+  assert format_bytes(MAX_BYTES) == "8388608.0 TiB"
+
+
+def test_a_policy_budget_past_max_bytes_is_an_invalid_budget():
+  import jax_residency as jr
+
+  with pytest.raises(InvalidBudgetError, match="device_budget_bytes=<an int of about 401 digits>"):
+    jr.FullyResident(device_budget_bytes=10**400)
+  with pytest.raises(InvalidBudgetError, match=r"host_budget_bytes='1111.*too many digits"):
+    jr.DenseDiskStream(host_budget_bytes="1" * 5000)
 
 
 def test_parse_bytes_names_the_field():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numbers
 import re
+import reprlib
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
@@ -23,6 +24,8 @@ KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
 TiB = 1024**4
+#: The largest byte size `parse_bytes` accepts (int64's maximum, 8 EiB); None is unbounded.
+MAX_BYTES = 2**63 - 1
 
 _UNITS: dict[str, int] = {
   "": 1,
@@ -48,9 +51,20 @@ _ACCEPTED_FORMS = (
 )
 
 
+def _shown(x: object) -> str:
+  """``repr(x)``, abbreviated past a few dozen characters (and for ints too long to print)."""
+  if isinstance(x, numbers.Integral) and int(x).bit_length() > 200:
+    return f"<an int of about {int(x).bit_length() * 30103 // 100000 + 1} digits>"
+  return reprlib.repr(x)
+
+
 def _invalid(x: object, name: str | None, reason: str) -> InvalidBudgetError:
-  subject = f"{name}={x!r}" if name else f"{x!r}"
+  subject = f"{name}={_shown(x)}" if name else _shown(x)
   return InvalidBudgetError(f"{subject} {reason}. Pass {_ACCEPTED_FORMS}.")
+
+
+def _too_large(x: object, name: str | None) -> InvalidBudgetError:
+  return _invalid(x, name, f"is larger than MAX_BYTES = {MAX_BYTES} (8 EiB)")
 
 
 def parse_bytes(x: int | str | None, *, name: str | None = None) -> int | None:
@@ -60,16 +74,17 @@ def parse_bytes(x: int | str | None, *, name: str | None = None) -> int | None:
     x: a non-negative int (not a bool), a size string such as `"512MiB"`,
       `"4 GiB"`, `"1.5GB"`, `"100kB"`, `"0"` or `"123"`, or `None` /
       `"none"` / `"unbounded"` (case-insensitive) for no limit. The string must
-      denote a whole number of bytes.
+      denote a whole number of bytes, at most `MAX_BYTES`.
     name: the field being parsed, used in error messages (`name=value`).
 
   Returns:
     The number of bytes, or `None` for unbounded.
 
   Raises:
-    InvalidBudgetError: `x` is negative, a bool or float, not a whole number of
-      bytes, or not a size string; the message names the value and lists the
-      accepted forms.
+    InvalidBudgetError: `x` is negative, larger than `MAX_BYTES`, a bool or
+      float, not a whole number of bytes, or not a size string (`"1e9"`,
+      `"inf"` and `"nan"` are not); the message names the value (abbreviated
+      if long) and lists the accepted forms.
 
   Example:
     >>> parse_bytes("512MiB")
@@ -86,6 +101,8 @@ def parse_bytes(x: int | str | None, *, name: str | None = None) -> int | None:
   if isinstance(x, numbers.Integral):
     if x < 0:
       raise _invalid(x, name, "is negative")
+    if x > MAX_BYTES:
+      raise _too_large(x, name)
     return int(x)
   if not isinstance(x, str):
     raise _invalid(x, name, f"has type {type(x).__name__}, not int, str or None")
@@ -97,8 +114,13 @@ def parse_bytes(x: int | str | None, *, name: str | None = None) -> int | None:
     raise _invalid(x, name, "is not a byte size")
   unit = match["unit"]
   if unit not in _UNITS:
-    raise _invalid(x, name, f"has unknown unit {unit!r}")
-  exact = Fraction(match["number"]) * _UNITS[unit]
+    raise _invalid(x, name, f"has unknown unit {reprlib.repr(unit)}")
+  try:
+    exact = Fraction(match["number"]) * _UNITS[unit]
+  except ValueError:  # more digits than Python converts to an int (sys.get_int_max_str_digits)
+    raise _invalid(x, name, f"has too many digits ({len(match['number'])})") from None
+  if exact > MAX_BYTES:
+    raise _too_large(x, name)
   if exact.denominator != 1:
     raise _invalid(x, name, f"is not a whole number of bytes ({float(exact)} B)")
   return int(exact)
@@ -127,7 +149,9 @@ def format_bytes(n: int | None) -> str:
   if n is None:
     return "unbounded"
   if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-    raise InvalidBudgetError(f"format_bytes got n={n!r}; pass an int number of bytes or None.")
+    raise InvalidBudgetError(
+      f"format_bytes got n={_shown(n)}; pass an int number of bytes or None."
+    )
   sign = "-" if n < 0 else ""
   size = abs(int(n))
   for index, (scale, unit) in enumerate(_FORMAT_UNITS):

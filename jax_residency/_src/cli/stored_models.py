@@ -11,10 +11,11 @@ import dataclasses
 import importlib
 import json
 import os
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
-from jax_residency._src.cli.console import CommandError
+from jax_residency._src.cli.console import PROG, CommandError
 
 #: Version of the model record written beside a store.
 RECORD_FORMAT = 1
@@ -71,12 +72,23 @@ def read_model_record(path: str) -> dict[str, Any] | None:
   if target is None or not os.path.exists(target):
     return None
   try:
-    with open(target) as f:
+    with open(target, encoding="utf-8") as f:
       record = json.load(f)
-  except (OSError, ValueError) as e:
-    raise CommandError(f"cannot read {target}: {e}") from e
+  except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, not JSON
+    raise CommandError(f"cannot read {target}: {type(e).__name__}: {e}") from e
   if not isinstance(record, dict) or record.get("model") != "toy":
     raise CommandError(f"{target} does not record a toy model config")
+  seed = record.get("seed", 0)
+  if (
+    not isinstance(record.get("config"), dict)
+    or isinstance(seed, bool)
+    or not isinstance(seed, int)
+  ):
+    raise CommandError(
+      f"{target}: config must be an object and seed an int; found config="
+      f"{reprlib.repr(record.get('config'))}, seed={reprlib.repr(seed)}. Delete the file, "
+      f"or write the store again with `{PROG} demo --fresh`."
+    )
   return record
 
 
@@ -84,9 +96,17 @@ def toy_config(record: Mapping[str, Any]) -> Any:
   from jax_residency._src.toy import ToyConfig  # noqa: PLC0415
 
   try:
-    return ToyConfig(**record["config"])
+    config = ToyConfig(**record["config"])
   except (KeyError, TypeError) as e:
     raise CommandError(f"the recorded toy config is not valid: {e}") from e
+  bad = [
+    f"{f.name}={reprlib.repr(getattr(config, f.name))}"
+    for f in dataclasses.fields(config)
+    if type(getattr(config, f.name)) is not type(getattr(ToyConfig(), f.name))
+  ]
+  if bad:
+    raise CommandError(f"the recorded toy config is not valid: {', '.join(bad)} (wrong types)")
+  return config
 
 
 def abstract_toy(config: Any, seed: int) -> Any:

@@ -2,8 +2,10 @@
 
 Everything here reads metadata only, never tensor data: Orbax's `_METADATA`,
 the `jax_residency.json` sidecar, and each array's zarr (v2 or v3) metadata.
-It also names the on-disk format: the sidecar's key and version, and the OCDBT
-settings stores are written with.
+Each file's shape is checked as it is read: a file that is not UTF-8 JSON, or
+a field of the wrong type, raises `StoreLayoutError` naming the file and the
+field. It also names the on-disk format: the sidecar's key and version, and the
+OCDBT settings stores are written with.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import reprlib
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,10 +64,16 @@ class Location:
   local: str | None  # absolute directory for local paths, else None
 
 
-def locate(path: str) -> Location:
-  """Resolves a local path, `file://` URL or other kvstore URL (`memory://`, `gs://`...)."""
+def locate(path: str | os.PathLike[str]) -> Location:
+  """Resolves a local path (a `str` or `os.PathLike`), `file://` URL or other
+  kvstore URL (`memory://`, `gs://`...)."""
+  if isinstance(path, os.PathLike):
+    path = os.fspath(path)
   if not isinstance(path, str) or not path:
-    raise errors.StoreError(f"A store path must be a non-empty string; got {path=}.")
+    raise errors.StoreError(
+      f"A store path must be a non-empty str or os.PathLike; got path={reprlib.repr(path)} "
+      f"({type(path).__name__}). Pass a directory or a kvstore URL such as 'memory://name'."
+    )
   if "://" in path and not path.startswith("file://"):
     return Location(path, path if path.endswith("/") else path + "/", None)
   local = urllib.parse.unquote(path[len("file://") :]) if path.startswith("file://") else path
@@ -94,50 +103,177 @@ class ArrayInfo:
   raw: bool = False  # each chunk stored as plain native-order bytes (mappable)
 
 
-def _dtype(name: Any) -> np.dtype:
+_REWRITE = "The file is damaged or not one this version reads; write the store again."
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+_REQUIRED: Any = object()
+#: What a metadata field must be: (how messages say it, the test).
+_Kind = tuple[str, Callable[[Any], bool]]
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _dims(minimum: int) -> _Kind:
+  ok = lambda v: isinstance(v, list) and all(_is_int(d) and d >= minimum for d in v)  # noqa: E731
+  return f"an array of ints >= {minimum}, one per dimension", ok
+
+
+def _is_codec(v: Any) -> bool:
+  name, config = (v.get("name"), v.get("configuration", {})) if isinstance(v, dict) else (0, 0)
+  return isinstance(name, str) and isinstance(config, dict)
+
+
+def _is_keys(v: Any) -> bool:
+  keys = [k.get("key") if isinstance(k, dict) else None for k in v] if isinstance(v, list) else []
+  return bool(keys) and all(isinstance(k, str | int) for k in keys)
+
+
+_OBJECT: _Kind = ("an object", lambda v: isinstance(v, dict))
+_STRING: _Kind = ("a string", lambda v: isinstance(v, str))
+_BOOL: _Kind = ("true or false", lambda v: isinstance(v, bool))
+_INT: _Kind = ("an int", _is_int)
+_COUNT: _Kind = ("an int >= 0", lambda v: _is_int(v) and v >= 0)
+_CODECS: _Kind = (
+  'an array of codec objects, each with a "name" string and any "configuration" an object',
+  lambda v: isinstance(v, list) and all(_is_codec(c) for c in v),
+)
+_KEYS: _Kind = ('a non-empty array of objects, each with a "key" string or int', _is_keys)
+_PREFIX: _Kind = (
+  'an array of strings (the unit prefix, e.g. ["layers"])',
+  lambda v: isinstance(v, list) and all(isinstance(p, str) and p for p in v),
+)
+
+
+def _described(value: Any) -> str:
+  """A decoded JSON value as messages show it: ``an array ([1, 2])``."""
+  if value is None:
+    return "null"
+  return f"{_JSON_TYPES.get(type(value), 'a number')} ({reprlib.repr(value)})"
+
+
+def _field(
+  doc: dict[str, Any], field: str, kind: _Kind, file: str, default: Any = _REQUIRED
+) -> Any:
+  """The value of ``field`` (a dotted path; its last part is the key in ``doc``) if it is
+  of ``kind``; ``default`` if absent, or if no default, a `StoreLayoutError` naming
+  ``file``, the field and the value, as for a value of another kind."""
+  key = field.rsplit(".", 1)[-1]
+  if key not in doc and default is not _REQUIRED:
+    return default
+  found = f"is {_described(doc[key])}" if key in doc else "is missing"
+  if key not in doc or not kind[1](doc[key]):
+    raise errors.StoreLayoutError(
+      f"{file}: field {field} {found}; it must be {kind[0]}. {_REWRITE}"
+    )
+  return doc[key]
+
+
+def _decode(raw: bytes, file: str) -> dict[str, Any]:
+  """The JSON object in a metadata file; anything else raises `StoreLayoutError`."""
+  try:
+    doc = json.loads(bytes(raw).decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise errors.StoreLayoutError(
+      f"{file} is not UTF-8 text ({e.reason} at byte {e.start}). {_REWRITE}"
+    ) from None
+  except (ValueError, RecursionError) as e:  # JSONDecodeError; a number or nesting too big
+    raise errors.StoreLayoutError(f"{file} is not valid JSON ({e}). {_REWRITE}") from None
+  if not isinstance(doc, dict):
+    raise errors.StoreLayoutError(f"{file} holds {_described(doc)}, not a JSON object. {_REWRITE}")
+  return doc
+
+
+def _dtype(name: Any, file: str, field: str) -> np.dtype:
   try:
     return np.dtype(name)
-  except TypeError:
+  except (TypeError, ValueError):
+    pass
+  try:
     return ts.dtype(name).numpy_dtype
+  except (TypeError, ValueError):
+    raise errors.StoreLayoutError(
+      f"{file}: field {field} is {_described(name)}, not a data type this version reads "
+      f'(e.g. "float32", "bfloat16"). {_REWRITE}'
+    ) from None
 
 
-def _parse_array(path: ParamPath, meta: dict[str, Any]) -> ArrayInfo:
-  zarr3 = meta.get("zarr_format") == 3
-  if zarr3:
-    chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
-    codecs = meta.get("codecs", [])
-    while codecs and codecs[0].get("name") == "sharding_indexed":
-      chunk, codecs = (
-        codecs[0]["configuration"]["chunk_shape"],
-        codecs[0]["configuration"]["codecs"],
-      )
-    compressed = any(c.get("name") not in _UNCOMPRESSED_CODECS for c in codecs)
-    dtype = _dtype(meta["data_type"])
+def _parse_array(path: ParamPath, meta: dict[str, Any], file: str) -> ArrayInfo:
+  """An `ArrayInfo` from an array's zarr v3 (``zarr.json``) or v2 (``.zarray``) metadata."""
+  shape = _field(meta, "shape", _dims(0), file)
+  if meta.get("zarr_format") == 3:
+    config = _field(
+      _field(meta, "chunk_grid", _OBJECT, file), "chunk_grid.configuration", _OBJECT, file
+    )
+    chunk = _field(config, "chunk_grid.configuration.chunk_shape", _dims(1), file)
+    codecs, field = _field(meta, "codecs", _CODECS, file, []), "codecs"
+    while codecs and codecs[0]["name"] == "sharding_indexed":
+      config, field = codecs[0].get("configuration", {}), f"{field}[0].configuration"
+      chunk = _field(config, f"{field}.chunk_shape", _dims(1), file)
+      codecs, field = _field(config, f"{field}.codecs", _CODECS, file, []), f"{field}.codecs"
+    compressed = any(c["name"] not in _UNCOMPRESSED_CODECS for c in codecs)
+    driver, field = "zarr3", "data_type"
   else:
-    chunk = meta["chunks"]
+    chunk = _field(meta, "chunks", _dims(1), file)
     compressed = meta.get("compressor") is not None or bool(meta.get("filters"))
-    dtype = _dtype(meta["dtype"])
-  driver = "zarr3" if zarr3 else "zarr"
+    driver, field = "zarr", "dtype"
+  dtype = _dtype(_field(meta, field, ("a data type", lambda v: v is not None), file), file, field)
+  if len(chunk) != len(shape):
+    raise errors.StoreLayoutError(
+      f"{file}: the chunk shape {chunk} and the shape {shape} differ in their number of "
+      f"dimensions. {_REWRITE}"
+    )
   raw = mapped.mappable(meta)
-  return ArrayInfo(path, driver, tuple(meta["shape"]), dtype, tuple(chunk), compressed, raw)
+  return ArrayInfo(path, driver, tuple(shape), dtype, tuple(chunk), compressed, raw)
 
 
-def _read_json(kv: ts.KvStore, keys: Sequence[str]) -> list[Any]:
+def _file(loc: Location, key: str) -> str:
+  """How messages name the file under ``key`` in the store at ``loc``."""
+  return f"{loc.path.rstrip('/')}/{key}"
+
+
+def _read_json(kv: ts.KvStore, keys: Sequence[str], loc: Location) -> list[dict[str, Any] | None]:
+  """The JSON objects stored under ``keys``; None where a key is absent."""
   results = [r.result() for r in [kv.read(k) for k in keys]]
-  return [json.loads(r.value) if r.state == "value" else None for r in results]
+  return [
+    _decode(r.value, _file(loc, k)) if r.state == "value" else None
+    for k, r in zip(keys, results, strict=True)
+  ]
 
 
-def _tree_paths(metadata: Any) -> list[ParamPath] | None:
-  """Array leaves of an Orbax `_METADATA` file, or None if it is not one."""
-  tree = metadata.get("tree_metadata") if isinstance(metadata, dict) else None
-  if not isinstance(tree, dict):
+def _tree_paths(metadata: dict[str, Any], file: str) -> list[ParamPath] | None:
+  """Array leaves of an Orbax `_METADATA` file, or None if it lists no tree."""
+  tree = _field(
+    metadata,
+    "tree_metadata",
+    ("an object of tree entries", lambda v: v is None or isinstance(v, dict)),
+    file,
+    None,
+  )
+  if tree is None:
     return None
   paths = []
-  for entry in tree.values():
-    value = entry.get("value_metadata", {})
-    if value.get("value_type") in _ARRAY_VALUE_TYPES and not value.get("skip_deserialize"):
-      paths.append(tuple(str(k["key"]) for k in entry["key_metadata"]))
+  for name, entry in tree.items():
+    field = f"tree_metadata[{name!r}]"
+    if not isinstance(entry, dict):
+      raise errors.StoreLayoutError(
+        f"{file}: field {field} is {_described(entry)}; it must be an object with "
+        f"key_metadata and value_metadata. {_REWRITE}"
+      )
+    value = _field(entry, f"{field}.value_metadata", _OBJECT, file, {})
+    kind = _field(value, f"{field}.value_metadata.value_type", _STRING, file, None)
+    if kind in _ARRAY_VALUE_TYPES and not value.get("skip_deserialize"):
+      keys = _field(entry, f"{field}.key_metadata", _KEYS, file)
+      paths.append(tuple(str(k["key"]) for k in keys))
   return paths
+
+
+def _checked_sidecar(sidecar: dict[str, Any], file: str) -> dict[str, Any]:
+  """The sidecar, once the fields readers use (each optional) have the right types."""
+  _field(sidecar, "format_version", _INT, file, None)
+  _field(sidecar, "unit_count", _COUNT, file, None)
+  _field(sidecar, "unit_prefix", _PREFIX, file, None)
+  return sidecar
 
 
 def array_kvstore(loc: Location, name: str, *, use_ocdbt: bool) -> Any:
@@ -165,7 +301,7 @@ def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discove
   if loc.local is not None and not os.path.isdir(loc.local):
     raise errors.StoreNotFoundError(f"No unit store at {loc.path}: not a directory.")
   base = ts.KvStore.open(loc.base, context=context).result()
-  metadata, sidecar = _read_json(base, ["_METADATA", sidecar_key])
+  metadata, sidecar = _read_json(base, ["_METADATA", sidecar_key], loc)
   has_manifest = base.read("manifest.ocdbt").result().state == "value"
   if metadata is None and not has_manifest:
     raise errors.StoreNotFoundError(
@@ -173,17 +309,24 @@ def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discove
       "manifest.ocdbt there. Point at the checkpoint item directory (for a "
       "CheckpointManager, <step>/<item>), or write one with save_store."
     )
-  use_ocdbt = bool(metadata.get("use_ocdbt", has_manifest)) if metadata else True
+  file = _file(loc, "_METADATA")
+  paths, use_ocdbt = None, True
+  if metadata is not None:
+    use_ocdbt = _field(metadata, "use_ocdbt", _BOOL, file, has_manifest)
+    paths = _tree_paths(metadata, file)
+  if sidecar is not None:
+    sidecar = _checked_sidecar(sidecar, _file(loc, sidecar_key))
   kv = ts.KvStore.open(ocdbt_spec(loc), context=context).result() if use_ocdbt else base
-  paths = _tree_paths(metadata)
   if paths is None:
     keys = [k.decode() for k in kv.list().result()]
     names = {k.rsplit("/", 1)[0] for k in keys if k.endswith(("/zarr.json", "/.zarray"))}
     paths = [tuple(n.split(".")) for n in sorted(names)]
-  metas = _read_json(kv, [f"{path_str(p)}/zarr.json" for p in paths])
+  keys = [f"{path_str(p)}/zarr.json" for p in paths]
+  metas = _read_json(kv, keys, loc)
   v2 = [i for i, m in enumerate(metas) if m is None]
-  v2_paths = [f"{path_str(paths[i])}/.zarray" for i in v2]
-  for i, m in zip(v2, _read_json(kv, v2_paths), strict=True):
+  for i in v2:
+    keys[i] = f"{path_str(paths[i])}/.zarray"
+  for i, m in zip(v2, _read_json(kv, [keys[i] for i in v2], loc), strict=True):
     metas[i] = m
   absent = [path_str(p) for p, m in zip(paths, metas, strict=True) if m is None]
   if absent:
@@ -191,5 +334,9 @@ def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discove
       f"{loc.path} lists arrays without zarr metadata (an incomplete write?):\n"
       f"{errors.format_paths(absent)}\nWrite the store again."
     )
-  arrays = {p: _parse_array(p, m) for p, m in zip(paths, metas, strict=True)}
+  arrays = {
+    p: _parse_array(p, m, _file(loc, k))
+    for p, m, k in zip(paths, metas, keys, strict=True)
+    if m is not None
+  }
   return Discovered(arrays=arrays, sidecar=sidecar, use_ocdbt=use_ocdbt)

@@ -1,6 +1,7 @@
-"""Bad input gets a typed `ResidencyError` naming the file or field and the value, never a
-raw Python exception (issue 12, item 5): stores whose metadata is malformed JSON or JSON of
-the wrong shape, and the command line, which reports each on one line with exit code 2."""
+"""Bad input gets a typed `ResidencyError` naming the argument, file or field and the value,
+never a raw Python exception (issue 12, items 4 and 5): `save` and `place` arguments of the
+wrong type, stores whose metadata is malformed JSON or JSON of the wrong shape, and the
+command line, which reports each of them on one line with exit code 2."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import jax_residency as jr
 from jax_residency._src.cli import demo as demo_mod
 from jax_residency._src.cli import main as cli
 from jax_residency._src.cli import stored_models as records
+from jax_residency._src.placement.arguments import check_place_arguments
 from jax_residency._src.policy import errors
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.unit_store import UnitStore
@@ -73,6 +75,128 @@ def _assert_one_line_error(code: int, err: str, *fragments: str) -> None:
   assert "error:" in lines[0] and "Traceback" not in err
   for fragment in fragments:
     assert fragment in lines[0], (fragment, lines[0])
+
+
+# --- save ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "fragments"),
+  [
+    (dict(overwrite="no"), ("save: overwrite='no' (str) is not a bool", "True or False")),
+    (dict(overwrite=1), ("save: overwrite=1 (int) is not a bool",)),
+    (dict(overwrite=None), ("save: overwrite=None (NoneType) is not a bool",)),
+    (dict(progress="yes", overwrite=True), ("save: progress='yes' (str)", "True, False or None")),
+    (dict(progress=0, overwrite=True), ("save: progress=0 (int) is not a bool",)),
+  ],
+)
+def test_save_refuses_a_flag_that_is_not_a_bool_and_leaves_the_store_alone(
+  model, store, kwargs, fragments
+):
+  before = _snapshot(store)
+  with pytest.raises(errors.StoreError) as e:
+    jr.save(model, store, **kwargs)
+  for fragment in fragments:
+    assert fragment in str(e.value)
+  assert "nothing was written" in str(e.value)
+  assert _snapshot(store) == before
+
+
+@pytest.mark.parametrize(
+  ("path", "fragment"), [(5, "path=5 (int)"), ("", "path='' (str)"), (b"x", "path=b'x' (bytes)")]
+)
+def test_save_refuses_a_path_that_is_not_a_path(model, path, fragment):
+  with pytest.raises(errors.StoreError, match="is not a store path") as e:
+    jr.save(model, path, progress=False)
+  assert f"save: {fragment}" in str(e.value) and "pathlib.Path" in str(e.value)
+
+
+def test_save_and_open_take_a_pathlib_path(model, tmp_path):
+  path = tmp_path / "store"
+  info = jr.save(model, path, progress=False)
+  assert info.path == str(path) and info.unit_count == TINY.n_layers
+  with UnitStore.open(path) as opened:  # type: ignore[arg-type]
+    assert opened.path == str(path) and opened.unit_count == TINY.n_layers
+
+
+@pytest.mark.parametrize(
+  ("units", "shown"),
+  [(5, "units=5 (int)"), (("layers", 5), "units=('layers', 5) (tuple)"), ((), "units=() (tuple)")],
+)
+def test_save_refuses_units_that_are_not_a_path(model, tmp_path, units, shown):
+  with pytest.raises(errors.UnitSelectionError, match="is not a path of the stacked layer") as e:
+    jr.save(model, str(tmp_path / "s"), units=units, progress=False)
+  assert f"save: {shown}" in str(e.value)
+  assert os.listdir(tmp_path) == []
+
+
+# --- place ---------------------------------------------------------------------------------
+
+_GOOD = dict(params=None, mesh=None, units=None, rules=None, store=None, sequence_axis=1)
+
+
+@pytest.mark.parametrize(
+  ("bad", "error", "fragments"),
+  [
+    (dict(units=5), errors.UnitSelectionError, ("place: units=5 (int)", "'decoder.layers'")),
+    (dict(units=("a", 5)), errors.UnitSelectionError, ("units=('a', 5) (tuple)",)),
+    (dict(units=["a", ""]), errors.UnitSelectionError, ("units=['a', ''] (list)",)),
+    (dict(units="a..b"), errors.UnitSelectionError, ("units='a..b' (str)",)),
+    (dict(params=5), errors.UnitSelectionError, ("place: params=5 (int)", "model.init")),
+    (dict(mesh="x"), errors.PlacementError, ("place: mesh='x' (str)", "jax.sharding.Mesh")),
+    (dict(rules=5), errors.PlacementError, ("place: rules=5 (int)", "(logical_name, mesh_axes)")),
+    (dict(rules="embed"), errors.PlacementError, ("place: rules='embed' (str)",)),
+    (
+      dict(rules=[("embed", None), ("mlp",), (1, "model"), ("heads", ("model", 2))]),
+      errors.PlacementError,
+      ("rules[1] = ('mlp',)", "rules[2] = (1, 'model')", "rules[3] = ('heads', ('model', 2))"),
+    ),
+    (dict(store=5), errors.StoreError, ("place: store=5 (int)", "or None")),
+    (dict(store=""), errors.StoreError, ("place: store='' (str)",)),
+    (dict(sequence_axis="1"), errors.PlacementError, ("place: sequence_axis='1' (str)",)),
+    (dict(sequence_axis=True), errors.PlacementError, ("sequence_axis=True (bool)",)),
+    (dict(sequence_axis=1.0), errors.PlacementError, ("sequence_axis=1.0 (float)",)),
+  ],
+)
+def test_place_arguments_of_the_wrong_type_raise_typed_errors(bad, error, fragments):
+  with pytest.raises(error) as e:
+    check_place_arguments(**{**_GOOD, **bad})
+  for fragment in fragments:
+    assert fragment in str(e.value)
+
+
+def test_place_arguments_of_the_right_types_pass(mesh1, logical_rules, linen_toy, tmp_path):
+  for good in (
+    dict(units="layers"),
+    dict(units=("decoder", "layers")),
+    dict(units=["layers"]),
+    dict(params=linen_toy[1]),
+    dict(mesh=mesh1),
+    dict(rules=logical_rules),
+    dict(rules={"embed": None, "mlp": "model", "heads": ("data", "model")}),
+    dict(rules=[]),
+    dict(store=str(tmp_path)),
+    dict(store=tmp_path),
+    dict(store="memory://x"),
+    dict(sequence_axis=-1),
+  ):
+    check_place_arguments(**{**_GOOD, **good})
+
+
+@pytest.mark.parametrize(
+  ("bad", "error"),
+  [
+    (dict(units=5), errors.UnitSelectionError),
+    (dict(units=("layers", 5)), errors.UnitSelectionError),
+    (dict(mesh="x"), errors.PlacementError),
+    (dict(rules=5), errors.PlacementError),
+    (dict(store=5), errors.StoreError),
+    (dict(sequence_axis="1"), errors.PlacementError),
+  ],
+)
+def test_place_raises_typed_errors_for_arguments_of_the_wrong_type(model, bad, error):
+  with pytest.raises(error, match=f"^place: {next(iter(bad))}="):
+    jr.place(model, **bad)
 
 
 # --- malformed store metadata --------------------------------------------------------------

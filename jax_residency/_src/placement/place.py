@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jax_residency._src.compile_cache import enable_default_cache
 from jax_residency._src.placement import shardings as pl
+from jax_residency._src.placement.arguments import check_place_arguments
 from jax_residency._src.placement.budget import ModelMetadata
 from jax_residency._src.placement.executor import Executor
 from jax_residency._src.placement.jitted import JittedExecutor
@@ -185,7 +186,10 @@ def place(
     A :class:`PlacedModel`, called like ``model``.
 
   Raises:
-    UnitSelectionError: the layer stack cannot be found.
+    UnitSelectionError: the layer stack cannot be found, or ``units`` or
+      ``params`` has the wrong type.
+    PlacementError: ``mesh``, ``rules`` or ``sequence_axis`` has the wrong type.
+    StoreError: ``store`` is not a path, or not a readable store.
     DeviceBudgetTooSmallError, HostBudgetTooSmallError: the budgets cannot
       hold the model's windows (raised before anything is placed).
 
@@ -206,8 +210,9 @@ def place(
     True
   """
   policy = LayerWeightResidency.default() if policy is None else LayerWeightResidency.of(policy)
-  if isinstance(sequence_axis, bool) or not isinstance(sequence_axis, int):
-    raise PlacementError(f"sequence_axis={sequence_axis!r}: pass an int axis (default 1)")
+  check_place_arguments(
+    params=params, mesh=mesh, units=units, rules=rules, store=store, sequence_axis=sequence_axis
+  )
   enable_default_cache()  # JAX's persistent compilation cache; JAX_RESIDENCY_COMPILATION_CACHE=0
   split = split_model(model, params=params, units=units)
   mesh = pl.default_mesh(split.values) if mesh is None else mesh

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import reprlib
 from typing import Any
 
+from jax_residency._src.placement.arguments import check_store_path, check_units
 from jax_residency._src.placement.split import split_model
+from jax_residency._src.policy.errors import StoreError
 from jax_residency._src.store.unit_store import StoreInfo
 from jax_residency._src.store.writer import save_store
 
 
 def save(
   model: Any,
-  path: str,
+  path: str | os.PathLike[str],
   *,
   params: Any = None,
   units: str | tuple[str, ...] | None = None,
@@ -27,14 +31,22 @@ def save(
 
   Args:
     model: an ``nnx.Module``, or a Linen module with ``params``.
-    path: a directory, or a TensorStore kvstore URL (``memory://...``, ``gs://...``).
+    path: a directory (a ``str`` or ``os.PathLike``), or a TensorStore kvstore
+      URL (``memory://...``, ``gs://...``).
     params: a Linen model's variables.
     units: path of the stacked layer module (as for :func:`place`).
-    progress: show a progress bar (default: when stderr is a terminal).
-    overwrite: replace an existing store at ``path``.
+    progress: show a progress bar: True, False, or None (the default: when
+      stderr is a terminal).
+    overwrite: replace an existing store at ``path`` (True or False).
 
   Returns:
     A description of what was written.
+
+  Raises:
+    StoreError: ``path`` is not a path, ``progress`` or ``overwrite`` is not a
+      bool (``overwrite="no"`` is refused, not taken as true), or a store
+      already exists at ``path`` and ``overwrite`` is False.
+    UnitSelectionError: ``units`` is not a path, or names no layer stack.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -50,9 +62,20 @@ def save(
     ...   bool((placed(tokens) == model(tokens)).all())
     True
   """
+  check_store_path(path, name="path", where="save")
+  check_units(units, where="save")
+  for name, flag, accepted in (
+    ("progress", progress, "True, False or None (the default: when stderr is a terminal)"),
+    ("overwrite", overwrite, "True or False (the default)"),
+  ):
+    if not isinstance(flag, bool) and not (flag is None and name == "progress"):
+      raise StoreError(
+        f"save: {name}={reprlib.repr(flag)} ({type(flag).__name__}) is not a bool; "
+        f"nothing was written. Pass {accepted}."
+      )
   split = split_model(model, params=params, units=units)
   return save_store(
-    path,
+    os.fspath(path),
     static={split.leaves[i].path: split.values[i] for i in split.static_index},
     units={split.unit_rel_path(split.leaves[i]): split.values[i] for i in split.unit_index},
     unit_prefix=split.unit_path_prefix,

@@ -74,6 +74,7 @@ from .errors import PlacementError as PlacementError
 from .errors import PrefetchError as PrefetchError
 from .errors import ResidencyError as ResidencyError
 from .errors import ResidencyRuntimeError as ResidencyRuntimeError
+from .errors import StoreCorruptionError as StoreCorruptionError
 from .errors import StoreError as StoreError
 from .errors import StoreLayoutError as StoreLayoutError
 from .errors import StoreNotFoundError as StoreNotFoundError

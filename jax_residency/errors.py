@@ -25,6 +25,7 @@ The hierarchy (a builtin in parentheses is a second base class)::
       StoreError (ValueError)
           StoreNotFoundError (FileNotFoundError)
           StoreLayoutError
+          StoreCorruptionError
           CheckpointMismatchError
               MissingCheckpointParametersError
               CheckpointShapeMismatchError
@@ -71,6 +72,7 @@ from jax_residency._src.policy.errors import PlacementError as PlacementError
 from jax_residency._src.policy.errors import PrefetchError as PrefetchError
 from jax_residency._src.policy.errors import ResidencyError as ResidencyError
 from jax_residency._src.policy.errors import ResidencyRuntimeError as ResidencyRuntimeError
+from jax_residency._src.policy.errors import StoreCorruptionError as StoreCorruptionError
 from jax_residency._src.policy.errors import StoreError as StoreError
 from jax_residency._src.policy.errors import StoreLayoutError as StoreLayoutError
 from jax_residency._src.policy.errors import StoreNotFoundError as StoreNotFoundError
@@ -105,6 +107,7 @@ __all__ = [
   "ResidencyRuntimeError",
   "StoreError",
   "StoreLayoutError",
+  "StoreCorruptionError",
   "StoreNotFoundError",
   "UnexpectedCheckpointParametersError",
   "UnitSelectionError",

@@ -8,7 +8,12 @@ from collections.abc import Callable
 
 import pytest
 
-from jax_residency._src.policy.errors import ClosedError, PrefetchError, ZeroQueueCapacityError
+from jax_residency._src.policy.errors import (
+  ClosedError,
+  PrefetchError,
+  StoreCorruptionError,
+  ZeroQueueCapacityError,
+)
 from jax_residency._src.policy.options import CacheEvictionPolicy
 from jax_residency._src.stream.ledger import ResidencyLedger, Tier
 from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker, WorkerMetrics
@@ -221,6 +226,23 @@ def test_load_errors_reach_the_waiter():
     assert worker.wait(3, TIMEOUT)
   metrics = worker.end_pass()
   assert (metrics.failed, metrics.completed) == (1, 3)  # 2, 4, then 3 resubmitted
+
+
+def test_store_errors_reach_the_waiter_as_store_errors():
+  """A failed read raises what a read on the caller's thread would: the same error type
+  (attributes kept), so ``except jr.StoreError`` catches it whichever thread read the unit."""
+  loader = Loader(gated=lambda unit: False)
+  cause = StoreCorruptionError("unit 1 is corrupt", store="/s", tensor="layers.w", unit=1)
+  loader.fail[1] = cause
+  with PrefetchWorker(loader, capacity=2) as worker:
+    worker.submit(1)
+    for _ in range(2):
+      with pytest.raises(StoreCorruptionError, match="unit 1 is corrupt") as info:
+        worker.wait(1, TIMEOUT)
+      error = info.value
+      assert error is not cause and error.__cause__ is cause
+      assert (error.store, error.tensor, error.unit) == ("/s", "layers.w", 1)
+      assert not isinstance(error, PrefetchError)
 
 
 # --- cancellation ----------------------------------------------------------------

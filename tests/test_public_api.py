@@ -51,13 +51,14 @@ TOP_LEVEL_ERRORS = {
 
 
 def defined_errors() -> dict[str, type[BaseException]]:
-  """Every `ResidencyError` subclass defined in the library's error module."""
+  """Every `ResidencyError` subclass defined in the library's error modules (the
+  hierarchy's module, `policy.errors`, and the modules it draws from)."""
   return {
     name: obj
     for name, obj in vars(src_errors).items()
     if inspect.isclass(obj)
     and issubclass(obj, src_errors.ResidencyError)
-    and obj.__module__ == src_errors.__name__
+    and obj.__module__.startswith("jax_residency._src.policy.")
   }
 
 

@@ -6,28 +6,31 @@ from the builtin that best describes it (`ValueError` for bad input,
 Messages say what went wrong, where (a parameter path or a store path), the
 offending value, and how to fix it. Where several leaves are wrong, one error
 lists all of them, sorted.
+
+The root, `ResidencyError`, is in `error_base.py` and the store errors in
+`store_errors.py`; this module re-exports both, so it names every error type.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-
-class ResidencyError(Exception):
-  """Base class of every error jax_residency raises on purpose.
-
-  Catch it to handle any of them; each also derives from `ValueError` (bad input)
-  or `RuntimeError` (a failure while running a placed model).
-
-  Example:
-    >>> import jax_residency as jr
-    >>> try:
-    ...   jr.parse_bytes("12 potatoes")
-    ... except jr.ResidencyError as e:
-    ...   print(type(e).__name__, isinstance(e, ValueError))
-    InvalidBudgetError True
-  """
-
+from jax_residency._src.policy.error_base import ResidencyError as ResidencyError
+from jax_residency._src.policy.error_base import format_paths as format_paths
+from jax_residency._src.policy.store_errors import (
+  CheckpointMismatchError as CheckpointMismatchError,
+)
+from jax_residency._src.policy.store_errors import (
+  CheckpointShapeMismatchError as CheckpointShapeMismatchError,
+)
+from jax_residency._src.policy.store_errors import (
+  MissingCheckpointParametersError as MissingCheckpointParametersError,
+)
+from jax_residency._src.policy.store_errors import StoreCorruptionError as StoreCorruptionError
+from jax_residency._src.policy.store_errors import StoreError as StoreError
+from jax_residency._src.policy.store_errors import StoreLayoutError as StoreLayoutError
+from jax_residency._src.policy.store_errors import StoreNotFoundError as StoreNotFoundError
+from jax_residency._src.policy.store_errors import (
+  UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
+)
 
 # --- policy (SPEC §1) ------------------------------------------------------
 
@@ -279,139 +282,6 @@ class HostBudgetTooSmallError(BudgetTooSmallError):
   """
 
 
-# --- stores and loading ----------------------------------------------------
-
-
-class StoreError(ResidencyError, ValueError):
-  """A unit store is missing, unreadable, or not laid out as needed.
-
-  Raised by `save` (e.g. a store already there without ``overwrite=True``), by
-  `place` with ``store=``, and by a dense stream whose store read fails.
-
-  Example:
-    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
-    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
-    >>> try:
-    ...   jr.place(net, store=tempfile.mkdtemp() + "/missing")
-    ... except jr.StoreError as e:
-    ...   print(type(e).__name__, isinstance(e, ValueError))
-    StoreNotFoundError True
-  """
-
-
-class StoreNotFoundError(StoreError, FileNotFoundError):
-  """No unit store exists at the given path.
-
-  Raised by `place` with ``store=`` when the path is not a directory or holds no
-  checkpoint; it is a `FileNotFoundError` too.
-
-  Example:
-    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
-    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
-    >>> try:  # an empty directory
-    ...   jr.place(net, jr.DenseDiskStream(), store=tempfile.mkdtemp())
-    ... except FileNotFoundError as e:
-    ...   print(type(e).__name__, "found neither Orbax's _METADATA" in str(e))
-    StoreNotFoundError True
-  """
-
-
-class StoreLayoutError(StoreError):
-  """A store exists but cannot be streamed (e.g. one chunk holds many units).
-
-  Raised by `place` with ``store=`` when a unit array is chunked over several
-  units (a plain Orbax checkpoint: rechunk it) or unit counts disagree.
-
-  Example:
-    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, orbax.checkpoint as ocp
-    >>> import jax_residency as jr
-    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
-    >>> path = tempfile.mkdtemp() + "/ckpt"
-    >>> with ocp.StandardCheckpointer() as ckptr:  # one chunk of both units
-    ...   ckptr.save(path, nnx.to_pure_dict(nnx.state(net)))
-    >>> try:
-    ...   jr.place(net, store=path)
-    ... except jr.errors.StoreLayoutError as e:
-    ...   print(type(e).__name__, "layers.w: chunk shape (2, 4, 4)" in str(e))
-    StoreLayoutError True
-  """
-
-
-class CheckpointMismatchError(StoreError):
-  """Base of the errors that compare a stored tree with the model's tree.
-
-  Raised by `place` with ``store=`` before any weight is read, listing every path.
-
-  Example:
-    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
-    >>> net = lambda width: nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, width, width)))))
-    >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(net(4), path, progress=False)
-    >>> try:
-    ...   jr.place(net(8), store=path)
-    ... except jr.errors.CheckpointMismatchError as e:
-    ...   print(type(e).__name__, isinstance(e, jr.StoreError))
-    CheckpointShapeMismatchError True
-  """
-
-
-class MissingCheckpointParametersError(CheckpointMismatchError):
-  """The model has parameters the store does not hold.
-
-  Raised by `place` with ``store=`` (and the `jax_residency.models` converters).
-
-  Example:
-    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
-    >>> layers = lambda: nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))
-    >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(nnx.Dict(layers=layers()), path, progress=False)
-    >>> try:
-    ...   jr.place(nnx.Dict(layers=layers(), head=nnx.Param(jnp.zeros(4))), store=path)
-    ... except jr.errors.MissingCheckpointParametersError as e:
-    ...   print(type(e).__name__, "head: expected (4,) float32" in str(e))
-    MissingCheckpointParametersError True
-  """
-
-
-class CheckpointShapeMismatchError(CheckpointMismatchError):
-  """Stored tensors disagree with the model's shape or dtype.
-
-  Raised by `place` with ``store=`` (and the `jax_residency.models` converters).
-
-  Example:
-    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
-    >>> net = lambda width: nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, width, width)))))
-    >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(net(4), path, progress=False)
-    >>> try:
-    ...   jr.place(net(8), store=path)
-    ... except jr.errors.CheckpointShapeMismatchError as e:
-    ...   print("layers.w (per unit): expected (8, 8) float32, found (4, 4) float32" in str(e))
-    True
-  """
-
-
-class UnexpectedCheckpointParametersError(CheckpointMismatchError):
-  """With `strict_loading`, the store holds tensors the model does not claim.
-
-  Raised by `place` with ``store=`` (and the `jax_residency.models` converters);
-  ``strict_loading=False`` ignores such tensors.
-
-  Example:
-    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
-    >>> layers = lambda: nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))
-    >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(nnx.Dict(layers=layers(), head=nnx.Param(jnp.zeros(4))), path, progress=False)
-    >>> try:
-    ...   jr.place(nnx.Dict(layers=layers()), store=path)
-    ... except jr.errors.UnexpectedCheckpointParametersError as e:
-    ...   print(type(e).__name__, "head: (4,) float32" in str(e))
-    UnexpectedCheckpointParametersError True
-    >>> lenient = jr.LayerwiseHost(strict_loading=False)  # ignores the extra "head"
-    >>> jr.place(nnx.Dict(layers=layers()), lenient, store=path).close()
-  """
-
-
 # --- running ---------------------------------------------------------------
 
 
@@ -450,20 +320,22 @@ class AdmissionError(ResidencyRuntimeError):
 
 
 class PrefetchError(ResidencyRuntimeError):
-  """The background prefetch worker failed to read a unit.
+  """The background prefetch worker failed to load a unit, not because of the store.
 
   Raised in a `DenseDiskStream` pass that waits for a unit its worker thread
-  failed to read; the worker's error (a `StoreError`) is ``__cause__``. The
-  example builds one as the worker does (a failing read is timing-dependent).
+  failed to load, with the worker's error as ``__cause__``. A store that cannot
+  be read, or is corrupt, raises its `StoreError` instead, whichever thread read
+  the unit, so ``except jr.StoreError`` catches every store failure. The
+  example builds one as the worker does (a failing load is timing-dependent).
 
   Example:
     >>> import jax_residency as jr
-    >>> read_error = jr.StoreError("reading unit 1 from the store failed")
+    >>> failure = MemoryError("out of host memory")
     >>> try:
-    ...   raise jr.errors.PrefetchError("prefetch of unit 1 failed") from read_error
+    ...   raise jr.errors.PrefetchError("prefetch of unit 1 failed") from failure
     ... except jr.errors.ResidencyRuntimeError as e:
     ...   print(type(e).__name__, type(e.__cause__).__name__)
-    PrefetchError StoreError
+    PrefetchError MemoryError
   """
 
 
@@ -483,12 +355,3 @@ class ClosedError(ResidencyRuntimeError):
     ...   print(e)
     this placed model was closed; place the model again to run it
   """
-
-
-def format_paths(paths: Iterable[str], *, limit: int = 50) -> str:
-  """Formats paths one per line, sorted, eliding past `limit`."""
-  items = sorted(paths)
-  shown = [f"  {p}" for p in items[:limit]]
-  if len(items) > limit:
-    shown.append(f"  ... and {len(items) - limit} more")
-  return "\n".join(shown)

@@ -313,7 +313,7 @@ class DenseStreamEngine:
     assert self.worker is not None
     if self.worker.is_pending(i):
       start = time.perf_counter()
-      self.worker.wait(i)  # raises PrefetchError if the read failed
+      self.worker.wait(i)  # raises the read's StoreError (or PrefetchError) if it failed
       self._note_stall(time.perf_counter() - start)
     host = self.ledger.get(Tier.HOST, i)
     if host is not None:
@@ -470,4 +470,6 @@ def release_dropped_buffers() -> None:
 
 
 def _raise_read_error(i: int, e: Exception) -> NoReturn:
+  if isinstance(e, StoreError):  # already names the store, the tensor and the unit
+    raise e
   raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e

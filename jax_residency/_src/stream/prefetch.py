@@ -15,7 +15,9 @@ The worker knows nothing about stores or the ledger. It calls the caller's
   before installing what it read); when it returns its result is counted and
   reported as cancelled, its error (if any) discarded.
 * **Errors reach the demander.** A failed `load` is delivered to whoever
-  `wait`s for that unit, as `PrefetchError` with the original as `__cause__`.
+  `wait`s for that unit, with the original as `__cause__`: a `StoreError` (the
+  store could not be read, or is corrupt) as a copy of itself, so callers catch
+  the same type whichever thread read the unit; anything else as `PrefetchError`.
 * **Closing joins.** `close()` cancels, stops the thread and joins it.
 
 Telemetry follows the ledger's per-pass pattern: `begin_pass()`, then
@@ -26,6 +28,7 @@ Telemetry follows the ledger's per-pass pattern: `begin_pass()`, then
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import enum
 import operator
@@ -33,7 +36,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from jax_residency._src.policy.errors import ClosedError, PrefetchError, ZeroQueueCapacityError
+from jax_residency._src.policy.errors import (
+  ClosedError,
+  PrefetchError,
+  StoreError,
+  ZeroQueueCapacityError,
+)
 from jax_residency._src.report.metrics import Metrics, Tally, peak, total
 
 
@@ -262,8 +270,10 @@ class PrefetchWorker:
     request had already completed the first time anyone waited for it.
 
     Raises:
-      PrefetchError: the load raised; the original error is `__cause__`.
-        Raised on every `wait` until the unit is submitted again.
+      StoreError: the load raised a `StoreError` (of any subclass): a copy of it
+        is raised, the original (with the worker's traceback) as `__cause__`.
+      PrefetchError: the load raised anything else; the original is `__cause__`.
+        Either is raised on every `wait` until the unit is submitted again.
     """
     unit = operator.index(unit)
     with self._lock:
@@ -284,6 +294,8 @@ class PrefetchWorker:
       request.demanded = True
       if request.state is _State.FAILED:
         error = request.error
+        if isinstance(error, StoreError):
+          raise copy.copy(error).with_traceback(None) from error
         raise PrefetchError(
           f"background prefetch of unit {unit} failed: {type(error).__name__}: {error}"
         ) from error

@@ -1,0 +1,175 @@
+"""The errors of unit stores: missing, unreadable, damaged, or not what the model needs.
+
+Part of the hierarchy in `errors.py`, which re-exports every class here.
+"""
+
+from __future__ import annotations
+
+from jax_residency._src.policy.error_base import ResidencyError
+
+
+class StoreError(ResidencyError, ValueError):
+  """A unit store is missing, unreadable, or not laid out as needed.
+
+  Raised by `save` (e.g. a store already there without ``overwrite=True``), by
+  `place` with ``store=``, and by a dense stream whose store read fails.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> try:
+    ...   jr.place(net, store=tempfile.mkdtemp() + "/missing")
+    ... except jr.StoreError as e:
+    ...   print(type(e).__name__, isinstance(e, ValueError))
+    StoreNotFoundError True
+  """
+
+
+class StoreNotFoundError(StoreError, FileNotFoundError):
+  """No unit store exists at the given path.
+
+  Raised by `place` with ``store=`` when the path is not a directory or holds no
+  checkpoint; it is a `FileNotFoundError` too.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> try:  # an empty directory
+    ...   jr.place(net, jr.DenseDiskStream(), store=tempfile.mkdtemp())
+    ... except FileNotFoundError as e:
+    ...   print(type(e).__name__, "found neither Orbax's _METADATA" in str(e))
+    StoreNotFoundError True
+  """
+
+
+class StoreLayoutError(StoreError):
+  """A store exists but cannot be streamed (e.g. one chunk holds many units).
+
+  Raised by `place` with ``store=`` when a unit array is chunked over several
+  units (a plain Orbax checkpoint: rechunk it) or unit counts disagree.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, orbax.checkpoint as ocp
+    >>> import jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> path = tempfile.mkdtemp() + "/ckpt"
+    >>> with ocp.StandardCheckpointer() as ckptr:  # one chunk of both units
+    ...   ckptr.save(path, nnx.to_pure_dict(nnx.state(net)))
+    >>> try:
+    ...   jr.place(net, store=path)
+    ... except jr.errors.StoreLayoutError as e:
+    ...   print(type(e).__name__, "layers.w: chunk shape (2, 4, 4)" in str(e))
+    StoreLayoutError True
+  """
+
+
+class StoreCorruptionError(StoreError):
+  """A chunk of a store holds data that does not match its checksum.
+
+  Stores written by `save` keep a CRC-32C after each chunk, and every read
+  checks it: the placement, the dense stream (mapped or copied reads) and
+  ``jax-residency verify``, which lists every damaged tensor. Carries ``store``,
+  ``tensor`` (the dot-separated path) and ``unit`` (None for a static tensor).
+
+  Example:
+    >>> import glob, os, tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.ones((2, 32, 32)))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(net, path, progress=False)
+    >>> data = max(glob.glob(path + "/d/*"), key=os.path.getsize)  # starts with a unit's chunk
+    >>> with open(data, "r+b") as f:  # damage the chunk's first byte
+    ...   _ = f.write(b"\\x01")
+    >>> try:
+    ...   jr.place(net, store=path)
+    ... except jr.errors.StoreCorruptionError as e:
+    ...   print(e.tensor, e.unit in (0, 1))
+    layers.w True
+  """
+
+  def __init__(
+    self,
+    message: str,
+    *,
+    store: str | None = None,
+    tensor: str | None = None,
+    unit: int | None = None,
+  ):
+    super().__init__(message)
+    self.store = store
+    self.tensor = tensor
+    self.unit = unit
+
+
+class CheckpointMismatchError(StoreError):
+  """Base of the errors that compare a stored tree with the model's tree.
+
+  Raised by `place` with ``store=`` before any weight is read, listing every path.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = lambda width: nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, width, width)))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(net(4), path, progress=False)
+    >>> try:
+    ...   jr.place(net(8), store=path)
+    ... except jr.errors.CheckpointMismatchError as e:
+    ...   print(type(e).__name__, isinstance(e, jr.StoreError))
+    CheckpointShapeMismatchError True
+  """
+
+
+class MissingCheckpointParametersError(CheckpointMismatchError):
+  """The model has parameters the store does not hold.
+
+  Raised by `place` with ``store=`` (and the `jax_residency.models` converters).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> layers = lambda: nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(nnx.Dict(layers=layers()), path, progress=False)
+    >>> try:
+    ...   jr.place(nnx.Dict(layers=layers(), head=nnx.Param(jnp.zeros(4))), store=path)
+    ... except jr.errors.MissingCheckpointParametersError as e:
+    ...   print(type(e).__name__, "head: expected (4,) float32" in str(e))
+    MissingCheckpointParametersError True
+  """
+
+
+class CheckpointShapeMismatchError(CheckpointMismatchError):
+  """Stored tensors disagree with the model's shape or dtype.
+
+  Raised by `place` with ``store=`` (and the `jax_residency.models` converters).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = lambda width: nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, width, width)))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(net(4), path, progress=False)
+    >>> try:
+    ...   jr.place(net(8), store=path)
+    ... except jr.errors.CheckpointShapeMismatchError as e:
+    ...   print("layers.w (per unit): expected (8, 8) float32, found (4, 4) float32" in str(e))
+    True
+  """
+
+
+class UnexpectedCheckpointParametersError(CheckpointMismatchError):
+  """With `strict_loading`, the store holds tensors the model does not claim.
+
+  Raised by `place` with ``store=`` (and the `jax_residency.models` converters);
+  ``strict_loading=False`` ignores such tensors.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> layers = lambda: nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(nnx.Dict(layers=layers(), head=nnx.Param(jnp.zeros(4))), path, progress=False)
+    >>> try:
+    ...   jr.place(nnx.Dict(layers=layers()), store=path)
+    ... except jr.errors.UnexpectedCheckpointParametersError as e:
+    ...   print(type(e).__name__, "head: (4,) float32" in str(e))
+    UnexpectedCheckpointParametersError True
+    >>> lenient = jr.LayerwiseHost(strict_loading=False)  # ignores the extra "head"
+    >>> jr.place(nnx.Dict(layers=layers()), lenient, store=path).close()
+  """

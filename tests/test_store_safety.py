@@ -206,6 +206,15 @@ def test_recover_store_restores_only_what_a_dead_writer_left_aside(tmp_path) -> 
   assert not commit.recover_store(path)  # one lstat when the store is there
 
 
+def test_opening_a_store_puts_back_what_a_dead_writer_left_aside(tmp_path) -> None:
+  path = str(tmp_path / "store")
+  _save(path, seed=0)
+  os.rename(path, str(tmp_path / ".store.jax-residency-old-0123abcd"))
+  with st.UnitStore.open(path) as store:  # recovers first, then opens
+    assert store.unit_count == N
+  assert _version(path) == 0 and os.listdir(tmp_path) == ["store"]
+
+
 # --- stale temporaries ------------------------------------------------------------------
 
 

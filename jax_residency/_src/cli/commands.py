@@ -8,6 +8,7 @@ stores) are imported inside the commands, so ``--help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 from typing import Any
@@ -34,6 +35,7 @@ from jax_residency._src.cli.stored_models import (
   single_device_mesh,
   toy_config,
 )
+from jax_residency._src.typing import path_str, tensor_nbytes
 
 #: Default of `run`'s budget flags: not given (the policy's default applies).
 UNSET: Any = object()
@@ -43,11 +45,11 @@ UNSET: Any = object()
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-  from jax_residency._src.placement.split import path_str  # noqa: PLC0415
-  from jax_residency._src.policy.sizes import tensor_nbytes  # noqa: PLC0415
+  from jax_residency._src.store.verify import checksums  # noqa: PLC0415
 
   with open_store(args.path, units=args.units, streamable=False) as store:
     streamable = bool(store.chunked_per_unit)
+    checksum_kind = checksums(store)
     compressed = bool(getattr(store, "compressed", False))
     specs = store.unit_specs
     info = {
@@ -64,6 +66,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
       },
       "chunked_per_unit": streamable,
       "compressed": compressed,
+      "checksums": checksum_kind,
       "streamable": streamable,
       "model": None,
     }
@@ -90,6 +93,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
       + (", compressed" if compressed else ", uncompressed"),
     ),
   ]
+  rows.append(
+    (
+      "checksums",
+      {
+        "crc32c": "crc32c on every chunk, checked on every read",
+        "some": "crc32c on some arrays only; the rest are not checked",
+        "none": "none: damaged data cannot be detected (`jr.save` writes stores with them)",
+      }[checksum_kind],
+    )
+  )
   if streamable:
     verdict = "yes: DenseDiskStream reads each unit in place"
     if compressed:
@@ -114,6 +127,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
   lines += ["  " + line for line in table(("path", "shape", "dtype", "bytes"), tensor_rows)]
   emit("\n".join(lines))
   return 0
+
+
+# --- verify ------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+  """Reads every chunk; exit 0 if nothing is damaged, 1 if something is."""
+  from jax_residency._src.store.verify import verify_store  # noqa: PLC0415
+
+  result = verify_store(args.path, progress=None if not args.json else False)
+  if args.json:
+    emit_json(dataclasses.asdict(result) | {"ok": result.ok})
+    return 0 if result.ok else 1
+  lines = []
+  for d in result.damaged:
+    where = "static" if d.unit is None else f"unit {d.unit}"
+    kind = "corrupt" if d.corrupt else "unreadable"
+    lines.append(f"{kind}: {d.tensor} ({where})")
+  summary = f"{plural(result.chunks, 'chunk')} read ({fmt_bytes(result.nbytes)}): " + (
+    "no damage found" if result.ok else f"{plural(len(result.damaged), 'damaged chunk')}"
+  )
+  if not result.checksummed:
+    summary += (
+      "; the store has no checksums on every array, so changed bytes there go "
+      "undetected (only unreadable chunks are found)"
+    )
+  lines.append(summary)
+  if not result.ok:
+    lines.append(
+      "Write the store again from the original model or checkpoint; "
+      "the first damaged chunk's error:\n  " + result.damaged[0].message
+    )
+  emit("\n".join(lines))
+  return 0 if result.ok else 1
 
 
 # --- plan --------------------------------------------------------------------
@@ -268,8 +315,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_rechunk(args: argparse.Namespace) -> int:
-  from jax_residency._src.placement.split import path_str  # noqa: PLC0415
   from jax_residency._src.store.writer import rechunk_store  # noqa: PLC0415
+  from jax_residency._src.typing import path_str  # noqa: PLC0415
 
   if "://" not in args.src and not os.path.exists(args.src):
     raise CommandError(f"{args.src}: no such file or directory")

@@ -21,7 +21,14 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from jax_residency._src.cli.commands import UNSET, cmd_inspect, cmd_plan, cmd_rechunk, cmd_run
+from jax_residency._src.cli.commands import (
+  UNSET,
+  cmd_inspect,
+  cmd_plan,
+  cmd_rechunk,
+  cmd_run,
+  cmd_verify,
+)
 from jax_residency._src.cli.console import PROG, CommandError, one_line
 from jax_residency._src.cli.demo import DEMO_CONFIG, DEMO_TOKENS, POLICY_NAMES, cmd_demo
 
@@ -133,6 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
   inspect.add_argument("--units", metavar="PREFIX", help="unit prefix (plain Orbax checkpoints)")
   inspect.add_argument("--json", action="store_true", help="print JSON")
   inspect.set_defaults(handler=cmd_inspect)
+
+  verify = sub.add_parser(
+    "verify",
+    help="read every chunk of a store and list the damaged tensors",
+    description=(
+      "Reads every chunk of a store, checking each chunk's CRC-32C (stores written by\n"
+      "jr.save carry one), and lists every tensor and unit that is corrupt or unreadable.\n"
+      "Exit status: 0 when nothing is damaged, 1 when something is."
+    ),
+    formatter_class=fmt,
+  )
+  verify.add_argument("path", help="store directory or TensorStore kvstore URL")
+  verify.add_argument("--json", action="store_true", help="print JSON")
+  verify.set_defaults(handler=cmd_verify)
 
   plan = sub.add_parser(
     "plan",

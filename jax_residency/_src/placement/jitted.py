@@ -18,13 +18,14 @@ from jax.sharding import Mesh
 
 from jax_residency._src.placement import shardings as pl
 from jax_residency._src.placement.budget import ModelMetadata, metadata_for
-from jax_residency._src.placement.split import SplitModel, path_str
+from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.placement.unit_loop import run_in_loop
 from jax_residency._src.policy.errors import PlacementError
 from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResidency
 from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.telemetry import PassCounters, Telemetry
 from jax_residency._src.store.loading import open_for, read_all
+from jax_residency._src.typing import path_str
 
 
 class JittedExecutor:

@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_residency._src.placement.split import Leaf, SplitModel, path_str
+from jax_residency._src.placement.split import Leaf, SplitModel
 from jax_residency._src.policy.errors import PlacementError, format_paths
-from jax_residency._src.policy.sizes import tensor_nbytes
+from jax_residency._src.typing import path_str, tensor_nbytes
 
 DEVICE = "device"
 PINNED_HOST = "pinned_host"

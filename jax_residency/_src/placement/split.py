@@ -21,8 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jax_residency._src.policy.errors import UnitSelectionError, format_paths
-from jax_residency._src.policy.sizes import tensor_nbytes
-from jax_residency._src.typing import ParamPath
+from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 #: Attribute names tried, in order, when ``units`` is not given.
 DEFAULT_UNIT_NAMES: tuple[str, ...] = ("layers", "blocks", "h", "layer", "units", "decoder_layers")
@@ -43,10 +42,6 @@ def normalise_path(key_path: Sequence[Any]) -> ParamPath:
   if parts and parts[-1] == "value":
     parts.pop()
   return tuple(parts)
-
-
-def path_str(path: ParamPath) -> str:
-  return ".".join(path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,4 @@
-"""Byte sizes: parsing "512MiB"-style strings to ints, formatting ints for people,
-and the bytes of a tensor (`tensor_nbytes`, the one size helper of the package).
+"""Byte sizes: parsing "512MiB"-style strings to ints and formatting ints for people.
 
 Budgets in jax_residency are `int | None` numbers of bytes, `None` meaning
 unbounded. This module converts between those ints and the strings people
@@ -12,11 +11,7 @@ from __future__ import annotations
 import numbers
 import re
 import reprlib
-from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any
-
-import numpy as np
 
 from jax_residency._src.policy.errors import InvalidBudgetError
 
@@ -163,14 +158,3 @@ def format_bytes(n: int | None) -> str:
       text = f"{size / scale:.1f}"
     return f"{sign}{text} {unit}"
   return f"{sign}{size} B"
-
-
-def tensor_nbytes(shape: Sequence[int], dtype: Any) -> int:
-  """Bytes of a C-contiguous tensor of ``shape`` and ``dtype``.
-
-  Example:
-    >>> import numpy as np
-    >>> tensor_nbytes((3, 5), "float32"), tensor_nbytes((), np.int8)
-    (60, 1)
-  """
-  return int(np.prod(tuple(shape), dtype=np.int64)) * np.dtype(dtype).itemsize

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_residency._src.policy.sizes import tensor_nbytes
+from jax_residency._src.typing import tensor_nbytes
 
 #: How often the background thread samples RSS, in seconds.
 DEFAULT_INTERVAL_SECONDS = 0.01

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_residency._src.policy.sizes import tensor_nbytes
+from jax_residency._src.typing import tensor_nbytes
 
 _log = logging.getLogger(__name__)
 

@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY, Discovered, as_path
-from jax_residency._src.typing import ParamPath, TensorSpec
+from jax_residency._src.typing import ParamPath, TensorSpec, path_str
 
 if TYPE_CHECKING:
   from jax.typing import DTypeLike

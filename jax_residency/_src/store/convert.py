@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jax_residency._src.models.bert import BertConfig, BertEncoder
-from jax_residency._src.placement.split import normalise_path, path_str
+from jax_residency._src.placement.split import normalise_path
 from jax_residency._src.policy.errors import (
   CheckpointShapeMismatchError,
   MissingCheckpointParametersError,
@@ -32,7 +32,7 @@ from jax_residency._src.policy.errors import (
 )
 from jax_residency._src.store.save import save
 from jax_residency._src.store.unit_store import StoreInfo
-from jax_residency._src.typing import ParamPath
+from jax_residency._src.typing import ParamPath, path_str
 
 #: Our static parameter path → Hugging Face tensor name.
 EMBEDDING_NAMES: dict[ParamPath, str] = {

@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
 from jax_residency._src.store import mapped
-from jax_residency._src.typing import ParamPath
+from jax_residency._src.typing import ParamPath, path_str
 
 #: The sidecar's ``format`` field.
 FORMAT_NAME = "jax_residency.unit_store"

@@ -21,6 +21,11 @@ What it costs and holds:
   array viewing it dies; `UnitMapper.mapped_bytes` counts what is mapped now.
 * A tensor that cannot be mapped (compressed, inline in the OCDBT index, not
   aligned, a remote store) is read into a buffer as before; a unit may mix both.
+* A chunk with a checksum (the zarr3 ``crc32c`` codec after ``bytes``, as
+  `jax_residency.save` writes it) is checked on every map, as TensorStore checks
+  the chunks it decodes: a CRC-32C over the mapped pages, without a copy, on the
+  read thread (about 12 GiB/s on the development VM). A mismatch raises
+  `StoreCorruptionError` naming the store, the tensor and the unit.
 
 The chunk locations come from the store's OCDBT index (``ts.ocdbt.dump``), read
 once, on the first mapped read, for the version that is newest then. OCDBT data
@@ -41,17 +46,21 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import crc32c
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.policy.sizes import tensor_nbytes
+from jax_residency._src.policy import errors
 from jax_residency._src.store.buffers import padded_nbytes
-from jax_residency._src.typing import ParamPath
+from jax_residency._src.typing import ParamPath, tensor_nbytes
 
 _log = logging.getLogger(__name__)
 
 #: Byte alignment XLA's CPU client needs to use a host buffer in place.
 ALIGNMENT = 64
+#: Bytes of the zarr3 ``crc32c`` codec's trailer: the CRC-32C of the chunk's
+#: data, little-endian, after the data.
+CHECKSUM_BYTES = 4
 #: Environment variable that, set to "0", turns mapped unit reads off.
 MAPPED_READS_ENV = "JAX_RESIDENCY_MAPPED_READS"
 
@@ -128,8 +137,10 @@ class UnitMapper:
     root: The store's local directory.
     use_ocdbt: Whether the arrays live in an OCDBT database at ``root`` (else
       each chunk is a file of its own under ``root/<array name>/c/``).
-    tensors: For each mappable unit tensor, by its path relative to the unit
-      prefix: (array name, per-unit shape, dtype).
+    tensors: For each mappable unit tensor (see `mappable`), by its path
+      relative to the unit prefix: (array name, per-unit shape, dtype). A chunk
+      `CHECKSUM_BYTES` longer than its data has a checksum (`chunk_trailer`):
+      it is checked on every map.
   """
 
   def __init__(
@@ -181,18 +192,45 @@ class UnitMapper:
 
   def map_unit(self, unit: int) -> dict[ParamPath, np.ndarray]:
     """Maps what can be mapped of unit ``unit``; tensors missing from the result
-    must be read (their chunk is inline, compressed, unaligned or unreadable)."""
+    must be read (their chunk is inline, compressed, unaligned or unreadable).
+
+    Raises:
+      StoreCorruptionError: a mapped chunk's data does not match its checksum.
+    """
     out = {}
-    for rel, (_, shape, dtype) in self._tensors.items():
+    for rel, (name, shape, dtype) in self._tensors.items():
       extent = self._extent(rel, unit)
-      if extent is None or not extent.length or extent.length != tensor_nbytes(shape, dtype):
+      nbytes = tensor_nbytes(shape, dtype)
+      # A mappable chunk is its data alone, or its data and a checksum.
+      trailer = extent.length - nbytes if extent is not None else -1
+      if not nbytes or trailer not in (0, CHECKSUM_BYTES):
         continue
-      array = self._map(extent, shape, dtype)
+      assert extent is not None
+      try:
+        array = self._map(extent, shape, dtype, trailer)
+      except _Mismatch as e:
+        raise errors.StoreCorruptionError(
+          f"Unit {unit} of tensor {name!r} in the store {self._root} is corrupt: its data "
+          f"does not match its checksum (stored CRC-32C {e.stored:#010x}, computed "
+          f"{e.computed:#010x}; the chunk at byte {extent.offset} of {extent.file}). The file "
+          "changed after the store was written: write the store again from the original "
+          "model or checkpoint (`jax-residency verify PATH` lists every damaged tensor).",
+          store=self._root,
+          tensor=name,
+          unit=unit,
+        ) from None
       if array is not None:
         out[rel] = array
     return out
 
-  def _map(self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+  def _map(
+    self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype, trailer: int
+  ) -> np.ndarray | None:
+    """Maps one chunk and returns its data as an array (None: read it instead).
+
+    Raises:
+      _Mismatch: the chunk has a checksum (``trailer``) that its data does not match.
+    """
     start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
     skip = extent.offset - start
     if skip % ALIGNMENT:
@@ -212,6 +250,8 @@ class UnitMapper:
       return None
     finally:
       os.close(fd)
+    if trailer:
+      _check(region, skip, extent.length - trailer)
     # Counted as a read buffer would hold it; a chunk that starts inside a page
     # maps one page more (at most 4 KiB per tensor, not counted).
     size = padded_nbytes(shape, dtype)
@@ -231,12 +271,58 @@ class UnitMapper:
     self._unmapped_sizes.append(size)
 
 
-def mappable(meta: Any) -> bool:
-  """Whether zarr3 array metadata stores each chunk as raw native-order bytes."""
+class _Mismatch(Exception):
+  def __init__(self, stored: int, computed: int):
+    super().__init__(stored, computed)
+    self.stored, self.computed = stored, computed
+
+
+def _check(region: mmap.mmap, start: int, nbytes: int) -> None:
+  """Checks the ``nbytes`` of data at ``start`` against the CRC-32C after them.
+
+  The CRC runs on the mapped pages themselves (no copy), hardware-accelerated
+  and without the GIL (about 12 GiB/s on the development VM).
+  """
+  with memoryview(region) as view:
+    stored = int.from_bytes(view[start + nbytes : start + nbytes + CHECKSUM_BYTES], "little")
+    with view[start : start + nbytes] as data:
+      computed = crc32c.crc32c(data)
+  if computed != stored:
+    raise _Mismatch(stored, computed)
+
+
+def chunk_trailer(meta: Any) -> int | None:
+  """Bytes after the data in each chunk of a zarr3 array stored as raw native-order
+  bytes: 0, or `CHECKSUM_BYTES` with the ``crc32c`` codec; None if chunks are not raw.
+
+  Example:
+    >>> little = {"name": "bytes", "configuration": {"endian": sys.byteorder}}
+    >>> chunk_trailer({"zarr_format": 3, "codecs": [little]})
+    0
+    >>> chunk_trailer({"zarr_format": 3, "codecs": [little, {"name": "crc32c"}]})
+    4
+    >>> chunk_trailer({"zarr_format": 3, "codecs": [little, {"name": "zstd"}]}) is None
+    True
+  """
   if not isinstance(meta, dict) or meta.get("zarr_format") != 3:
-    return False
+    return None
   codecs = meta.get("codecs", [])
-  if len(codecs) != 1 or codecs[0].get("name") != "bytes":
-    return False
-  endian = (codecs[0].get("configuration") or {}).get("endian", sys.byteorder)
-  return endian == sys.byteorder
+  if not isinstance(codecs, list) or not codecs or not isinstance(codecs[0], dict):
+    return None
+  first, rest = codecs[0], codecs[1:]
+  if first.get("name") != "bytes":
+    return None
+  endian = (first.get("configuration") or {}).get("endian", sys.byteorder)
+  if endian != sys.byteorder:
+    return None
+  if not rest:
+    return 0
+  if len(rest) == 1 and isinstance(rest[0], dict) and rest[0].get("name") == "crc32c":
+    return CHECKSUM_BYTES
+  return None
+
+
+def mappable(meta: Any) -> bool:
+  """Whether zarr3 array metadata stores each chunk as raw native-order bytes
+  (with or without a checksum after them)."""
+  return chunk_trailer(meta) is not None

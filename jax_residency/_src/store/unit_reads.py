@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
 from jax_residency._src.store.buffers import BufferPool, buffer_layout
+from jax_residency._src.typing import path_str
 
 #: Bytes a unit read copies per request: larger tensors are read in pieces.
 READ_PIECE_BYTES = 32 << 20
@@ -34,8 +34,10 @@ class UnitRead:
     arrays: Mapping[Any, np.ndarray],
     futures: Sequence[tuple[Any, Any]],
     where: str,
+    prefix: tuple[str, ...] = (),
   ):
     self.unit = unit
+    self._prefix = prefix
     self._arrays = dict(arrays)
     self._futures = list(futures)
     self._where = where
@@ -58,12 +60,33 @@ class UnitRead:
       except TimeoutError:
         raise
       except Exception as e:  # TensorStore reports IO errors as ValueError.
-        raise errors.StoreError(
-          f"Reading tensor {path_str(key)!r} of unit {self.unit} from {self._where} "
-          f"failed: {e}. Check that the store is complete and readable."
-        ) from e
+        raise read_error(e, self._where, path_str(self._prefix + tuple(key)), self.unit) from e
     self._futures.clear()
     return dict(self._arrays)
+
+
+def read_error(error: Exception, where: str, tensor: str, unit: int | None) -> errors.StoreError:
+  """The typed error for a failed TensorStore read of ``tensor`` (of unit ``unit``,
+  or a static tensor when None) from the store ``where``.
+
+  A chunk whose data does not match its checksum (TensorStore's ``DATA_LOSS``
+  "Digest mismatch") gives `StoreCorruptionError`; any other failure `StoreError`.
+  """
+  what = f"tensor {tensor!r}" if unit is None else f"unit {unit} of tensor {tensor!r}"
+  text = str(error)
+  if "DATA_LOSS" in text and "igest mismatch" in text:
+    return errors.StoreCorruptionError(
+      f"{what[0].upper()}{what[1:]} in the store {where} is corrupt: its data does not match "
+      f"its checksum ({text}). The store's files changed after it was written: write it again "
+      "from the original model or checkpoint (`jax-residency verify PATH` lists every damaged "
+      "tensor).",
+      store=where,
+      tensor=tensor,
+      unit=unit,
+    )
+  return errors.StoreError(
+    f"Reading {what} from {where} failed: {text}. Check that the store is complete and readable."
+  )
 
 
 def issue_unit_read(
@@ -73,9 +96,11 @@ def issue_unit_read(
   where: str,
   *,
   ready: Mapping[Any, np.ndarray] | None = None,
+  prefix: tuple[str, ...] = (),
 ) -> UnitRead:
   """Starts copying each `(key, source)` view into one pooled slab; `ready` arrays
-  (mapped, not read) join the result as they are."""
+  (mapped, not read) join the result as they are. Errors name a tensor by its full
+  path, ``prefix`` + key."""
   specs = [(str(i), tuple(src.shape), src.dtype.numpy_dtype) for i, (_, src) in enumerate(sources)]
   layout, nbytes = buffer_layout(specs)
   buffers = pool.lease(layout, nbytes)
@@ -95,4 +120,4 @@ def issue_unit_read(
       stop = min(start + step, rows)
       piece = (out, src) if step >= rows else (out[start:stop], src[start:stop].translate_to[0])
       futures.append((key, ts.array(piece[0], copy=False, write=True).write(piece[1])))
-  return UnitRead(unit, arrays, futures, where)
+  return UnitRead(unit, arrays, futures, where, prefix)

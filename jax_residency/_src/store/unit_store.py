@@ -40,15 +40,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
-from jax_residency._src.policy.sizes import tensor_nbytes
-from jax_residency._src.store import checks, discovery, handles, mapped
+from jax_residency._src.store import checks, commit, discovery, handles, mapped
 from jax_residency._src.store.buffers import BufferPool, buffer_layout, padded_nbytes
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
-from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read
-from jax_residency._src.typing import ParamPath, TensorSpec
+from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read, read_error
+from jax_residency._src.typing import ParamPath, TensorSpec, path_str, tensor_nbytes
 
 if TYPE_CHECKING:
   from jax.typing import DTypeLike
@@ -175,6 +173,8 @@ class UnitStore:
         f"{max_cached_shards=}. Use the default, {DEFAULT_MAX_CACHED_SHARDS}."
       )
     loc = discovery.locate(path)
+    if loc.local is not None:  # a save that died between its two renames
+      commit.recover_local(loc.local)
     context = handles.store_context()
     try:
       found = discovery.discover(loc, context, sidecar_key=SIDECAR_KEY)
@@ -370,7 +370,7 @@ class UnitStore:
           f"Cannot index unit tensor {path_str(rel)!r} (per-unit shape "
           f"{self._units[rel].shape[1:]}) with {idx!r}: {e}"
         ) from e
-    return issue_unit_read(int(i), sources, self._pool, self.path, ready=ready)
+    return issue_unit_read(int(i), sources, self._pool, self.path, ready=ready, prefix=self._prefix)
 
   def read_unit(
     self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
@@ -436,7 +436,7 @@ class UnitStore:
     try:
       return future.result()
     except ValueError as e:
-      raise errors.StoreError(f"Reading {path_str(path)!r} from {self.path} failed: {e}") from e
+      raise read_error(e, self.path, path_str(path), None) from e
 
   def check_against(
     self,

@@ -20,9 +20,7 @@ import numpy as np
 import tensorstore as ts
 import tqdm
 
-from jax_residency._src.placement.split import path_str
 from jax_residency._src.policy import errors
-from jax_residency._src.policy.sizes import tensor_nbytes
 from jax_residency._src.store import commit, mapped, space
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
@@ -36,7 +34,7 @@ from jax_residency._src.store.discovery import (
 )
 from jax_residency._src.store.handles import store_context
 from jax_residency._src.store.unit_store import StoreInfo, UnitStore
-from jax_residency._src.typing import ParamPath
+from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 if TYPE_CHECKING:
   from jax.typing import ArrayLike
@@ -44,6 +42,9 @@ if TYPE_CHECKING:
 _CHECKPOINT_MARKERS = ("_METADATA", "manifest.ocdbt", SIDECAR_KEY)
 #: Bytes a writer lets be in flight before it waits for the oldest write.
 WRITE_IN_FLIGHT_BYTES = 256 << 20
+#: Whether stores are written with a CRC-32C after each chunk (the zarr3 ``crc32c``
+#: codec), which every read checks. Off only to make stores as older versions did.
+WRITE_CHECKSUMS = True
 
 
 def _orbax_metadata(paths: Iterable[ParamPath]) -> dict[str, Any]:
@@ -82,6 +83,7 @@ class _StoreWriter:
     self.dest = locate(path)
     self._overwrite = overwrite
     self._total = total
+    self._checksums = WRITE_CHECKSUMS
     self._pending: collections.deque[tuple[Any, int]] = collections.deque()
     self._in_flight = 0
     self._paths: list[ParamPath] = []
@@ -140,6 +142,7 @@ class _StoreWriter:
     self, path: ParamPath, shape: tuple[int, ...], dtype: np.dtype, chunk: Sequence[int]
   ) -> ts.TensorStore:
     endian = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    checksum = [{"name": "crc32c"}] if self._checksums else []
     metadata = {
       "shape": list(shape),
       "data_type": ts.dtype(dtype).name,
@@ -147,7 +150,7 @@ class _StoreWriter:
         "name": "regular",
         "configuration": {"chunk_shape": [max(1, c) for c in chunk]},
       },
-      "codecs": endian if dtype.itemsize > 1 else [{"name": "bytes"}],
+      "codecs": (endian if dtype.itemsize > 1 else [{"name": "bytes"}]) + checksum,
     }
     spec = {
       "driver": "zarr3",
@@ -165,11 +168,13 @@ class _StoreWriter:
 
   def write(self, handle: ts.TensorStore, index: Any, value: np.ndarray) -> None:
     # OCDBT packs the values a batch of writes commits back to back in one data
-    # file. A value whose size is not a multiple of `mapped.ALIGNMENT` (and too
-    # big to sit inline in the index) would shift every value after it off the
-    # alignment that mapped reads need, so it is written alone: the writes
-    # before it land first, and it lands before any write after it starts.
-    odd = value.nbytes % mapped.ALIGNMENT and value.nbytes > OCDBT_INLINE_BYTES
+    # file. A stored value (the data and its checksum) whose size is not a
+    # multiple of `mapped.ALIGNMENT` (and too big to sit inline in the index)
+    # would shift every value after it off the alignment that mapped reads need,
+    # so it is written alone: the writes before it land first, and it lands
+    # before any write after it starts, at the start of a data file of its own.
+    stored = value.nbytes + (mapped.CHECKSUM_BYTES if self._checksums else 0)
+    odd = stored % mapped.ALIGNMENT and stored > OCDBT_INLINE_BYTES
     if odd:
       self._drain()
     self._pending.append((_write_chunk(handle, index, value), value.nbytes))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jax_residency._src.policy.sizes import tensor_nbytes
+from jax_residency._src.typing import tensor_nbytes
 
 
 def addressable_box(

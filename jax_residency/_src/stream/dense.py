@@ -15,12 +15,13 @@ from jax.sharding import Mesh
 
 from jax_residency._src.placement import shardings as pl
 from jax_residency._src.placement.budget import ModelMetadata, metadata_for
-from jax_residency._src.placement.split import SplitModel, path_str
+from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.policy.errors import PlacementError
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.telemetry import Telemetry
 from jax_residency._src.store.loading import open_for
 from jax_residency._src.stream.engine import DenseStreamEngine
+from jax_residency._src.typing import path_str
 
 
 class DenseExecutor:

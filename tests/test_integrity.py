@@ -1,0 +1,170 @@
+"""Store integrity: every chunk carries a CRC-32C, every read checks it, and a damaged or
+unreadable store raises one error type whichever thread read it (issue 12, items 1 and 7)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_residency as jr
+from jax_residency._src.cli import main as cli
+from jax_residency._src.store import mapped, writer
+from jax_residency._src.store import unit_store as st
+from jax_residency._src.store.verify import verify_store
+from jax_residency.toy import ToyConfig, ToyTransformer
+
+# Kernels of 16-64 KiB: stored out of line in the OCDBT data files, so mappable.
+CFG = ToyConfig(vocab=64, d_model=64, n_heads=4, d_ff=128, n_layers=4)
+MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
+KERNEL = "layers.up.kernel"  # (4, 64, 128) float32: 32 KiB per unit
+
+
+@pytest.fixture(scope="module")
+def model():
+  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab)
+
+
+@pytest.fixture(scope="module")
+def store(model, tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("stores") / "toy")
+  jr.save(model, path, progress=False)
+  return path
+
+
+def damaged_copy(store: str, dest: str, *chunks: tuple[str, int | None]) -> str:
+  """A copy of ``store`` with one bit flipped in the data of each (tensor, unit) chunk
+  (unit None: a static tensor's only chunk)."""
+  shutil.copytree(store, dest)
+  extents = mapped.ocdbt_extents(dest)
+  for tensor, unit in chunks:
+    first = f"{tensor}/c/{0 if unit is None else unit}"
+    extent = next(e for k, e in extents.items() if k == first or k.startswith(first + "/"))
+    with open(extent.file, "r+b") as f:
+      f.seek(extent.offset + extent.length // 2)
+      byte = f.read(1)[0]
+      f.seek(extent.offset + extent.length // 2)
+      f.write(bytes([byte ^ 0x10]))
+  return dest
+
+
+def dense(host: int | str) -> jr.DenseDiskStream:
+  return jr.DenseDiskStream(host_budget_bytes=host)
+
+
+def test_saved_stores_carry_checksums_and_still_map(store):
+  opened = st.UnitStore.open(store)
+  result = verify_store(store, progress=False)
+  assert result.ok and result.checksummed
+  assert result.chunks == len(opened.static_specs) + CFG.n_layers * len(opened.unit_specs)
+  assert opened.use_mapped_reads()
+  unit = opened.read_unit(2)
+  # Every out-of-line kernel still lies 64-byte aligned, so it is mapped, not copied.
+  assert opened.mapped_bytes_total >= sum(a.nbytes for k, a in unit.items() if k[1] == "kernel")
+  copied = st.UnitStore.open(store).read_unit(2)
+  for key, value in copied.items():
+    np.testing.assert_array_equal(unit[key], value, err_msg=str(key))
+  opened.close()
+
+
+@pytest.mark.parametrize(
+  "policy, mapped_reads",
+  [
+    ("dense-host0", True),  # direct: mapped reads on the calling thread
+    ("dense-host0", False),  # direct, copied: TensorStore checks the checksum
+    ("dense-cached", True),  # through the host cache: the prefetch worker reads
+    ("dense-cached", False),
+    ("resident", True),  # read once at placement
+    ("layerwise", True),
+  ],
+)
+def test_a_flipped_bit_in_a_unit_raises_a_corruption_error(
+  policy, mapped_reads, model, tokens, store, tmp_path, monkeypatch
+):
+  if not mapped_reads:
+    monkeypatch.setenv(mapped.MAPPED_READS_ENV, "0")
+  bad = damaged_copy(store, str(tmp_path / "bad"), (KERNEL, 2))
+  chosen = {
+    "dense-host0": dense(0),
+    "dense-cached": dense("4MiB"),
+    "resident": jr.FullyResident(),
+    "layerwise": jr.LayerwiseHost(),
+  }[policy]
+  with pytest.raises(jr.errors.StoreCorruptionError) as info:
+    with jr.place(model, chosen, store=bad, mesh=MESH1) as placed:
+      placed(tokens)
+  error = info.value
+  assert isinstance(error, jr.StoreError) and not isinstance(error, jr.errors.PrefetchError)
+  assert (error.store, error.tensor, error.unit) == (bad, KERNEL, 2)
+  assert KERNEL in str(error) and "unit 2" in str(error).lower() and bad in str(error)
+
+
+def test_a_flipped_bit_in_a_static_tensor_raises_a_corruption_error(model, store, tmp_path):
+  bad = damaged_copy(store, str(tmp_path / "bad"), ("embed.embedding", None))
+  with pytest.raises(jr.errors.StoreCorruptionError) as info:
+    jr.place(model, dense(0), store=bad, mesh=MESH1)
+  assert (info.value.tensor, info.value.unit) == ("embed.embedding", None)
+
+
+def test_the_undamaged_store_still_matches_the_plain_model(model, tokens, store):
+  want = model(tokens)
+  for policy in (dense(0), dense("4MiB"), jr.FullyResident()):
+    with jr.place(model, policy, store=store, mesh=MESH1) as placed:
+      np.testing.assert_array_equal(placed(tokens), want)
+
+
+def test_stores_without_checksums_keep_loading_and_mapping(model, tokens, tmp_path, monkeypatch):
+  monkeypatch.setattr(writer, "WRITE_CHECKSUMS", False)
+  path = str(tmp_path / "plain")
+  jr.save(model, path, progress=False)
+  result = verify_store(path, progress=False)
+  assert result.ok and not result.checksummed
+  with jr.place(model, dense(0), store=path, mesh=MESH1) as placed:
+    np.testing.assert_array_equal(placed(tokens), model(tokens))
+    assert placed.report().total.mapped_bytes > 0
+
+
+def test_verify_lists_every_damaged_tensor(store, tmp_path, capsys):
+  chunks = [(KERNEL, 1), (KERNEL, 3), ("layers.qkv.kernel", 0), ("head.kernel", None)]
+  bad = damaged_copy(store, str(tmp_path / "bad"), *chunks)
+  result = verify_store(bad, progress=False)
+  assert not result.ok and result.checksummed
+  assert {(d.tensor, d.unit) for d in result.damaged} == set(chunks)
+  assert all(d.corrupt for d in result.damaged)
+
+  assert cli.main(["verify", bad]) == 1
+  out = capsys.readouterr().out
+  for tensor, unit in chunks:
+    assert f"corrupt: {tensor} ({'static' if unit is None else f'unit {unit}'})" in out
+  assert cli.main(["verify", store]) == 0
+  assert "no damage" in capsys.readouterr().out.lower()
+
+
+def test_verify_reports_a_missing_data_file_as_unreadable(store, tmp_path):
+  bad = str(tmp_path / "bad")
+  shutil.copytree(store, bad)
+  extent = mapped.ocdbt_extents(bad)[f"{KERNEL}/c/2/0/0"]
+  os.remove(extent.file)
+  result = verify_store(bad, progress=False)
+  assert (KERNEL, 2) in {(d.tensor, d.unit) for d in result.damaged}
+  assert not any(d.corrupt for d in result.damaged)
+
+
+def test_inspect_says_whether_a_store_has_checksums(store, tmp_path, monkeypatch, capsys):
+  assert cli.main(["inspect", store]) == 0
+  assert re.search(r"^checksums +crc32c on every chunk", capsys.readouterr().out, re.M)
+  monkeypatch.setattr(writer, "WRITE_CHECKSUMS", False)
+  plain = str(tmp_path / "plain")
+  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(0)), plain, progress=False)
+  assert cli.main(["inspect", plain]) == 0
+  assert re.search(r"^checksums +none", capsys.readouterr().out, re.M)

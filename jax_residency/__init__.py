@@ -78,6 +78,7 @@ from .errors import StoreCorruptionError as StoreCorruptionError
 from .errors import StoreError as StoreError
 from .errors import StoreLayoutError as StoreLayoutError
 from .errors import StoreNotFoundError as StoreNotFoundError
+from .errors import StoreReplacedError as StoreReplacedError
 from .errors import (
   UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
 )

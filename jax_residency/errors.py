@@ -26,6 +26,7 @@ The hierarchy (a builtin in parentheses is a second base class)::
           StoreNotFoundError (FileNotFoundError)
           StoreLayoutError
           StoreCorruptionError
+          StoreReplacedError
           CheckpointMismatchError
               MissingCheckpointParametersError
               CheckpointShapeMismatchError
@@ -76,6 +77,7 @@ from jax_residency._src.policy.errors import StoreCorruptionError as StoreCorrup
 from jax_residency._src.policy.errors import StoreError as StoreError
 from jax_residency._src.policy.errors import StoreLayoutError as StoreLayoutError
 from jax_residency._src.policy.errors import StoreNotFoundError as StoreNotFoundError
+from jax_residency._src.policy.errors import StoreReplacedError as StoreReplacedError
 from jax_residency._src.policy.errors import (
   UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
 )
@@ -108,6 +110,7 @@ __all__ = [
   "StoreError",
   "StoreLayoutError",
   "StoreCorruptionError",
+  "StoreReplacedError",
   "StoreNotFoundError",
   "UnexpectedCheckpointParametersError",
   "UnitSelectionError",

@@ -168,3 +168,32 @@ def test_inspect_says_whether_a_store_has_checksums(store, tmp_path, monkeypatch
   jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(0)), plain, progress=False)
   assert cli.main(["inspect", plain]) == 0
   assert re.search(r"^checksums +none", capsys.readouterr().out, re.M)
+
+
+def test_a_store_replaced_under_a_live_placement_fails_clearly(model, tokens, store, tmp_path):
+  """A placement serves the store it opened: once the store on disk is replaced (or
+  rewritten in place), the next read from disk raises StoreReplacedError; weights read
+  before (FullyResident's, at placement) keep serving; placing again reads the new one."""
+  path = str(tmp_path / "live")
+  shutil.copytree(store, path)
+  other = ToyTransformer(CFG, rngs=nnx.Rngs(7))
+  old, new = model(tokens), other(tokens)
+  streamed = jr.place(model, dense(0), store=path, mesh=MESH1)
+  resident = jr.place(model, jr.FullyResident(), store=path, mesh=MESH1)
+  np.testing.assert_array_equal(streamed(tokens), old)
+  jr.save(other, path, progress=False, overwrite=True)
+  with pytest.raises(jr.errors.StoreReplacedError, match="place the model again") as info:
+    streamed(tokens)
+  assert info.value.store == path and isinstance(info.value, jr.StoreError)
+  with pytest.raises(jr.errors.StoreReplacedError):  # and on every pass after
+    streamed(tokens)
+  np.testing.assert_array_equal(resident(tokens), old)  # loaded at placement
+  streamed.close()
+  resident.close()
+  with jr.place(other, dense(0), store=path, mesh=MESH1) as again:
+    np.testing.assert_array_equal(again(tokens), new)
+    manifest = os.path.join(path, "manifest.ocdbt")
+    stat = os.stat(manifest)
+    os.utime(manifest, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a new commit
+    with pytest.raises(jr.errors.StoreReplacedError, match="replaced or rewritten"):
+      again(tokens)

@@ -28,6 +28,7 @@ from jax_residency._src.policy.store_errors import StoreCorruptionError as Store
 from jax_residency._src.policy.store_errors import StoreError as StoreError
 from jax_residency._src.policy.store_errors import StoreLayoutError as StoreLayoutError
 from jax_residency._src.policy.store_errors import StoreNotFoundError as StoreNotFoundError
+from jax_residency._src.policy.store_errors import StoreReplacedError as StoreReplacedError
 from jax_residency._src.policy.store_errors import (
   UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
 )

@@ -100,6 +100,38 @@ class StoreCorruptionError(StoreError):
     self.unit = unit
 
 
+class StoreReplacedError(StoreError):
+  """The store a placement streams from was replaced or rewritten on disk.
+
+  A placement serves the store it opened. When the store at its path is
+  replaced (``jr.save(..., overwrite=True)``) or rewritten (a new Orbax commit),
+  the next read from disk raises this instead of mixing two versions' weights;
+  place the model again to use the new store. Units still cached (a device
+  window holding every unit, a host cache) keep serving the old weights until
+  a read is needed. Carries ``store``.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=4), rngs=nnx.Rngs(0))
+    >>> path, tokens = tempfile.mkdtemp() + "/toy", jnp.zeros((1, 4), jnp.int32)
+    >>> _ = jr.save(model, path, progress=False)
+    >>> placed = jr.place(model, jr.DenseDiskStream(host_budget_bytes=0), store=path)
+    >>> _ = placed(tokens)
+    >>> _ = jr.save(model, path, progress=False, overwrite=True)  # a new store there
+    >>> try:
+    ...   placed(tokens)
+    ... except jr.errors.StoreReplacedError as e:
+    ...   print(e.store == path)
+    True
+    >>> placed.close()
+  """
+
+  def __init__(self, message: str, *, store: str | None = None):
+    super().__init__(message)
+    self.store = store
+
+
 class CheckpointMismatchError(StoreError):
   """Base of the errors that compare a stored tree with the model's tree.
 

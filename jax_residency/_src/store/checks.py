@@ -99,10 +99,17 @@ def check_against(
   *,
   strict: bool,
 ) -> None:
-  """Checks that a store holds exactly what a model expects (see `UnitStore.check_against`).
+  """Checks that a store holds exactly what a model expects.
 
   ``stored_units`` and ``expected_units`` are keyed by path relative to
-  ``unit_prefix`` (per-unit shapes), the static ones by full path.
+  ``unit_prefix`` (per-unit shapes), the static ones by full path; ``strict``
+  also rejects stored tensors the model does not claim.
+
+  Raises:
+    MissingCheckpointParametersError: Expected tensors are absent (checked
+      first; the message counts the other problems too).
+    CheckpointShapeMismatchError: Shapes or dtypes differ.
+    UnexpectedCheckpointParametersError: With `strict`, unclaimed tensors.
   """
   missing, mismatched = [], []
   for label, expected, stored in (

@@ -42,7 +42,7 @@ import tensorstore as ts
 
 from jax_residency._src.policy import errors
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
-from jax_residency._src.store import checks, commit, discovery, handles, mapped
+from jax_residency._src.store import checks, commit, discovery, generation, handles, mapped
 from jax_residency._src.store.buffers import BufferPool, buffer_layout, padded_nbytes
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
 from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read, read_error
@@ -132,6 +132,8 @@ class UnitStore:
     self._mapper: mapped.UnitMapper | None = None
     self._mapped_unit_bytes = 0
     self._closed = False
+    # A placement serves the store it opened: reads check it was not replaced since.
+    self._watch = generation.Watch(location.local, location.path) if location.local else None
 
   @classmethod
   def open(
@@ -445,19 +447,8 @@ class UnitStore:
     *,
     strict: bool,
   ) -> None:
-    """Checks that the store holds exactly what a model expects.
-
-    Args:
-      expected_units: Per-unit (shape, dtype) by path relative to `unit_prefix`.
-      expected_static: (shape, dtype) by full path.
-      strict: Also reject stored tensors the model does not claim.
-
-    Raises:
-      MissingCheckpointParametersError: Expected tensors are absent (checked
-        first; the message counts the other problems too).
-      CheckpointShapeMismatchError: Shapes or dtypes differ.
-      UnexpectedCheckpointParametersError: With `strict`, unclaimed tensors.
-    """
+    """Checks that the store holds exactly what a model expects; see
+    `checks.check_against` (``expected_units`` are keyed relative to `unit_prefix`)."""
     checks.check_against(
       self.path,
       self._prefix,
@@ -483,8 +474,11 @@ class UnitStore:
     self.close()
 
   def _check_usable(self) -> None:
+    """Raises `ClosedError` after `close`, `StoreReplacedError` if the store changed."""
     if self._closed:
       raise errors.ClosedError(f"{self!r} was used after close(); open the store again.")
+    if self._watch is not None:
+      self._watch.check()
 
   def _open_handle(self, name: str) -> ts.TensorStore:
     return self._open_handle_async(name).result()

@@ -26,8 +26,10 @@ def save(
 
   The stacked layer parameters are written one chunk per unit, uncompressed,
   so :class:`DenseDiskStream` can read any unit at disk speed; static
-  parameters are written whole. The store is written to a temporary location
-  and renamed into place only once complete.
+  parameters are written whole, every chunk with a CRC-32C that reads check.
+  The store is written to a temporary location and put in place only once
+  complete; over an existing store (``overwrite=True``), the path holds the
+  old store or the new one at every moment, even if the process is killed.
 
   Args:
     model: an ``nnx.Module``, or a Linen module with ``params``.
@@ -44,8 +46,11 @@ def save(
 
   Raises:
     StoreError: ``path`` is not a path, ``progress`` or ``overwrite`` is not a
-      bool (``overwrite="no"`` is refused, not taken as true), or a store
-      already exists at ``path`` and ``overwrite`` is False.
+      bool (``overwrite="no"`` is refused, not taken as true), a store
+      already exists at ``path`` and ``overwrite`` is False, a file lies where
+      a directory of ``path`` should be, or the disk has (or runs out of) less
+      space than the store needs; nothing is left written, and an old store at
+      ``path`` is kept.
     UnitSelectionError: ``units`` is not a path, or names no layer stack.
 
   Example:

@@ -14,8 +14,16 @@ the machine's disk speed hits both alike; the table shows medians. One untimed
 pass first primes the store's reusable unit buffers (the steady state of a
 streaming engine).
 
+With ``--checksums``, the cost of checking each chunk's CRC-32C: the same
+store is written twice, with checksums (as `jax_residency.save` writes stores)
+and without (as before they had them), and each is read both ways a dense
+stream reads on CPU, copied (`read_units`: TensorStore decodes and checks) and
+mapped (`use_mapped_reads`: the CRC runs over the mapped pages), cold and warm.
+The ratios are time with checksums over time without, per way and cache state.
+
   python benchmarks/read_path.py                   # 16 units x 128 MiB = 2 GiB
   python benchmarks/read_path.py --units 8 --unit-mib 32 --json
+  python benchmarks/read_path.py --checksums --units 8 --unit-mib 128
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import time
 import numpy as np
 
 from jax_residency._src.store import unit_store as st
+from jax_residency._src.store import verify
 from jax_residency._src.store import writer as wr
 
 PREFIX = ("layers",)
@@ -89,10 +98,11 @@ def _timed(fn) -> float:
   return nbytes / (time.perf_counter() - start) / 1e9
 
 
-def _ensure_store(path: str, units: int, unit_mib: int) -> None:
+def _ensure_store(path: str, units: int, unit_mib: int, *, checksums: bool = True) -> None:
   try:
     with st.UnitStore.open(path) as store:
-      if store.unit_count == units and store.unit_nbytes == _unit_bytes(unit_mib):
+      same = store.unit_count == units and store.unit_nbytes == _unit_bytes(unit_mib)
+      if same and (verify.checksums(store) == "crc32c") == checksums:
         return
   except Exception:  # noqa: BLE001 - anything else: write it afresh
     pass
@@ -100,7 +110,55 @@ def _ensure_store(path: str, units: int, unit_mib: int) -> None:
     key: _Stacked(units, int(unit_mib * 2**20 * frac), seed)
     for seed, (key, frac) in enumerate(FRACTIONS.items())
   }
-  wr.save_store(path, static={}, units=arrays, unit_prefix=PREFIX, overwrite=True)
+  saved, wr.WRITE_CHECKSUMS = wr.WRITE_CHECKSUMS, checksums
+  try:
+    wr.save_store(path, static={}, units=arrays, unit_prefix=PREFIX, overwrite=True)
+  finally:
+    wr.WRITE_CHECKSUMS = saved
+
+
+def _checksum_cost(args: argparse.Namespace, root: str) -> dict:
+  """Reads a store with and without checksums, copied and mapped, cold and warm."""
+  paths = {on: os.path.join(root, "store" if on else "store-no-checksums") for on in (1, 0)}
+  for on, path in paths.items():
+    _ensure_store(path, args.units, args.unit_mib, checksums=bool(on))
+  seconds: dict[str, list[float]] = {}
+  stores = {}
+  for on, path in paths.items():
+    for way in ("copied", "mapped"):
+      store = st.UnitStore.open(path)
+      if way == "mapped" and not store.use_mapped_reads():
+        raise SystemExit(f"{path}: mapped reads are not available here")
+      _store_read(store, args.in_flight)  # prime buffers (and the chunk index)
+      stores[on, way] = store
+  files = {on: _store_files(path) for on, path in paths.items()}
+  for _ in range(args.repeats):
+    for (on, way), store in stores.items():
+      for cache in ("cold", "warm"):
+        if cache == "cold":
+          _drop_page_cache(files[on])
+        start = time.perf_counter()
+        _store_read(store, args.in_flight)
+        seconds.setdefault(f"{way}_{cache}_{'crc' if on else 'plain'}", []).append(
+          time.perf_counter() - start
+        )
+  for store in stores.values():
+    store.close()
+  med = {k: statistics.median(v) for k, v in seconds.items()}
+  gib = args.units * _unit_bytes(args.unit_mib) / 2**30
+  return {
+    "units": args.units,
+    "unit_mib": args.unit_mib,
+    "total_gib": round(gib, 3),
+    "repeats": args.repeats,
+    "seconds": {k: round(v, 4) for k, v in med.items()},
+    "gib_per_s": {k: round(gib / v, 3) for k, v in med.items()},
+    "checksum_ratio": {
+      f"{way}_{cache}": round(med[f"{way}_{cache}_crc"] / med[f"{way}_{cache}_plain"], 3)
+      for way in ("copied", "mapped")
+      for cache in ("cold", "warm")
+    },
+  }
 
 
 def _unit_bytes(unit_mib: int) -> int:
@@ -115,9 +173,29 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--repeats", type=int, default=3, help="measured repeats (default 3)")
   parser.add_argument("--in-flight", type=int, default=2, help="unit reads in flight (default 2)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.add_argument(
+    "--checksums", action="store_true", help="measure what checking chunk checksums costs"
+  )
   args = parser.parse_args(argv)
 
   root = args.dir or tempfile.mkdtemp(prefix="jax_residency_bench_")
+  if args.checksums:
+    try:
+      cost = _checksum_cost(args, root)
+    finally:
+      if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+      print(json.dumps(cost))
+      return 0
+    print(
+      f"{cost['units']} units x {cost['unit_mib']} MiB = {cost['total_gib']:.2f} GiB, "
+      f"median of {cost['repeats']}: GiB/s without -> with checksums (time ratio)"
+    )
+    for key, ratio in cost["checksum_ratio"].items():
+      plain, crc = cost["gib_per_s"][f"{key}_plain"], cost["gib_per_s"][f"{key}_crc"]
+      print(f"  {key:<13}{plain:>8.2f} -> {crc:>6.2f}   {ratio:.3f}x")
+    return 0
   path = os.path.join(root, "store")
   try:
     start = time.perf_counter()

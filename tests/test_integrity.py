@@ -10,6 +10,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from damage import damaged_copy
 from flax import nnx
 
 import jax_residency as jr
@@ -40,22 +41,6 @@ def store(model, tmp_path_factory):
   path = str(tmp_path_factory.mktemp("stores") / "toy")
   jr.save(model, path, progress=False)
   return path
-
-
-def damaged_copy(store: str, dest: str, *chunks: tuple[str, int | None]) -> str:
-  """A copy of ``store`` with one bit flipped in the data of each (tensor, unit) chunk
-  (unit None: a static tensor's only chunk)."""
-  shutil.copytree(store, dest)
-  extents = mapped.ocdbt_extents(dest)
-  for tensor, unit in chunks:
-    first = f"{tensor}/c/{0 if unit is None else unit}"
-    extent = next(e for k, e in extents.items() if k == first or k.startswith(first + "/"))
-    with open(extent.file, "r+b") as f:
-      f.seek(extent.offset + extent.length // 2)
-      byte = f.read(1)[0]
-      f.seek(extent.offset + extent.length // 2)
-      f.write(bytes([byte ^ 0x10]))
-  return dest
 
 
 def dense(host: int | str) -> jr.DenseDiskStream:

@@ -1,0 +1,56 @@
+"""Ways to damage a copy of a store, shared by the fault tests (``test_integrity.py``,
+``test_faults.py``). Imported by name: ``conftest.py`` puts this directory on ``sys.path``.
+
+Each helper damages one chunk's data file of a store written by `jax_residency.save`:
+the chunk must be stored out of line in the OCDBT data files (chunks of a few KiB and
+more are), so that it has a file and a byte range (`mapped.ocdbt_extents`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from jax_residency._src.store import mapped
+
+
+def chunk_extent(store: str, tensor: str, unit: int | None) -> mapped.Extent:
+  """Where the data of ``tensor``'s chunk ``unit`` lies (unit None: a static tensor's only
+  chunk): its data file, offset and length."""
+  first = f"{tensor}/c/{0 if unit is None else unit}"
+  extents = mapped.ocdbt_extents(store)
+  return next(e for k, e in extents.items() if k == first or k.startswith(first + "/"))
+
+
+def flip_bit(store: str, tensor: str, unit: int | None) -> None:
+  """Flips one bit in the middle of the data of ``tensor``'s chunk ``unit``, in place."""
+  extent = chunk_extent(store, tensor, unit)
+  with open(extent.file, "r+b") as f:
+    f.seek(extent.offset + extent.length // 2)
+    byte = f.read(1)[0]
+    f.seek(extent.offset + extent.length // 2)
+    f.write(bytes([byte ^ 0x10]))
+
+
+def damaged_copy(store: str, dest: str, *chunks: tuple[str, int | None]) -> str:
+  """A copy of ``store`` with one bit flipped in the data of each (tensor, unit) chunk
+  (unit None: a static tensor's only chunk)."""
+  shutil.copytree(store, dest)
+  for tensor, unit in chunks:
+    flip_bit(dest, tensor, unit)
+  return dest
+
+
+def truncate_chunk_file(store: str, tensor: str, unit: int | None) -> str:
+  """Cuts the data file holding ``tensor``'s chunk ``unit`` 8 bytes into that chunk
+  (a copy or a download that stopped early); returns the file."""
+  extent = chunk_extent(store, tensor, unit)
+  os.truncate(extent.file, extent.offset + 8)
+  return extent.file
+
+
+def delete_chunk_file(store: str, tensor: str, unit: int | None) -> str:
+  """Removes the data file holding ``tensor``'s chunk ``unit``; returns the file."""
+  extent = chunk_extent(store, tensor, unit)
+  os.remove(extent.file)
+  return extent.file

@@ -1,4 +1,4 @@
-"""What ``jax-residency inspect``, ``plan``, ``run`` and ``rechunk`` do, given parsed arguments.
+"""What ``jax-residency inspect``, ``verify``, ``plan``, ``run`` and ``rechunk`` do.
 
 Each ``cmd_*`` takes the `argparse.Namespace` that `main.build_parser` produced and
 returns the exit code (``demo`` lives in `demo.py`). Heavy modules (JAX, the
@@ -136,6 +136,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
   """Reads every chunk; exit 0 if nothing is damaged, 1 if something is."""
   from jax_residency._src.store.verify import verify_store  # noqa: PLC0415
 
+  if "://" not in args.path and not os.path.exists(args.path):
+    raise CommandError(f"{args.path}: no such file or directory")
   result = verify_store(args.path, progress=None if not args.json else False)
   if args.json:
     emit_json(dataclasses.asdict(result) | {"ok": result.ok})

@@ -1,17 +1,18 @@
-"""The ``jax-residency`` command: ``demo``, ``inspect``, ``plan``, ``run``, ``rechunk``.
+"""The ``jax-residency`` command: ``demo``, ``inspect``, ``verify``, ``plan``, ``run``, ``rechunk``.
 
 ``jax-residency demo`` is the main job: with no configuration it writes a seeded
 toy transformer of a few hundred MB to a local store under the user cache
 directory (once, with a progress bar), runs it under all three policies, checks
 each output against the plain model and prints one table. The other commands
-work on any store written by :func:`jax_residency.save` (``inspect``, ``plan``,
-``rechunk``) or by this command (``run``, which needs the model's class).
+work on any store written by :func:`jax_residency.save` (``inspect``, ``verify``,
+``plan``, ``rechunk``) or by this command (``run``, which needs the model's class).
 
 This module holds the parser and `main`; `commands.py` the commands other than
 ``demo`` (`demo.py`).
 
-Exit codes: 0 success; 1 a check failed (demo parity, or nothing fits in
-``plan``); 2 a usage or library error, reported on one line of stderr.
+Exit codes: 0 success; 1 a check failed (demo parity, nothing fits in ``plan``,
+or ``verify`` found damage); 2 a usage or library error (a missing, unreadable or
+malformed store included), reported on one line of stderr, never a traceback.
 """
 
 from __future__ import annotations

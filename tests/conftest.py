@@ -301,3 +301,10 @@ def float_net() -> FloatNet:
 def mlir() -> type[Mlir]:
   """``mlir(text)`` parses lowered StableHLO text (see :class:`hlo.Mlir`)."""
   return Mlir
+
+
+@pytest.fixture(scope="session")
+def seeded_nnx() -> Callable[..., Any]:
+  """:func:`build_nnx`: ``seeded_nnx(make, seed=0)`` is ``make()`` with seeded weights,
+  built without compiling the model's initialiser."""
+  return build_nnx

@@ -1,0 +1,570 @@
+"""Faults injected the way they happen, and what the user gets (RELIABILITY.md's rows).
+
+A damaged data file (truncated, deleted, unreadable), ``close()`` from another thread
+during a pass, an interrupt (SIGINT) during a pass and during a save, and every broken
+store kind given to the command line, which must answer on one line, never with a
+traceback. The flipped bit, the crashed or full-disk save, malformed metadata and a
+replaced store have their own files (``test_integrity.py``, ``test_store_safety.py``,
+``test_bad_input.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+import jax
+import numpy as np
+import pytest
+from damage import chunk_extent, delete_chunk_file, flip_bit, truncate_chunk_file
+from flax import nnx
+
+import jax_residency as jr
+from jax_residency._src.cli import main as cli
+from jax_residency._src.cli import stored_models as records
+from jax_residency._src.store import unit_store as store_mod
+from jax_residency._src.store import writer
+from jax_residency._src.stream import prefetch
+from jax_residency.toy import ToyConfig, ToyTransformer
+
+# Kernels of 16-64 KiB: stored out of line in the OCDBT data files, one file per chunk.
+CFG = ToyConfig(vocab=64, d_model=64, n_heads=4, d_ff=128, n_layers=4)
+MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
+KERNEL = "layers.up.kernel"  # (4, 64, 128) float32: 32 KiB per unit; unit 2 is damaged
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAIT = 30.0  # seconds: a bound on waits that end at once unless something hangs
+
+
+@pytest.fixture(scope="module")
+def model(seeded_nnx):
+  return seeded_nnx(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab)
+
+
+@pytest.fixture(scope="module")
+def expected(model, tokens):
+  return np.asarray(model(tokens))  # eager: what a dense stream matches bit for bit
+
+
+@pytest.fixture(scope="module")
+def store(model, tmp_path_factory):
+  """The model's store, with the record `jax-residency run` reads."""
+  path = str(tmp_path_factory.mktemp("faults") / "store")
+  jr.save(model, path, progress=False)
+  records.write_model_record(path, CFG, 0)
+  return path
+
+
+def dense(host: int | str) -> jr.DenseDiskStream:
+  return jr.DenseDiskStream(host_budget_bytes=host)
+
+
+def worker_threads() -> int:
+  return sum(t.name.startswith("jax-residency") for t in threading.enumerate())
+
+
+# --- damaged data files --------------------------------------------------------------
+
+POLICIES = {
+  "dense-direct": lambda: dense(0),  # read on the calling thread
+  "dense-cached": lambda: dense("4MiB"),  # read by the prefetch worker
+  "resident": jr.FullyResident,  # every weight read at placement
+}
+DAMAGE = {"truncated": truncate_chunk_file, "deleted": delete_chunk_file}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_truncated_or_deleted_data_file_is_a_store_error_naming_the_unit(
+  model, tokens, store, tmp_path, damage, policy
+):
+  bad = str(tmp_path / "bad")
+  shutil.copytree(store, bad)
+  DAMAGE[damage](bad, KERNEL, 2)
+  if policy == "resident":
+    with pytest.raises(jr.StoreError) as info:
+      jr.place(model, POLICIES[policy](), store=bad, mesh=MESH1)
+    check_read_error(info.value, bad)
+    return
+  with jr.place(model, POLICIES[policy](), store=bad, mesh=MESH1) as placed:
+    for _ in range(2):  # every pass needs unit 2: each fails the same way
+      with pytest.raises(jr.StoreError) as info:
+        placed(tokens)
+      check_read_error(info.value, bad)
+      del info  # its traceback holds the failed pass's read buffers
+    assert placed.report().total.passes == 0  # the failed passes committed nothing
+
+
+def check_read_error(error: BaseException, store: str) -> None:
+  """A `StoreError` (whichever thread read) naming the store, the tensor and unit 2."""
+  assert isinstance(error, jr.StoreError) and not isinstance(error, jr.errors.PrefetchError)
+  message = str(error)
+  assert f"unit 2 of tensor '{KERNEL}'" in message.lower() and store in message, message
+
+
+# --- permission denied -----------------------------------------------------------------
+
+#: The command lines the broken-store tests run (`{path}`: the store).
+COMMANDS = {
+  "inspect": ["inspect", "{path}"],
+  "plan": ["plan", "{path}", "--platform", "cpu"],
+  "verify": ["verify", "{path}"],
+  "run": ["run", "{path}", "--policy", "dense_disk_stream", "--shape", "1,2"],
+}
+
+#: Run in a child process, which reads the stores (the library, then each command) as a
+#: user their modes keep out: as root, it first becomes nobody (root reads any file).
+_READER = """
+import contextlib, io, json, os, sys
+
+from jax_residency._src.cli import main as cli
+from jax_residency._src.store.unit_store import UnitStore
+
+stores, commands, intact = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+# Each command once on the intact store first: whatever it imports or starts lazily is
+# there before the reader may no longer read Python's own files (root's, 0o700, maybe).
+for argv in commands.values():
+  with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    assert cli.main([a.format(path=intact) for a in argv]) == 0, argv
+if sys.argv[4] == "drop":
+  try:
+    os.setgroups([])
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)
+  except OSError as e:  # e.g. a container without CAP_SETUID
+    print(json.dumps({"skip": f"cannot become nobody (uid 65534): {e}"}))
+    sys.exit(0)
+results = {}
+for kind, path in stores.items():
+  result = results[kind] = {}
+  try:
+    with UnitStore.open(path) as store:
+      store.read_unit(2)
+    result["library"] = None
+  except Exception as e:
+    result["library"] = [[c.__name__ for c in type(e).__mro__], str(e)]
+  for name, argv in commands.items():
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      code = cli.main([a.format(path=path) for a in argv])
+    result[name] = [code, out.getvalue(), err.getvalue()]
+print(json.dumps(results))
+"""
+
+
+def _reader_env() -> dict[str, str]:
+  """The reader's environment: this one, on one CPU device (the suite's eight cost
+  seconds of compiling in a new process, and the command line uses one)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+  return env
+
+
+def _reachable(directory: str | None) -> bool:
+  """Whether every user may enter ``directory`` (it and each directory above it)."""
+  if not directory or not os.path.isdir(directory):
+    return False
+  path = os.path.realpath(directory)
+  while True:
+    if not os.stat(path).st_mode & 0o001:
+      return False
+    if path == os.path.dirname(path):
+      return True
+    path = os.path.dirname(path)
+
+
+def _open_up(path: str) -> None:
+  """Every directory under ``path`` 0o755, every file 0o644 (whatever the umask was)."""
+  os.chmod(path, 0o755)
+  for parent, dirs, files in os.walk(path):
+    for name in dirs:
+      os.chmod(os.path.join(parent, name), 0o755)
+    for name in files:
+      os.chmod(os.path.join(parent, name), 0o644)
+
+
+@pytest.fixture(scope="module")
+def unreadable(store, tmp_path_factory):
+  """Reads two copies of the store that the reader may not read, in one child process:
+  ``unreadable-file`` (the data file of unit 2 of `KERNEL`) and ``unreadable-dir`` (the
+  store's directory). Returns {kind: {"path", "library": None or [error classes,
+  message], command: [exit code, stdout, stderr]}}.
+
+  As root, the copies are root's, readable by their owner only, and the child becomes
+  nobody; otherwise they are chmod 000. Their modes are restored before returning."""
+  as_root = os.geteuid() == 0
+  base = None
+  if as_root:  # nobody must reach the copies: not under pytest's temporary root (0o700)
+    reachable = [d for d in (os.environ.get("TMPDIR"), "/tmp", "/var/tmp") if _reachable(d)]
+    if not reachable:
+      pytest.skip("no temporary directory that every user can reach")
+    base = tempfile.mkdtemp(prefix="jax-residency-faults-", dir=reachable[0])
+  parent = base or str(tmp_path_factory.mktemp("unreadable"))
+  try:
+    stores = {kind: os.path.join(parent, kind) for kind in ("unreadable-file", "unreadable-dir")}
+    for path in stores.values():
+      shutil.copytree(store, path)
+      _open_up(path)
+    if as_root:
+      os.chmod(parent, 0o755)
+    closed = {
+      chunk_extent(stores["unreadable-file"], KERNEL, 2).file: 0o600 if as_root else 0,
+      stores["unreadable-dir"]: 0o700 if as_root else 0,
+    }
+    for path, mode in closed.items():
+      os.chmod(path, mode)
+    try:
+      done = subprocess.run(
+        [
+          sys.executable,
+          "-c",
+          _READER,
+          json.dumps(stores),
+          json.dumps(COMMANDS),
+          store,
+          "drop" if as_root else "keep",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=_reader_env(),
+      )
+    finally:  # never leave a file pytest cannot remove
+      for path in closed:
+        os.chmod(path, 0o755 if os.path.isdir(path) else 0o644)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    if "skip" in results:
+      pytest.skip(results["skip"])
+    return {kind: {"path": path, **results[kind]} for kind, path in stores.items()}
+  finally:
+    if base is not None:
+      shutil.rmtree(base, ignore_errors=True)
+
+
+def test_an_unreadable_data_file_is_a_store_error_naming_the_unit_and_the_file(unreadable):
+  result = unreadable["unreadable-file"]
+  classes, message = result["library"]  # the store opens; reading unit 2 fails
+  assert "StoreError" in classes and "PrefetchError" not in classes
+  assert f"unit 2 of tensor '{KERNEL}'" in message.lower() and result["path"] in message
+  assert "permission denied" in message.lower(), message
+  code, _, err = result["run"]  # a pass that needs unit 2, read by the prefetch worker
+  assert code == 2 and "permission denied" in err.lower() and KERNEL in err, err
+
+
+def test_an_unreadable_store_directory_is_a_store_error_naming_it(unreadable):
+  result = unreadable["unreadable-dir"]
+  classes, message = result["library"]  # open fails
+  assert "StoreError" in classes
+  assert result["path"] in message and "permission denied" in message.lower(), message
+
+
+# --- the command line on broken stores ------------------------------------------------------
+
+
+def _break(source: str, path: str, kind: str) -> None:
+  """Makes ``path`` a store broken as ``kind`` says (from a copy of ``source``)."""
+  if kind == "empty":
+    os.mkdir(path)
+  if kind in ("missing", "empty"):
+    return
+  shutil.copytree(source, path)
+  if kind == "truncated-file":
+    truncate_chunk_file(path, KERNEL, 2)
+  elif kind == "deleted-file":
+    delete_chunk_file(path, KERNEL, 2)
+  elif kind == "flipped-bit":
+    flip_bit(path, KERNEL, 2)
+  elif kind == "bad-metadata":
+    with open(os.path.join(path, "_METADATA"), "w") as f:
+      f.write("{not json")
+  elif kind == "bad-sidecar":
+    with open(os.path.join(path, "jax_residency.json"), "w") as f:
+      json.dump(["layers"], f)
+
+
+#: For each broken store: the exit codes of inspect, plan, verify and run, and what the
+#: one-line error names ({path}: the store), or verify's line for the damaged chunk.
+#: inspect and plan read metadata only, so data damage is verify's and run's to find.
+UNIT_2 = f"unit 2 of tensor '{KERNEL}'"  # a read error or a corruption, lower-cased
+EXPECTED = {
+  "missing": ((2, 2, 2, 2), ("{path}: no such file or directory",)),
+  "empty": ((2, 2, 2, 2), ("no unit store at {path}",)),
+  "truncated-file": ((0, 0, 1, 2), (UNIT_2, "{path}", f"unreadable: {KERNEL} (unit 2)")),
+  "deleted-file": ((0, 0, 1, 2), (UNIT_2, "{path}", f"unreadable: {KERNEL} (unit 2)")),
+  "flipped-bit": ((0, 0, 1, 2), (UNIT_2, "{path}", "checksum", f"corrupt: {KERNEL} (unit 2)")),
+  "unreadable-file": (
+    (0, 0, 1, 2),
+    (UNIT_2, "{path}", "permission denied", f"unreadable: {KERNEL} (unit 2)"),
+  ),
+  "unreadable-dir": ((2, 2, 2, 2), ("{path}", "permission denied")),
+  "bad-metadata": ((2, 2, 2, 2), ("{path}/_metadata is not valid json",)),
+  "bad-sidecar": ((2, 2, 2, 2), ("{path}/jax_residency.json holds an array",)),
+}
+
+
+@pytest.fixture(scope="module")
+def broken(store, tmp_path_factory):
+  """kind -> a store broken that way (the unreadable kinds are read in `unreadable`)."""
+  base = tmp_path_factory.mktemp("broken")
+  paths = {kind: str(base / kind) for kind in EXPECTED if not kind.startswith("unreadable")}
+  for kind, path in paths.items():
+    _break(store, path, kind)
+  return paths
+
+
+def _call(argv: list[str]) -> list:
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    code = cli.main(argv)
+  return [code, out.getvalue(), err.getvalue()]
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("kind", list(EXPECTED))
+def test_the_cli_answers_every_broken_store_on_one_line_without_a_traceback(request, kind, command):
+  if kind.startswith("unreadable"):
+    result = request.getfixturevalue("unreadable")[kind]
+    path, (code, out, err) = result["path"], result[command]
+  else:
+    path = request.getfixturevalue("broken")[kind]
+    code, out, err = _call([a.format(path=path) for a in COMMANDS[command]])
+  codes, names = EXPECTED[kind]
+  assert code == codes[list(COMMANDS).index(command)], (code, out, err)
+  assert "Traceback" not in out + err
+  names = [n.format(path=path).lower() for n in names]
+  if code == 2:
+    assert out == "" and err.count("\n") == 1 and err.endswith("\n"), err
+    assert err.startswith(f"jax-residency {command}: error: ")
+    for name in names:
+      if not name.startswith(("unreadable:", "corrupt:")):
+        assert name in err.lower(), (name, err)
+  elif code == 1:  # verify: one line per damaged chunk, a summary, the first error
+    assert err == "" and names[-1] in out.lower().splitlines(), out
+    assert "1 damaged chunk" in out
+  else:
+    assert err == "" and out
+
+
+# --- close() during a pass -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", [0, "4MiB"], ids=["direct", "cached"])
+@pytest.mark.parametrize("unit", [1, 3])
+def test_close_during_a_pass_fails_it_clearly_or_lets_it_finish(
+  model, tokens, store, expected, monkeypatch, host, unit
+):
+  """`close()` from another thread while unit ``unit`` is being read: the pass either
+  finishes with the right output or raises an error saying the placement was closed;
+  nothing hangs, no thread is left, the report counts only the passes that finished,
+  and the placement then refuses to run."""
+  threads = worker_threads()
+  placed = jr.place(model, dense(host), store=store, mesh=MESH1)
+  np.testing.assert_array_equal(placed(tokens), expected)
+  placed.clear_caches()  # the next pass reads every unit again
+  real = store_mod.UnitStore.read_unit_async
+  reading, closing = threading.Event(), threading.Event()
+
+  def read_once_closing(self, i, **kwargs):
+    if i == unit:
+      reading.set()
+      closing.wait(WAIT)
+    return real(self, i, **kwargs)
+
+  monkeypatch.setattr(store_mod.UnitStore, "read_unit_async", read_once_closing)
+  outcome: dict = {}
+
+  def run() -> None:
+    try:
+      outcome["output"] = np.asarray(placed(tokens))
+    except Exception as e:  # noqa: BLE001 - what the pass raised is what is checked
+      outcome["error"] = e
+
+  thread = threading.Thread(target=run)
+  thread.start()
+  assert reading.wait(WAIT)
+  closing.set()
+  placed.close()
+  thread.join(WAIT)
+  assert not thread.is_alive(), "the pass hung after close()"
+  assert worker_threads() == threads
+  if "error" in outcome:
+    error = outcome["error"]
+    assert isinstance(error, (jr.ClosedError, jr.StoreError)), repr(error)
+    assert "close" in str(error), str(error)
+  else:
+    np.testing.assert_array_equal(outcome["output"], expected)
+  assert placed.report().total.passes == 1 + ("output" in outcome)
+  with pytest.raises(jr.ClosedError):
+    placed(tokens)
+
+
+# --- an interrupt (SIGINT) during a pass or a save ---------------------------------------------
+
+
+@contextlib.contextmanager
+def sigint_raises_keyboard_interrupt():
+  """Python's own SIGINT handler for the block; a real signal needs the main thread."""
+  if threading.current_thread() is not threading.main_thread():
+    pytest.skip("signals are handled on the main thread, and this test is not on it")
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_main_thread() -> None:
+  """Ctrl-C: SIGINT to the main thread (from any thread); Python raises KeyboardInterrupt
+  there, in whatever it is doing or waiting for."""
+  signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+class SlowRead:
+  """A read that completes once ``done`` is set (or after `WAIT`)."""
+
+  def __init__(self, pending, done: threading.Event) -> None:
+    self._pending, self._done = pending, done
+
+  def result(self):
+    self._done.wait(WAIT)
+    return self._pending.result()
+
+
+INTERRUPTS = {
+  # where the interrupt lands: (host budget, how)
+  "caller-reading": (0, "raise"),  # direct: the calling thread reads unit 2
+  "waiting-for-worker": ("4MiB", "raise"),  # the caller waits for the worker's read
+  "sigint-while-worker-reads": ("4MiB", "signal"),  # a real SIGINT, wherever the caller is
+}
+
+
+@pytest.mark.parametrize("where", list(INTERRUPTS))
+def test_an_interrupted_pass_raises_keyboard_interrupt_and_the_placement_stays_usable(
+  model, tokens, store, expected, monkeypatch, where
+):
+  host, how = INTERRUPTS[where]
+  with jr.place(model, dense(host), store=store, mesh=MESH1) as placed:
+    np.testing.assert_array_equal(placed(tokens), expected)
+    placed.clear_caches()
+    before = placed.report().total
+    real_read, real_wait = store_mod.UnitStore.read_unit_async, prefetch.PrefetchWorker.wait
+    waited = threading.Event()
+
+    def read(self, i, **kwargs):
+      if i != 2 or waited.is_set():
+        return real_read(self, i, **kwargs)
+      if where == "caller-reading":
+        waited.set()
+        raise KeyboardInterrupt
+      if where == "sigint-while-worker-reads":
+        waited.set()
+        _interrupt_main_thread()
+        return real_read(self, i, **kwargs)
+      return SlowRead(real_read(self, i, **kwargs), waited)  # waiting-for-worker
+
+    def wait(self, unit, timeout=None):
+      if unit == 2 and where == "waiting-for-worker" and not waited.is_set():
+        waited.set()
+        raise KeyboardInterrupt
+      return real_wait(self, unit, timeout)
+
+    monkeypatch.setattr(store_mod.UnitStore, "read_unit_async", read)
+    monkeypatch.setattr(prefetch.PrefetchWorker, "wait", wait)
+    with sigint_raises_keyboard_interrupt(), pytest.raises(KeyboardInterrupt):
+      placed(tokens)
+    assert waited.is_set()
+    monkeypatch.undo()
+    assert placed.report().total == before  # the interrupted pass committed nothing
+    for _ in range(2):  # and left no reservation, lease or queued read behind
+      np.testing.assert_array_equal(placed(tokens), expected)
+    report = placed.report()
+    assert report.total.passes == before.passes + 2
+    assert report.last.peak_device_bytes <= placed.metadata.device_window_bytes
+    assert report.last.peak_host_bytes <= placed.metadata.item_bytes("host cache")
+
+
+def _holds(path: str, model: ToyTransformer) -> bool:
+  """Whether the store at ``path`` holds ``model``'s unit weights, all of them."""
+  layers = {
+    tuple(str(k) for k in p): np.asarray(v[...])
+    for p, v in nnx.to_flat_state(nnx.state(model.layers))  # type: ignore[attr-defined]
+  }
+  with store_mod.UnitStore.open(path) as opened:
+    units = [opened.read_unit(i) for i in range(opened.unit_count)]
+  return all(
+    np.array_equal(units[i][p], v[i]) for p, v in layers.items() for i in range(len(units))
+  )
+
+
+@pytest.mark.parametrize("signalled", [False, True], ids=["raised", "sigint"])
+@pytest.mark.parametrize("replacing", [True, False], ids=["overwrite", "fresh"])
+def test_an_interrupted_save_leaves_the_old_store_and_nothing_else(
+  model, seeded_nnx, tmp_path, monkeypatch, replacing, signalled
+):
+  """Ctrl-C after a few chunks are written: the save stops with KeyboardInterrupt, the
+  temporary store is removed, and the path holds the old store, whole (or nothing).
+  An interrupt at each step of the commit is tests/test_store_safety.py's."""
+  path = str(tmp_path / "store")
+  if replacing:
+    jr.save(model, path, progress=False)
+  other = seeded_nnx(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)), seed=7)
+  real, written = writer._write_chunk, []
+
+  def chunk(handle, index, value):
+    written.append(index)
+    if len(written) == 4:
+      if signalled:
+        _interrupt_main_thread()
+      else:
+        raise KeyboardInterrupt
+    return real(handle, index, value)
+
+  monkeypatch.setattr(writer, "_write_chunk", chunk)
+  with sigint_raises_keyboard_interrupt(), pytest.raises(KeyboardInterrupt):
+    jr.save(other, path, progress=False, overwrite=True)
+  monkeypatch.undo()
+  assert os.listdir(tmp_path) == (["store"] if replacing else [])
+  if replacing:
+    assert _holds(path, model)
+  jr.save(other, path, progress=False, overwrite=True)  # the next save just works
+  assert os.listdir(tmp_path) == ["store"] and _holds(path, other)
+
+
+# --- RELIABILITY.md --------------------------------------------------------------------------
+
+
+def test_reliability_md_cites_tests_that_exist():
+  """Every test RELIABILITY.md names exists, runs in the default suite (not ``slow``), and
+  is in the file list of its command for the fault tests."""
+  with open(os.path.join(ROOT, "RELIABILITY.md"), encoding="utf-8") as f:
+    text = f.read()
+  table = [line for line in text.splitlines() if line.startswith("| ") and "::" in line]
+  assert len(table) >= 18
+  command = text[text.index("## Running the fault tests") :]
+  for row in table:
+    cited = re.findall(r"`(tests/test_\w+\.py)::(test_\w+)`", row.split(" | ")[-1])
+    assert cited, row
+    for file, name in cited:
+      with open(os.path.join(ROOT, file), encoding="utf-8") as f:
+        source = f.read()
+      found = re.search(rf"((?:^@.*\n)*)^def {name}\(", source, re.M)
+      assert found, f"{file}::{name} does not exist"
+      assert "mark.slow" not in found.group(1), f"{file}::{name} is marked slow"
+      assert not re.search(r"^pytestmark = .*slow", source, re.M), f"{file} is marked slow"
+      assert file in command, f"{file} is missing from the command that runs the fault tests"

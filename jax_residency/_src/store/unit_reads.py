@@ -84,9 +84,14 @@ def read_error(error: Exception, where: str, tensor: str, unit: int | None) -> e
       tensor=tensor,
       unit=unit,
     )
-  return errors.StoreError(
-    f"Reading {what} from {where} failed: {text}. Check that the store is complete and readable."
-  )
+  return errors.StoreError(f"Reading {what} from {where} failed: {text}. {read_advice(text)}")
+
+
+def read_advice(text: str) -> str:
+  """What to do about a failed store read, from TensorStore's error text."""
+  if "PERMISSION_DENIED" in text or "Permission denied" in text:
+    return "Check the permissions of the store's files: this process cannot read them."
+  return "Check that the store is complete and readable."
 
 
 def issue_unit_read(

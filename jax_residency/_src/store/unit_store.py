@@ -45,7 +45,7 @@ from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
 from jax_residency._src.store import checks, commit, discovery, generation, handles, mapped
 from jax_residency._src.store.buffers import BufferPool, buffer_layout, padded_nbytes
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
-from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read, read_error
+from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read, read_advice, read_error
 from jax_residency._src.typing import ParamPath, TensorSpec, path_str, tensor_nbytes
 
 if TYPE_CHECKING:
@@ -183,9 +183,11 @@ class UnitStore:
     except errors.StoreError:
       raise
     except (ValueError, OSError) as e:  # corrupt metadata, manifest or data files
+      advice = read_advice(str(e))
+      if advice.startswith("Check that"):  # not a permission problem: damaged or not a store
+        advice = "Write it again with jax_residency.save, or point at the checkpoint directory."
       raise errors.StoreError(
-        f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). Write it again with "
-        "jax_residency.save, or point at the checkpoint directory itself."
+        f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). {advice}"
       ) from e
     prefix, unit_count = checks.check_layout(
       path, found, unit_prefix, require_unit_chunks=require_unit_chunks

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - a jaxlib that moved it
 from jax_residency._src.placement.budget import ModelMetadata
 from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.placement.unit_loop import not_looped_error, run_in_loop
-from jax_residency._src.policy.errors import AdmissionError, StoreError
+from jax_residency._src.policy.errors import AdmissionError, ClosedError, StoreError
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.compile_time import signature
 from jax_residency._src.report.telemetry import PassCounters, Telemetry, TimelinePoint
@@ -344,7 +344,7 @@ class DenseStreamEngine:
       if self._read_index is None:
         return self._source.read_unit(i)
       return self._source.read_unit(i, index=self._read_index)
-    except StoreError:
+    except (StoreError, ClosedError):
       raise
     except Exception as e:
       _raise_read_error(i, e)
@@ -365,7 +365,7 @@ class DenseStreamEngine:
     def finish() -> Mapping[ParamPath, np.ndarray]:
       try:
         return pending.result()
-      except StoreError:
+      except (StoreError, ClosedError):
         raise
       except Exception as e:
         _raise_read_error(i, e)
@@ -470,6 +470,6 @@ def release_dropped_buffers() -> None:
 
 
 def _raise_read_error(i: int, e: Exception) -> NoReturn:
-  if isinstance(e, StoreError):  # already names the store, the tensor and the unit
+  if isinstance(e, StoreError | ClosedError):  # already says what happened, and where
     raise e
   raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e

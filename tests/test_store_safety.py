@@ -435,3 +435,16 @@ def test_a_file_in_the_way_is_a_store_error(tmp_path, below) -> None:
   assert str(e.value).startswith(f"Cannot write a store at {path}: {tmp_path / 'file.txt'} is")
   assert (tmp_path / "file.txt").read_text() == "keep me"
   assert os.listdir(tmp_path) == ["file.txt"]
+
+
+def test_an_interrupt_while_the_writer_starts_leaves_no_temporary(tmp_path, monkeypatch) -> None:
+  path = str(tmp_path / "store")
+  _save(path, seed=0)
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(wr.tqdm, "tqdm", interrupted)  # after the temporary directory exists
+  with pytest.raises(KeyboardInterrupt):
+    _save(path, seed=1, overwrite=True)
+  assert os.listdir(tmp_path) == ["store"] and _version(path) == 0

@@ -104,12 +104,17 @@ class _StoreWriter:
       self.target = self.dest
       if overwrite:
         self._delete_all(self.dest)
-    self.context = store_context()
-    self._ocdbt = ocdbt_spec(self.target, write=True)
-    show = sys.stderr.isatty() if progress is None else progress
-    self._bar = tqdm.tqdm(
-      total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not show
-    )
+    try:  # until the caller's `abort` can clean up, clean up here
+      self.context = store_context()
+      self._ocdbt = ocdbt_spec(self.target, write=True)
+      show = sys.stderr.isatty() if progress is None else progress
+      self._bar = tqdm.tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not show
+      )
+    except BaseException:
+      if self._tmp is not None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+      raise
 
   def _check_destination(self) -> bool:
     """Whether a store is there (to be replaced); raises if it may not be."""

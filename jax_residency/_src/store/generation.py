@@ -47,11 +47,16 @@ class Watch:
   """The fingerprint of a local store when it was opened, checked before each read.
 
   Example:
-    >>> import tempfile, os
+    >>> import os, tempfile
     >>> root = tempfile.mkdtemp()
+    >>> def commit(text):  # as OCDBT commits: a new manifest renamed over the old
+    ...   with open(os.path.join(root, "new"), "w") as f:
+    ...     _ = f.write(text)
+    ...   os.replace(os.path.join(root, "new"), os.path.join(root, "manifest.ocdbt"))
+    >>> commit("version 1")
     >>> watch = Watch(root, root)
     >>> watch.check()  # unchanged
-    >>> os.rmdir(root); os.mkdir(root)  # a new directory at the same path
+    >>> commit("version 2")
     >>> try:
     ...   watch.check()
     ... except errors.StoreReplacedError as e:

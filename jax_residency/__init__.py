@@ -55,8 +55,8 @@ from ._src.report.telemetry import PassReport as PassReport
 from ._src.report.telemetry import Report as Report
 from ._src.report.telemetry import TimelinePoint as TimelinePoint
 from ._src.report.telemetry import Totals as Totals
+from ._src.store.info import StoreInfo as StoreInfo
 from ._src.store.save import save as save
-from ._src.store.unit_store import StoreInfo as StoreInfo
 from ._src.stream.ledger import TierMetrics as TierMetrics
 from ._src.stream.prefetch import WorkerMetrics as WorkerMetrics
 from .errors import AdmissionError as AdmissionError

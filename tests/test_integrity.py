@@ -63,21 +63,25 @@ def test_saved_stores_carry_checksums_and_still_map(store):
 
 
 @pytest.mark.parametrize(
-  "policy, mapped_reads",
+  "policy, reads",
   [
-    ("dense-host0", True),  # direct: mapped reads on the calling thread
-    ("dense-host0", False),  # direct, copied: TensorStore checks the checksum
-    ("dense-cached", True),  # through the host cache: the prefetch worker reads
-    ("dense-cached", False),
-    ("resident", True),  # read once at placement
-    ("layerwise", True),
+    ("dense-host0", "mapped"),  # direct: mapped reads on the calling thread
+    ("dense-host0", "direct"),  # copied straight from the data file, CRC checked here
+    ("dense-host0", "tensorstore"),  # copied through TensorStore, which checks the CRC
+    ("dense-cached", "mapped"),  # through the host cache: the prefetch worker reads
+    ("dense-cached", "direct"),
+    ("dense-cached", "tensorstore"),
+    ("resident", "mapped"),  # read once at placement
+    ("layerwise", "mapped"),
   ],
 )
 def test_a_flipped_bit_in_a_unit_raises_a_corruption_error(
-  policy, mapped_reads, model, tokens, store, tmp_path, monkeypatch
+  policy, reads, model, tokens, store, tmp_path, monkeypatch
 ):
-  if not mapped_reads:
+  if reads != "mapped":
     monkeypatch.setenv(mapped.MAPPED_READS_ENV, "0")
+  if reads == "tensorstore":
+    monkeypatch.setenv(mapped.DIRECT_READS_ENV, "0")
   bad = damaged_copy(store, str(tmp_path / "bad"), (KERNEL, 2))
   chosen = {
     "dense-host0": dense(0),
@@ -182,3 +186,26 @@ def test_a_store_replaced_under_a_live_placement_fails_clearly(model, tokens, st
     os.utime(manifest, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a new commit
     with pytest.raises(jr.errors.StoreReplacedError, match="replaced or rewritten"):
       again(tokens)
+
+
+def test_direct_reads_match_tensorstore_reads(store, monkeypatch):
+  """Copied reads of raw chunks go straight from the data file into the unit's buffer
+  (`UnitMapper.read_into`: TensorStore checks a checksummed chunk at well under memory
+  speed); they return what TensorStore returns."""
+  calls = []
+  real = mapped._read_extent
+  monkeypatch.setattr(mapped, "_read_extent", lambda *a: calls.append(a[4]) or real(*a))
+  direct = st.UnitStore.open(store)
+  monkeypatch.setenv(mapped.DIRECT_READS_ENV, "0")
+  through_tensorstore = st.UnitStore.open(store)
+  for i in range(CFG.n_layers):
+    want = through_tensorstore.read_unit(i)
+    monkeypatch.delenv(mapped.DIRECT_READS_ENV)
+    got = direct.read_unit(i)
+    monkeypatch.setenv(mapped.DIRECT_READS_ENV, "0")
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+      np.testing.assert_array_equal(got[key], value, err_msg=str(key))
+  # Every out-of-line kernel was read directly (the small biases sit inline in the index).
+  assert {"layers.up.kernel", "layers.down.kernel", "layers.qkv.kernel"} <= set(calls)
+  assert len(calls) == CFG.n_layers * len(set(calls))

@@ -30,8 +30,8 @@ from jax_residency._src.policy.errors import (
   UnexpectedCheckpointParametersError,
   format_paths,
 )
+from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.save import save
-from jax_residency._src.store.unit_store import StoreInfo
 from jax_residency._src.typing import ParamPath, path_str
 
 #: Our static parameter path → Hugging Face tensor name.

@@ -100,6 +100,8 @@ class ArrayInfo:
   read_chunk: tuple[int, ...]  # the chunk a read of one element must fetch
   compressed: bool
   raw: bool = False  # each chunk stored as plain native-order bytes (mappable)
+  # A part of a chunk can be read alone: raw, with no checksum to check over the whole chunk.
+  partial_reads: bool = False
 
 
 _REWRITE = "The file is damaged or not one this version reads; write the store again."
@@ -223,7 +225,8 @@ def _parse_array(path: ParamPath, meta: dict[str, Any], file: str) -> ArrayInfo:
       f"dimensions. {_REWRITE}"
     )
   raw = mapped.mappable(meta)
-  return ArrayInfo(path, driver, tuple(shape), dtype, tuple(chunk), compressed, raw)
+  partial = mapped.chunk_trailer(meta) == 0 or (driver == "zarr" and not compressed)
+  return ArrayInfo(path, driver, tuple(shape), dtype, tuple(chunk), compressed, raw, partial)
 
 
 def _file(loc: Location, key: str) -> str:

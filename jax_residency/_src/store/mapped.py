@@ -36,6 +36,7 @@ arrays keep their values) even if the store is replaced on disk afterwards.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import mmap
@@ -63,6 +64,16 @@ ALIGNMENT = 64
 CHECKSUM_BYTES = 4
 #: Environment variable that, set to "0", turns mapped unit reads off.
 MAPPED_READS_ENV = "JAX_RESIDENCY_MAPPED_READS"
+
+
+#: Environment variable that, set to "0", reads every chunk through TensorStore
+#: (no direct reads from the data files: `UnitMapper.read_into`).
+DIRECT_READS_ENV = "JAX_RESIDENCY_DIRECT_READS"
+
+
+def direct_reads_enabled() -> bool:
+  """Whether raw chunks of local stores may be read straight from their files."""
+  return os.environ.get(DIRECT_READS_ENV, "1").strip() not in ("0", "false", "no", "off")
 
 
 def mapped_reads_enabled() -> bool:
@@ -209,19 +220,30 @@ class UnitMapper:
       try:
         array = self._map(extent, shape, dtype, trailer)
       except _Mismatch as e:
-        raise errors.StoreCorruptionError(
-          f"Unit {unit} of tensor {name!r} in the store {self._root} is corrupt: its data "
-          f"does not match its checksum (stored CRC-32C {e.stored:#010x}, computed "
-          f"{e.computed:#010x}; the chunk at byte {extent.offset} of {extent.file}). The file "
-          "changed after the store was written: write the store again from the original "
-          "model or checkpoint (`jax-residency verify PATH` lists every damaged tensor).",
-          store=self._root,
-          tensor=name,
-          unit=unit,
-        ) from None
+        raise _corrupt(self._root, name, unit, extent, e.stored, e.computed) from None
       if array is not None:
         out[rel] = array
     return out
+
+  def read_into(
+    self, unit: int, rel: ParamPath, out: np.ndarray
+  ) -> concurrent.futures.Future | None:
+    """Starts reading unit ``unit``'s chunk of tensor ``rel`` straight from its data
+    file into ``out`` (and checking its checksum, if it has one); None if the chunk
+    is not a raw extent of the right size (read it through TensorStore instead).
+
+    TensorStore decodes a checksummed chunk into its own buffer at well under
+    memory speed; a ``preadv`` into the caller's buffer and a hardware CRC do
+    not (`benchmarks/read_path.py --checksums`).
+    """
+    name, shape, dtype = self._tensors[rel]
+    extent = self._extent(rel, unit)
+    nbytes = tensor_nbytes(shape, dtype)
+    trailer = extent.length - nbytes if extent is not None else -1
+    if not nbytes or trailer not in (0, CHECKSUM_BYTES) or out.nbytes != nbytes:
+      return None
+    assert extent is not None
+    return _pool().submit(_read_extent, extent, out, trailer, self._root, name, unit)
 
   def _map(
     self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype, trailer: int
@@ -269,6 +291,65 @@ class UnitMapper:
     # Runs from a finalizer, possibly inside a garbage collection on a thread
     # that holds `_count_lock`: it only appends (atomic); locked methods count it.
     self._unmapped_sizes.append(size)
+
+
+#: Threads that read chunks straight from data files (`UnitMapper.read_into`): the
+#: reads wait on the disk or copy from the page cache, with the GIL released.
+DIRECT_READ_THREADS = 4
+_pool_lock = threading.Lock()
+_direct_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+  global _direct_pool
+  with _pool_lock:
+    if _direct_pool is None:
+      _direct_pool = concurrent.futures.ThreadPoolExecutor(
+        DIRECT_READ_THREADS, thread_name_prefix="jax_residency-read"
+      )
+    return _direct_pool
+
+
+def _read_extent(
+  extent: Extent, out: np.ndarray, trailer: int, where: str, tensor: str, unit: int
+) -> None:
+  """Reads one chunk's data into ``out`` and checks the checksum after it."""
+  data = out.reshape(-1).view(np.uint8).data
+  tail = bytearray(trailer)
+  fd = os.open(extent.file, os.O_RDONLY)
+  try:
+    done, offset = 0, extent.offset
+    while done < len(data):  # a read may return less than asked; a short file, nothing
+      n = os.preadv(fd, [data[done:]], offset + done)
+      if n == 0:
+        raise OSError(
+          f"{extent.file} ends at byte {offset + done}, inside unit {unit}'s chunk of "
+          f"{tensor!r} (bytes {offset}..{offset + extent.length}): the file was truncated"
+        )
+      done += n
+    if trailer and os.preadv(fd, [tail], offset + done) != trailer:
+      raise OSError(f"{extent.file} ends before the checksum of unit {unit}'s chunk of {tensor!r}")
+  finally:
+    os.close(fd)
+  if trailer:
+    stored, computed = int.from_bytes(tail, "little"), crc32c.crc32c(data)
+    if computed != stored:
+      raise _corrupt(where, tensor, unit, extent, stored, computed)
+
+
+def _corrupt(
+  where: str, tensor: str, unit: int, extent: Extent, stored: int, computed: int
+) -> errors.StoreCorruptionError:
+  return errors.StoreCorruptionError(
+    f"Unit {unit} of tensor {tensor!r} in the store {where} is corrupt: its data "
+    f"does not match its checksum (stored CRC-32C {stored:#010x}, computed "
+    f"{computed:#010x}; the chunk at byte {extent.offset} of {extent.file}). The file "
+    "changed after the store was written: write the store again from the original "
+    "model or checkpoint (`jax-residency verify PATH` lists every damaged tensor).",
+    store=where,
+    tensor=tensor,
+    unit=unit,
+  )
 
 
 class _Mismatch(Exception):

@@ -9,7 +9,7 @@ from typing import Any
 from jax_residency._src.placement.arguments import check_store_path, check_units
 from jax_residency._src.placement.split import split_model
 from jax_residency._src.policy.errors import StoreError
-from jax_residency._src.store.unit_store import StoreInfo
+from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.writer import save_store
 
 

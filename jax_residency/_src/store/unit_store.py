@@ -33,7 +33,7 @@ Example:
 from __future__ import annotations
 
 import collections
-import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +44,8 @@ from jax_residency._src.policy import errors
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
 from jax_residency._src.store import checks, commit, discovery, generation, handles, mapped
 from jax_residency._src.store.buffers import BufferPool, buffer_layout, padded_nbytes
-from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
+from jax_residency._src.store.discovery import SIDECAR_KEY
+from jax_residency._src.store.info import StoreInfo as StoreInfo
 from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read, read_advice, read_error
 from jax_residency._src.typing import ParamPath, TensorSpec, path_str, tensor_nbytes
 
@@ -53,44 +54,6 @@ if TYPE_CHECKING:
 
 #: Idle unit buffers a store keeps for reuse (per request size): 2 reads in flight + 1 held.
 DEFAULT_SPARE_UNIT_BUFFERS = 3
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StoreInfo:
-  """What `save_store` / `rechunk_store` wrote.
-
-  Attributes:
-    path: The store's path as given.
-    unit_prefix: Path of the stacked unit subtree (e.g. `("params", "layers")`).
-    unit_count: Number of units (the leading dimension of every unit array).
-    unit_nbytes: Bytes of one unit (all unit tensors of one index).
-    static_nbytes: Bytes of all static (non-unit) tensors.
-    format_version: Version of the sidecar format.
-
-  Example:
-    >>> import tempfile
-    >>> from flax import nnx
-    >>> import jax_residency as jr
-    >>> from jax_residency.toy import ToyConfig, ToyTransformer
-    >>> cfg = ToyConfig(n_layers=2)
-    >>> with tempfile.TemporaryDirectory() as tmp:
-    ...   info = jr.save(ToyTransformer(cfg, rngs=nnx.Rngs(0)), tmp + "/toy", progress=False)
-    >>> info.unit_prefix, info.unit_count, info.unit_nbytes == cfg.unit_bytes()
-    (('layers',), 2, True)
-    >>> info.total_unit_bytes == 2 * info.unit_nbytes
-    True
-  """
-
-  path: str
-  unit_prefix: ParamPath
-  unit_count: int
-  unit_nbytes: int
-  static_nbytes: int
-  format_version: int = FORMAT_VERSION
-
-  @property
-  def total_unit_bytes(self) -> int:
-    return self.unit_nbytes * self.unit_count
 
 
 class UnitStore:
@@ -129,8 +92,20 @@ class UnitStore:
     self._drivers = {path_str(p): a.driver for p, a in arrays.items()}
     self._handles = handles.HandleCache(max_cached_shards, self._open_handle)
     self._pool = BufferPool(spare_unit_buffers)
-    self._mapper: mapped.UnitMapper | None = None
-    self._mapped_unit_bytes = 0
+    # Unit chunks stored raw in local files: read straight into the unit's buffer
+    # (`mapped.UnitMapper.read_into`), or mapped once `use_mapped_reads` is called.
+    raw = {
+      rel: (path_str(unit_prefix + rel), a.shape[1:], a.dtype)
+      for rel, a in self._units.items()
+      if a.raw and a.read_chunk == (1, *a.shape[1:])
+    }
+    self._mapper = (
+      mapped.UnitMapper(location.local, use_ocdbt=use_ocdbt, tensors=raw)
+      if location.local and raw and use_ocdbt
+      else None
+    )
+    self._map = False
+    self._mapped_unit_bytes = sum(padded_nbytes(shape, dtype) for _, shape, dtype in raw.values())
     self._closed = False
     # A placement serves the store it opened: reads check it was not replaced since.
     self._watch = generation.Watch(location.local, location.path) if location.local else None
@@ -297,19 +272,11 @@ class UnitStore:
     tensor can be mapped (False for remote or compressed stores, or where
     `mapped.MAPPED_READS_ENV` is "0").
     """
-    tensors = {
-      rel: (path_str(self._prefix + rel), a.shape[1:], a.dtype)
-      for rel, a in self._units.items()
-      if a.raw and a.read_chunk == (1, *a.shape[1:])
-    }
-    if self._loc.local is None or not tensors or not mapped.mapped_reads_enabled():
+    if self._mapper is None or not mapped.mapped_reads_enabled():
       return False
-    self._mapper = mapped.UnitMapper(self._loc.local, use_ocdbt=self._use_ocdbt, tensors=tensors)
+    self._map = True
     # Mapped units count against the same limit as read buffers (`limit_buffers`).
     self._pool.count_external(lambda: self._mapper.mapped_bytes if self._mapper else 0)
-    self._mapped_unit_bytes = sum(
-      padded_nbytes(shape, dtype) for _, shape, dtype in tensors.values()
-    )
     return True
 
   @property
@@ -347,7 +314,7 @@ class UnitStore:
       )
     ready: dict[ParamPath, np.ndarray] = {}
     if index is None:
-      if self._mapper is not None:
+      if self._map and self._mapper is not None:
         # A mapping holds memory as a buffer would: wait for dropped units first.
         self._pool.wait_for_room(self._mapped_unit_bytes, outside=True)
         ready = self._mapper.map_unit(int(i))
@@ -374,7 +341,17 @@ class UnitStore:
           f"Cannot index unit tensor {path_str(rel)!r} (per-unit shape "
           f"{self._units[rel].shape[1:]}) with {idx!r}: {e}"
         ) from e
-    return issue_unit_read(int(i), sources, self._pool, self.path, ready=ready, prefix=self._prefix)
+    mapper = self._mapper if index is None and mapped.direct_reads_enabled() else None
+    return issue_unit_read(
+      int(i),
+      sources,
+      self._pool,
+      self.path,
+      ready=ready,
+      prefix=self._prefix,
+      whole=[rel for rel in requests if not self._units[rel].partial_reads],
+      direct=None if mapper is None else functools.partial(mapper.read_into, int(i)),
+    )
 
   def read_unit(
     self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None

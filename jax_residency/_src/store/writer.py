@@ -33,7 +33,8 @@ from jax_residency._src.store.discovery import (
   ocdbt_spec,
 )
 from jax_residency._src.store.handles import store_context
-from jax_residency._src.store.unit_store import StoreInfo, UnitStore
+from jax_residency._src.store.info import StoreInfo
+from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 if TYPE_CHECKING:

@@ -104,18 +104,20 @@ def issue_unit_read(
   prefix: tuple[str, ...] = (),
   whole: Collection[Any] = (),
   direct: Callable[[Any, np.ndarray], Any] | None = None,
+  pending: Sequence[tuple[Any, Any]] = (),
 ) -> UnitRead:
   """Starts copying each `(key, source)` view into one pooled slab; `ready` arrays
   (mapped, not read) join the result as they are. Errors name a tensor by its full
   path, ``prefix`` + key. Tensors in ``whole`` are read in one request (their chunk
   must be decoded or checked whole, so pieces would each read all of it).
   ``direct(key, out)``, where given, may start a read of the whole tensor into
-  ``out`` itself and return its future (None: TensorStore reads it)."""
+  ``out`` itself and return its future (None: TensorStore reads it). ``pending``
+  futures (the checks of mapped chunks) must succeed too before `result` returns."""
   specs = [(str(i), tuple(src.shape), src.dtype.numpy_dtype) for i, (_, src) in enumerate(sources)]
   layout, nbytes = buffer_layout(specs)
   buffers = pool.lease(layout, nbytes)
   arrays: dict[Any, np.ndarray] = dict(ready or {})
-  futures = []
+  futures = list(pending)
   for i, (key, src) in enumerate(sources):
     out = buffers[str(i)]
     arrays[key] = out

@@ -313,11 +313,12 @@ class UnitStore:
         f"{self._unit_count} units; use 0 <= i < {self._unit_count}."
       )
     ready: dict[ParamPath, np.ndarray] = {}
+    checks: list[tuple[ParamPath, Any]] = []
     if index is None:
       if self._map and self._mapper is not None:
         # A mapping holds memory as a buffer would: wait for dropped units first.
         self._pool.wait_for_room(self._mapped_unit_bytes, outside=True)
-        ready = self._mapper.map_unit(int(i))
+        ready, checks = self._mapper.map_unit(int(i))
         self._pool.note_external()
       requests: Mapping[ParamPath, tuple[Any, ...]] = {p: () for p in self._units if p not in ready}
     else:
@@ -351,6 +352,7 @@ class UnitStore:
       prefix=self._prefix,
       whole=[rel for rel in requests if not self._units[rel].partial_reads],
       direct=None if mapper is None else functools.partial(mapper.read_into, int(i)),
+      pending=checks,
     )
 
   def read_unit(

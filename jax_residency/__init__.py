@@ -70,6 +70,7 @@ from .errors import HostDisabledControlsError as HostDisabledControlsError
 from .errors import InvalidBudgetError as InvalidBudgetError
 from .errors import InvalidPolicyValueError as InvalidPolicyValueError
 from .errors import MissingCheckpointParametersError as MissingCheckpointParametersError
+from .errors import ModelConfigError as ModelConfigError
 from .errors import PlacementError as PlacementError
 from .errors import PrefetchError as PrefetchError
 from .errors import ResidencyError as ResidencyError

@@ -31,6 +31,7 @@ The hierarchy (a builtin in parentheses is a second base class)::
               MissingCheckpointParametersError
               CheckpointShapeMismatchError
               UnexpectedCheckpointParametersError
+      ModelConfigError (ValueError)
       ResidencyRuntimeError (RuntimeError)
           AdmissionError
           PrefetchError
@@ -69,6 +70,7 @@ from jax_residency._src.policy.errors import InvalidPolicyValueError as InvalidP
 from jax_residency._src.policy.errors import (
   MissingCheckpointParametersError as MissingCheckpointParametersError,
 )
+from jax_residency._src.policy.errors import ModelConfigError as ModelConfigError
 from jax_residency._src.policy.errors import PlacementError as PlacementError
 from jax_residency._src.policy.errors import PrefetchError as PrefetchError
 from jax_residency._src.policy.errors import ResidencyError as ResidencyError
@@ -103,6 +105,7 @@ __all__ = [
   "InvalidBudgetError",
   "InvalidPolicyValueError",
   "MissingCheckpointParametersError",
+  "ModelConfigError",
   "PlacementError",
   "PrefetchError",
   "ResidencyError",

@@ -270,7 +270,7 @@ def test_safetensors_round_trip_and_store(tmp_path, mesh1):
   with jr.place(model, policy, mesh=mesh1, store=str(tmp_path / "store")) as placed:
     np.testing.assert_allclose(placed(ids, mask), model(ids, mask), atol=1e-5)
 
-  with pytest.raises(ValueError, match="hidden_act='relu'"):
+  with pytest.raises(jr.errors.ModelConfigError, match="hidden_act='relu'"):
     models.BertConfig.from_hf({**hf_config, "hidden_act": "relu"})
   with pytest.raises(FileNotFoundError, match="config.json"):
     models.read_bert_config(tmp_path / "nowhere" / "model.safetensors")

@@ -129,7 +129,7 @@ def test_config_reads_both_forms_of_the_head():
   ],
 )
 def test_unsupported_config_fields_are_refused_by_name(field, value):
-  with pytest.raises(jr.errors.CheckpointMismatchError, match=re.escape(f"{field}={value!r}")) as e:
+  with pytest.raises(jr.errors.ModelConfigError, match=re.escape(f"{field}={value!r}")) as e:
     models.T5Config.from_hf({field: value})
   assert isinstance(e.value, ValueError)
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_residency._src.placement.unit_loop import scan_units
+from jax_residency._src.policy.errors import ModelConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +52,7 @@ class BertConfig:
 
   def __post_init__(self) -> None:
     if self.hidden_size % self.num_heads:
-      raise ValueError(
+      raise ModelConfigError(
         f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}; "
         "pick a head count that divides the hidden width"
       )
@@ -61,13 +62,13 @@ class BertConfig:
     """Reads a Hugging Face ``config.json`` of a ``BertModel``.
 
     Raises:
-      ValueError: the config asks for something this encoder does not implement
+      ModelConfigError: the config asks for something this encoder does not implement
         (another activation or position embedding type).
     """
     act = config.get("hidden_act", "gelu")
     positions = config.get("position_embedding_type", "absolute")
     if act != "gelu" or positions != "absolute":
-      raise ValueError(
+      raise ModelConfigError(
         f"hidden_act={act!r}, position_embedding_type={positions!r}: BertEncoder implements "
         "BERT with exact GELU ('gelu') and absolute positions only"
       )

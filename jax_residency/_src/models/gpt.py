@@ -24,6 +24,7 @@ from jax import lax
 
 from jax_residency._src.placement.split import normalise_path
 from jax_residency._src.placement.unit_loop import scan_units
+from jax_residency._src.policy.errors import ModelConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,7 +55,7 @@ class GPTConfig:
 
   def __post_init__(self) -> None:
     if self.d_model % self.n_heads:
-      raise ValueError(
+      raise ModelConfigError(
         f"d_model={self.d_model} is not a multiple of n_heads={self.n_heads}; "
         "pick a head count that divides the hidden width"
       )

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jax_residency._src.policy.errors import CheckpointMismatchError
+from jax_residency._src.policy.errors import ModelConfigError
 
 #: ``feed_forward_proj`` values the model implements.
 FEED_FORWARD_PROJ = ("relu", "gated-gelu")
@@ -18,8 +18,8 @@ FEED_FORWARD_PROJ = ("relu", "gated-gelu")
 MODEL_TYPES = ("t5", "mt5")
 
 
-def _unsupported(field: str, value: Any, fix: str) -> CheckpointMismatchError:
-  return CheckpointMismatchError(f"T5 config {field}={value!r} is not supported: {fix}")
+def _unsupported(field: str, value: Any, fix: str) -> ModelConfigError:
+  return ModelConfigError(f"T5 config {field}={value!r} is not supported: {fix}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +47,7 @@ class T5Config:
     dtype: parameter, compute and cache dtype.
 
   Raises:
-    CheckpointMismatchError: ``feed_forward_proj`` or
+    ModelConfigError: ``feed_forward_proj`` or
       ``relative_attention_num_buckets`` is not one this model implements.
   """
 
@@ -106,7 +106,7 @@ class T5Config:
     :func:`jax_residency.models.load_t5`, as transformers does.
 
     Raises:
-      CheckpointMismatchError: a field asks for math this model does not
+      ModelConfigError: a field asks for math this model does not
         implement (``model_type``, ``is_encoder_decoder``, ``feed_forward_proj``,
         a list ``eos_token_id``); the message names the field and its value.
 

@@ -283,6 +283,27 @@ class HostBudgetTooSmallError(BudgetTooSmallError):
   """
 
 
+# --- models --------------------------------------------------------------
+
+
+class ModelConfigError(ResidencyError, ValueError):
+  """A model configuration asks for something the model does not implement.
+
+  Raised by the configs of `jax_residency.models` (``BertConfig``, ``GPTConfig``,
+  ``T5Config``) and their ``from_hf`` readers of a Hugging Face ``config.json``;
+  the message names the field, its value and what is supported.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> from jax_residency import models
+    >>> try:
+    ...   models.T5Config.from_hf({"feed_forward_proj": "gated-silu"})
+    ... except jr.errors.ModelConfigError as e:
+    ...   print(type(e).__name__, "feed_forward_proj='gated-silu'" in str(e))
+    ModelConfigError True
+  """
+
+
 # --- running ---------------------------------------------------------------
 
 

@@ -18,11 +18,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 
-from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.placement.unit_loop import scan_units
 from jax_residency._src.policy.errors import ModelConfigError
 
@@ -184,23 +183,7 @@ def init_gpt(cfg: GPTConfig, seed: int = 0) -> GPT:
   LayerNorm scales. (``GPT(cfg, rngs=nnx.Rngs(seed))`` also works; it draws
   through JAX's RNG and compiles every initialiser, seconds on a CPU.)
   """
-  abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed)))
-  graphdef, state = nnx.split(abstract)
-  rng = np.random.default_rng(seed)
-
-  def draw(path: Any, leaf: jax.ShapeDtypeStruct) -> jax.Array:
-    name = normalise_path(path)[-1]
-    if name == "bias":
-      value = np.zeros(leaf.shape)
-    elif name == "scale":
-      value = np.ones(leaf.shape)
-    elif name == "kernel":
-      value = rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[-2])
-    else:  # embedding tables
-      value = rng.standard_normal(leaf.shape)
-    return jnp.asarray(value, leaf.dtype)
-
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, state))
+  return seeded_weights(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed))), seed)
 
 
 def _call_plain(model: GPT, tokens: jax.Array, cache: KVCache | None, pos: Any) -> Any:

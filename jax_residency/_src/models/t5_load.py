@@ -20,7 +20,6 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jax_residency._src.models.hf import expected_shapes, read_config, read_safetensors
+from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.models.t5 import T5
 from jax_residency._src.models.t5_config import T5Config
 from jax_residency._src.placement.split import normalise_path
@@ -256,17 +256,4 @@ def init_t5(cfg: T5Config, seed: int = 0) -> T5:
     >>> init_t5(cfg).decoder_layers.mlp.wo.kernel.shape
     (3, 32, 16)
   """
-  graphdef, state = nnx.split(_abstract(cfg))
-  rng = np.random.default_rng(seed)
-
-  def draw(path: Any, leaf: jax.ShapeDtypeStruct) -> jax.Array:
-    name = normalise_path(path)[-1]
-    if name == "scale":
-      value = np.ones(leaf.shape)
-    elif name == "kernel":
-      value = rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[-2])
-    else:  # embedding and relative-bias tables
-      value = rng.standard_normal(leaf.shape)
-    return jnp.asarray(value, leaf.dtype)
-
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, state))
+  return seeded_weights(_abstract(cfg), seed)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from damage import damaged_copy
 from flax import nnx
+from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
 from jax_residency._src.cli import main as cli
@@ -26,21 +27,7 @@ MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
 KERNEL = "layers.up.kernel"  # (4, 64, 128) float32: 32 KiB per unit
 
 
-@pytest.fixture(scope="module")
-def model():
-  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
-def tokens():
-  return jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab)
-
-
-@pytest.fixture(scope="module")
-def store(model, tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("stores") / "toy")
-  jr.save(model, path, progress=False)
-  return path
+model, tokens, store = toy_fixtures(CFG)
 
 
 def dense(host: int | str) -> jr.DenseDiskStream:

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
 from jax_residency._src.store import mapped
@@ -23,21 +24,7 @@ UNIT = CFG.unit_bytes()
 MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
 
 
-@pytest.fixture(scope="module")
-def model():
-  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
-def tokens():
-  return jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab)
-
-
-@pytest.fixture(scope="module")
-def store(model, tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("stores") / "toy")
-  jr.save(model, path, progress=False)
-  return path
+model, tokens, store = toy_fixtures(CFG)
 
 
 def _file_mapping(a: np.ndarray) -> mmap.mmap | None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
+from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
 from jax_residency.toy import LinenToyTransformer, ToyConfig, ToyTransformer
@@ -36,21 +37,7 @@ def dense(host_units: int, lookahead: int, *, lfu: bool = False, device: int | N
   )
 
 
-@pytest.fixture(scope="module")
-def model():
-  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
-def tokens():
-  return jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab)
-
-
-@pytest.fixture(scope="module")
-def store(model, tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("stores") / "toy")
-  jr.save(model, path, progress=False)
-  return path
+model, tokens, store = toy_fixtures(CFG)
 
 
 @pytest.mark.parametrize(

@@ -57,12 +57,25 @@ class UnitRead:
       left = None if deadline is None else max(0.0, deadline - time.monotonic())
       try:
         future.result(timeout=left)
-      except (TimeoutError, errors.StoreError):  # a direct read's errors are typed already
+      except TimeoutError:
+        raise
+      except errors.StoreError:  # a direct read's or a mapped check's: typed already
+        self._settle()
         raise
       except Exception as e:  # TensorStore reports IO errors as ValueError.
+        self._settle()
         raise read_error(e, self._where, path_str(self._prefix + tuple(key)), self.unit) from e
     self._futures.clear()
     return dict(self._arrays)
+
+  def _settle(self) -> None:
+    """Waits for every read still writing into this unit's buffer, so that a failed
+    read does not hand the buffer back for reuse while a copy still lands in it."""
+    for _, future in self._futures:
+      try:
+        future.result()
+      except Exception:  # noqa: BLE001 - the first error is the one raised (again if asked)
+        pass
 
 
 def read_error(error: Exception, where: str, tensor: str, unit: int | None) -> errors.StoreError:

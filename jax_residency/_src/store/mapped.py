@@ -72,7 +72,10 @@ DIRECT_READS_ENV = "JAX_RESIDENCY_DIRECT_READS"
 
 
 def direct_reads_enabled() -> bool:
-  """Whether raw chunks of local stores may be read straight from their files."""
+  """Whether raw chunks of local stores may be read straight from their files (where
+  the OS has ``preadv``, and not opted out)."""
+  if not hasattr(os, "preadv"):
+    return False
   return os.environ.get(DIRECT_READS_ENV, "1").strip() not in ("0", "false", "no", "off")
 
 

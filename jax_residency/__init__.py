@@ -13,10 +13,11 @@ The public surface (``__all__``):
   `DenseDiskStream`, `LayerWeightResidency`, `OrdinaryWeightResidency`,
   `ExecutionResidency`, `LayerwiseLoadOptions`, `DenseDiskStreamLoadOptions`,
   `OffloadConfig`, `CacheEvictionPolicy`, `parse_bytes`, `format_bytes`;
-* what you get back: `ModelMetadata` and its `MemoryItem` s, `StoreInfo` (from
-  `save`), and `Report` (``placed.report()``) with its `PassReport` s,
-  `Totals`, `TierMetrics`, `WorkerMetrics` and `TimelinePoint` s; every field is
-  described in ``docs/reports.md``;
+* what you get back: `ModelMetadata` with its `MemoryItem` s and
+  `StackMetadata` s, `StoreInfo` (from `save`) with its `StackInfo` s, and
+  `Report` (``placed.report()``) with its `PassReport` s (each with a
+  `StackPass` per layer stack), `Totals`, `TierMetrics`, `WorkerMetrics` and
+  `TimelinePoint` s; every field is described in ``docs/reports.md``;
 * errors: the module `errors` (``jr.errors``) holds every error type and
   documents the hierarchy. The top level lists only `ResidencyError` (the base
   of them all) and the ones a user catches most: `BudgetTooSmallError`,
@@ -32,8 +33,9 @@ The public surface (``__all__``):
 
 from . import errors as errors
 from . import linen as linen
-from ._src.placement.budget import MemoryItem as MemoryItem
 from ._src.placement.budget import ModelMetadata as ModelMetadata
+from ._src.placement.budget import StackMetadata as StackMetadata
+from ._src.placement.memory import MemoryItem as MemoryItem
 from ._src.placement.place import PlacedModel as PlacedModel
 from ._src.placement.place import place as place
 from ._src.placement.unit_loop import scan_units as scan_units
@@ -51,10 +53,12 @@ from ._src.policy.types import FullyResident as FullyResident
 from ._src.policy.types import LayerWeightResidency as LayerWeightResidency
 from ._src.policy.types import LayerwiseHost as LayerwiseHost
 from ._src.policy.types import OrdinaryWeightResidency as OrdinaryWeightResidency
+from ._src.report.metrics import StackPass as StackPass
 from ._src.report.telemetry import PassReport as PassReport
 from ._src.report.telemetry import Report as Report
 from ._src.report.telemetry import TimelinePoint as TimelinePoint
 from ._src.report.telemetry import Totals as Totals
+from ._src.store.info import StackInfo as StackInfo
 from ._src.store.info import StoreInfo as StoreInfo
 from ._src.store.save import save as save
 from ._src.stream.ledger import TierMetrics as TierMetrics
@@ -118,6 +122,9 @@ __all__ = [
   "ModelMetadata",
   "PassReport",
   "Report",
+  "StackInfo",
+  "StackMetadata",
+  "StackPass",
   "StoreInfo",
   "TierMetrics",
   "TimelinePoint",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 N_DEVICES = 8
 _FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
@@ -69,6 +69,8 @@ def auto_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
 class ReversedStack(nnx.Module):
   """Four tanh-Linear layers that ``scan_units`` runs last to first."""
 
+  residency_stacks: ClassVar[tuple[str, ...]] = ("layers",)
+
   def __init__(self, rngs: nnx.Rngs) -> None:
     self.layers = nnx.vmap(lambda k: nnx.Linear(16, 16, rngs=nnx.Rngs(k)))(
       jax.random.split(rngs.params(), 4)
@@ -96,6 +98,8 @@ class FloatNet(nnx.Module):
   ``calls`` counts Python executions of ``__call__`` (under ``jit`` that is
   once per trace); ``block_calls`` the same for one block.
   """
+
+  residency_stacks: ClassVar[tuple[str, ...]] = ("layers",)
 
   calls = 0
   block_calls = 0
@@ -158,6 +162,8 @@ class ShardedLinenBlock(nn.Module):
 
 class ShardedLinenToy(nn.Module):
   """:class:`jax_residency.toy.LinenToyTransformer` over :class:`ShardedLinenBlock`."""
+
+  residency_stacks: ClassVar[tuple[str, ...]] = ("layers",)
 
   cfg: ToyConfig
   logical: bool = False

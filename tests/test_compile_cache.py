@@ -152,7 +152,7 @@ CHILD = textwrap.dedent(
   net = Net(nnx.Rngs(0))
   store = os.path.join(os.environ["JAX_RESIDENCY_CACHE_DIR"], "store")
   if not os.path.exists(store):
-    jr.save(net, store, progress=False)
+    jr.save(net, store, units="layers", progress=False)
   out = {}
   for policy in (jr.FullyResident(), jr.DenseDiskStream()):
     with jr.place(net, policy, store=store) as placed:

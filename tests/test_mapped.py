@@ -57,7 +57,7 @@ def test_mapped_reads_match_copies_and_alias_the_file(store):
   views = {k: a for k, a in unit.items() if _file_mapping(a) is not None}
   # A tensor is mapped exactly when its chunk lies out of line at an offset XLA
   # can alias (the biases are small enough to sit inline in the index).
-  extents = {k: opened._mapper._extent(k, 1) for k in unit}  # type: ignore[union-attr]
+  extents = {k: opened._stacks[0].mapper._extent(k, 1) for k in unit}  # type: ignore[union-attr]
   aligned = {k for k, e in extents.items() if e is not None and e.offset % mapped.ALIGNMENT == 0}
   assert set(views) == aligned and views
   assert all(k[1] == "kernel" for k in views)
@@ -104,7 +104,7 @@ def test_truncated_chunk_file_is_a_store_error_not_a_crash(model, tmp_path):
   opened = st.UnitStore.open(path)
   assert opened.use_mapped_reads()
   opened.read_unit(0)  # reads the index; unit 3 is not mapped yet
-  mapper = opened._mapper
+  mapper = opened._stacks[0].mapper
   assert mapper is not None
   extents = {k: mapper._extent(k, 3) for k in opened.unit_specs}
   key, extent = next(
@@ -168,7 +168,7 @@ def test_odd_sized_values_do_not_shift_the_others_off_alignment(tmp_path):
   jr.save(ToyTransformer(cfg, rngs=nnx.Rngs(0)), path, progress=False)
   opened = st.UnitStore.open(path)
   assert opened.use_mapped_reads()
-  mapper = opened._mapper
+  mapper = opened._stacks[0].mapper
   assert mapper is not None
   specs = opened.unit_specs
   odd = [k for k, (shape, dtype) in specs.items() if np.prod(shape) * dtype.itemsize % 64]

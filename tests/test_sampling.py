@@ -6,6 +6,7 @@ import mmap
 import sys
 import threading
 import time
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,8 @@ def test_cpu_backend_reports_live_arrays():
 
 
 class Net(nnx.Module):
+  residency_stacks: ClassVar[tuple[str, ...]] = ("layers",)
+
   def __init__(self, rngs: nnx.Rngs):
     self.layers = nnx.vmap(lambda k: nnx.Linear(8, 8, rngs=nnx.Rngs(k)))(
       jax.random.split(rngs.params(), 3)

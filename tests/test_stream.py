@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -276,9 +277,11 @@ def test_from_local_box_places_what_the_process_read():
 
 def test_sliced_reads_path_keeps_parity(tokens, tmp_path, monkeypatch):
   """Force the multi-process read path (index reads + per-shard assembly)."""
-  from jax_residency._src.stream import engine as stream
+  from jax_residency._src.stream import stack_units
 
-  monkeypatch.setattr(stream, "addressable_box", lambda s, shape: tuple(slice(0, n) for n in shape))
+  monkeypatch.setattr(
+    stack_units, "addressable_box", lambda s, shape: tuple(slice(0, n) for n in shape)
+  )
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with jax.set_mesh(mesh):
     sharded = ToyTransformer(CFG, rngs=nnx.Rngs(0), sharded=True)
@@ -315,6 +318,8 @@ class _Layer(nn.Module):
 
 class _ReverseStack(nn.Module):
   """A reversed Linen scan with a per-step input and output beside the units."""
+
+  residency_stacks: ClassVar[tuple[str, ...]] = ("layers",)
 
   @nn.compact
   def __call__(self, x: jax.Array, extra: jax.Array) -> tuple[jax.Array, jax.Array]:

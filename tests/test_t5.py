@@ -8,13 +8,13 @@ on purpose: ReLU with the head tied to the embedding (and scaled), and gated
 GELU with its own head; 2 encoder and 3 decoder layers; 4 heads of 12 (inner
 width 48, not d_model 32).
 
-Placement: each stack is placed alone (``units="decoder_layers"`` or
-``"encoder_layers"``) under FullyResident, LayerwiseHost and DenseDiskStream;
-FullyResident and LayerwiseHost match the plain model run jitted bit for bit,
-DenseDiskStream the plain model run eagerly (README, "What the same outputs
-means"). Generation runs its decode steps over the decoder stack alone, so it
-runs under a decoder placement; an encoder placement is compared on
-teacher-forced logits.
+Placement: both stacks (``encoder_layers`` and ``decoder_layers``, which
+``T5`` declares) under FullyResident, LayerwiseHost and DenseDiskStream, on one
+device and on an 8-device mesh; FullyResident and LayerwiseHost match the plain
+model run jitted bit for bit, DenseDiskStream the plain model run eagerly
+(README, "What the same outputs means"). The prefill runs both stacks, each
+decode step only the decoder's; the reports say so per stack. A placement of
+one stack alone warns that the other stays on the device.
 """
 
 from __future__ import annotations
@@ -243,21 +243,15 @@ POLICIES = ["fully-resident", "layerwise-host", "dense"]
 
 
 @pytest.fixture(scope="module")
-def stores(gated, tmp_path_factory: pytest.TempPathFactory) -> dict[str, jr.StoreInfo]:
+def store(gated, tmp_path_factory: pytest.TempPathFactory) -> jr.StoreInfo:
+  """Both stacks in one store (the ones ``T5`` declares)."""
   model, _ = gated
-  root = tmp_path_factory.mktemp("t5")
-  return {
-    units: jr.save(model, str(root / units), units=units, progress=False)
-    for units in ("encoder_layers", "decoder_layers")
-  }
+  return jr.save(model, str(tmp_path_factory.mktemp("t5") / "both"), progress=False)
 
 
-def placed(model: CountingT5, name: str, units: str, stores: dict[str, jr.StoreInfo], **kw: Any):
-  store = stores[units]
+def placed(model: CountingT5, name: str, store: jr.StoreInfo, **kw: Any):
   dense = name == "dense"
-  return jr.place(
-    model, policy(name, store.unit_nbytes), units=units, store=store.path if dense else None, **kw
-  )
+  return jr.place(model, policy(name, store.unit_nbytes), store=store.path if dense else None, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -284,44 +278,71 @@ def assert_same_prefill(got: Any, want: Any) -> None:
     np.testing.assert_array_equal(a, b)
 
 
+def mesh_of(devices: int) -> jax.sharding.Mesh:
+  shape = (2, 4) if devices == 8 else (1, 1)
+  return jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(shape), ("data", "model"))
+
+
+@pytest.mark.parametrize("devices", [1, 8])
 @pytest.mark.parametrize("name", POLICIES)
-def test_decoder_placement_generates_the_same_tokens(
-  name, gated, stores, prefill_args, plain_prefill
+def test_both_stacks_placed_generate_the_same_tokens(
+  name, devices, gated, store, prefill_args, plain_prefill
 ):
   model, ref = gated
   source, mask, n = ref["generate_input_ids"], ref["generate_attention_mask"], ref["max_new_tokens"]
   CountingT5.encodes = 0
-  with placed(model, name, "decoder_layers", stores) as p:
-    assert p.unit_prefix == ("decoder_layers",) and p.unit_count == 3
+  with placed(model, name, store, mesh=mesh_of(devices)) as p:
+    assert p.stacks == ("encoder_layers", "decoder_layers") and p.unit_count == 5
+    assert p.metadata.unplaced_stacks == ()
     tokens = models.generate_t5(p, source, n, mask, config=model.config)
     report = p.report()
     again = p(*prefill_args)  # the prefill again, as generate ran it
   np.testing.assert_array_equal(tokens, ref["greedy"])
   assert report.prefill.passes == 1 and report.decode.passes == n - 1
   assert CountingT5.encodes == 1  # the prefill's one trace; decode steps never encode
-  if name == "dense":  # one unit fits the host cache: each pass reads all three
-    assert report.total.bytes_read == n * 3 * stores["decoder_layers"].unit_nbytes
+  prefill, *steps = report.passes
+  assert {k: v.units_run for k, v in prefill.stacks.items()} == {
+    "encoder_layers": 2,
+    "decoder_layers": 3,
+  }
+  for step in steps:  # decode steps run the decoder stack only
+    assert step.stacks["encoder_layers"].units_run == 0
+    assert step.stacks["decoder_layers"].units_run == 3
+  enc, dec = store.stacks
+  if name == "dense":  # one unit fits the host cache: each pass reads all it runs
+    assert report.total.bytes_read == 2 * enc.unit_nbytes + n * 3 * dec.unit_nbytes
+  if name == "layerwise-host":
+    assert prefill.stacks["encoder_layers"].bytes_moved == 2 * enc.unit_nbytes
+    assert steps[0].stacks["decoder_layers"].bytes_moved == 3 * dec.unit_nbytes
   assert_same_prefill(again, plain_prefill["eager" if name == "dense" else "jitted"])
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_encoder_placement_gives_the_same_prefill(name, gated, stores, prefill_args, plain_prefill):
-  """The prefill encodes: the encoder stack under the policy, the decoder stack static."""
+def test_one_stack_alone_warns_that_the_other_stays_on_the_device(
+  name, gated, store, tmp_path, prefill_args, plain_prefill
+):
+  model, _ = gated
+  dense = name == "dense"
+  path = str(tmp_path / "decoder") if dense else None
+  if path:
+    jr.save(model, path, units="decoder_layers", progress=False)
+  kind = policy(name, store.unit_nbytes)
+  with jr.place(model, kind, units="decoder_layers", store=path) as p:
+    with pytest.warns(UserWarning, match="'encoder_layers'"):
+      got = p(*prefill_args)
+    assert p.metadata.unplaced_stacks == ("encoder_layers",)
+    assert tuple(p.report().metadata["unplaced_stacks"]) == ("encoder_layers",)
+    if not dense:  # the encoder's weights: static, on the device
+      kind = p.arrays()["encoder_layers.attention.q.kernel"].sharding.memory_kind
+      assert kind == "device"
+  assert_same_prefill(got, plain_prefill["eager" if dense else "jitted"])
+
+
+def test_an_encoder_only_placement_cannot_generate(gated):
   model, ref = gated
-  with placed(model, name, "encoder_layers", stores) as p:
-    assert p.unit_prefix == ("encoder_layers",) and p.unit_count == 2
-    got = p(*prefill_args)
-    with pytest.raises(jr.errors.PlacementError, match="encoder_layers"):
+  with jr.place(model, jr.FullyResident(), units="encoder_layers") as p:
+    with (
+      pytest.warns(UserWarning, match="'decoder_layers'"),
+      pytest.raises(jr.errors.PlacementError, match="encoder_layers"),
+    ):
       models.generate_t5(p, ref["generate_input_ids"], 2, config=model.config)
-  assert_same_prefill(got, plain_prefill["eager" if name == "dense" else "jitted"])
-
-
-def test_decoder_placement_on_eight_devices(gated, stores):
-  """A dense stream replicated over a (data=2, model=4) mesh: the same tokens."""
-  model, ref = gated
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-  source, mask, n = ref["generate_input_ids"], ref["generate_attention_mask"], ref["max_new_tokens"]
-  with placed(model, "dense", "decoder_layers", stores, mesh=mesh) as p:
-    assert p.mesh.devices.size == 8
-    tokens = models.generate_t5(p, source, n, mask, config=model.config)
-  np.testing.assert_array_equal(tokens, ref["greedy"])

@@ -444,7 +444,7 @@ def flaky_store(flaky, tmp_path_factory):
   from jax_residency._src.store.save import save
 
   path = str(tmp_path_factory.mktemp("telemetry") / "flaky")
-  save(flaky, path, progress=False)
+  save(flaky, path, units="layers", progress=False)
   return path
 
 

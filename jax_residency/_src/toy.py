@@ -11,6 +11,7 @@ carries partitioning metadata that shards attention and MLP weights over a
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,9 @@ class ToyTransformer(nnx.Module):
     (1, 5, 256)
   """
 
+  #: The layer stacks its forward loops over (what ``place`` and ``save`` stream).
+  residency_stacks: ClassVar[tuple[str, ...]] = ("layers",)
+
   def __init__(self, cfg: ToyConfig, *, rngs: nnx.Rngs, sharded: bool = False) -> None:
     dt = jnp.dtype(cfg.dtype)
     self.embed = nnx.Embed(cfg.vocab, cfg.d_model, param_dtype=dt, dtype=dt, rngs=rngs)
@@ -152,6 +156,9 @@ class LinenBlock(nn.Module):
 
 class LinenToyTransformer(nn.Module):
   """The Linen twin of :class:`ToyTransformer`."""
+
+  #: The layer stacks its forward loops over (what ``place`` and ``save`` stream).
+  residency_stacks: ClassVar[tuple[str, ...]] = ("layers",)
 
   cfg: ToyConfig
 

@@ -64,6 +64,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         path_str(p): {"shape": list(shape), "dtype": str(dtype)}
         for p, (shape, dtype) in sorted(specs.items())
       },
+      "stacks": [
+        {"prefix": path_str(st.prefix), "units": st.count, "unit_bytes": st.unit_nbytes}
+        for st in store.stacks
+      ],
       "chunked_per_unit": streamable,
       "compressed": compressed,
       "checksums": checksum_kind,
@@ -78,7 +82,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
   rows = [
     ("store", args.path),
-    ("units", f"{info['unit_count']} under {info['unit_prefix']!r}"),
+    (
+      "units",
+      ", ".join(f"{st['units']} under {st['prefix']!r}" for st in info["stacks"]),
+    ),
     (
       "unit bytes",
       f"{fmt_bytes(info['unit_bytes'])} each, {fmt_bytes(info['total_unit_bytes'])} total",

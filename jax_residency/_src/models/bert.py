@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +180,9 @@ class BertEncoder(nnx.Module):
     >>> hidden.shape
     (1, 4, 16)
   """
+
+  #: The layer stacks its forward loops over (what ``place`` and ``save`` stream).
+  residency_stacks: ClassVar[tuple[str, ...]] = ("layers",)
 
   def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs, sharded: bool = False) -> None:
     self.config = cfg

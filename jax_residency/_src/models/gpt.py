@@ -14,7 +14,7 @@ embedding's transpose). Units: the pre-norm causal attention + GELU MLP blocks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +132,9 @@ class GPT(nnx.Module):
     ((1, 3, 32), (2, 1, 8, 2, 8))
     >>> logits, cache = nnx.eval_shape(step, model, jnp.ones((1, 1), jnp.int32), cache, 3)
   """
+
+  #: The layer stacks its forward loops over (what ``place`` and ``save`` stream).
+  residency_stacks: ClassVar[tuple[str, ...]] = ("layers",)
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
     dt = jnp.dtype(cfg.dtype)

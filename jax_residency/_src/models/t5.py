@@ -26,7 +26,7 @@ a step returns only the self-attention keys and values as per-layer outputs.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -275,6 +275,9 @@ class T5(nnx.Module):
     >>> logits.shape, cache.self_k.shape  # cache: (layer, batch, max_len, heads, d_kv)
     ((1, 1, 32), (3, 1, 4, 2, 4))
   """
+
+  #: The layer stacks its forward loops over (what ``place`` and ``save`` stream).
+  residency_stacks: ClassVar[tuple[str, ...]] = ("encoder_layers", "decoder_layers")
 
   def __init__(self, cfg: T5Config, *, rngs: nnx.Rngs) -> None:
     dt = jnp.dtype(cfg.dtype)

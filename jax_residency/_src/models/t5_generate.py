@@ -17,7 +17,6 @@ from flax import nnx
 
 from jax_residency._src.models.t5 import T5, T5Cache
 from jax_residency._src.models.t5_config import T5Config
-from jax_residency._src.policy.errors import PlacementError
 
 _UNSET: Any = object()
 
@@ -61,8 +60,8 @@ def generate_t5(
 
   Raises:
     ValueError: ``max_new_tokens < 1``, or no ``config`` for a placed model.
-    PlacementError: the placed stack is ``encoder_layers``: a decode step does
-      not run the encoder, and a placement must run its stack on every call.
+    PlacementError: the placement places only ``encoder_layers``: a decode step
+      runs only the decoder stack, and every call must run a placed stack.
 
   Example:
     >>> from jax_residency.models import T5Config, init_t5
@@ -79,12 +78,6 @@ def generate_t5(
     def forward(*args: Any) -> Any:
       return _jitted_plain(model, *args)
   else:
-    if getattr(model, "unit_prefix", None) == ("encoder_layers",):
-      raise PlacementError(
-        "generate runs decode steps without the encoder, but this placement's stack is "
-        "'encoder_layers', which every call of a placed model must run; place "
-        "units='decoder_layers' to generate (placing both stacks is not supported yet)"
-      )
     if config is None:
       raise ValueError("generate with a placed model needs config=<the model's T5Config>")
     cfg, forward = config, model

@@ -15,6 +15,10 @@ from typing import Any
 import jax
 
 from jax_residency._src.placement import shardings as pl
+from jax_residency._src.placement.memory import DEVICE_BUDGET as DEVICE_BUDGET
+from jax_residency._src.placement.memory import HOST_BUDGET as HOST_BUDGET
+from jax_residency._src.placement.memory import OVERHEAD, MemoryItem, memory_items, staging_bytes
+from jax_residency._src.placement.memory import STORE_INDEX_CACHE_BYTES as STORE_INDEX_CACHE_BYTES
 from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.policy.errors import DeviceBudgetTooSmallError, HostBudgetTooSmallError
 from jax_residency._src.policy.sizes import format_bytes
@@ -24,50 +28,6 @@ from jax_residency._src.policy.types import (
   LayerWeightResidency,
   LayerwiseHost,
 )
-
-#: Bytes of decoded OCDBT index nodes an open store may cache: the one cache a
-#: store keeps besides the unit buffers the budgets hold.
-STORE_INDEX_CACHE_BYTES = 16 << 20
-
-DEVICE_BUDGET = "device budget"
-HOST_BUDGET = "host budget"
-OVERHEAD = "overhead"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MemoryItem:
-  """One thing a placement holds in memory, and what pays for it.
-
-  Attributes:
-    name: what it is ("static parameters", "device window", "host cache", ...).
-    memory: ``"device"`` or ``"host"``: where the bytes live. On a CPU backend
-      device memory is host memory too.
-    nbytes: the most bytes it holds at once (per device for device items).
-    counted_in: ``"device budget"``, ``"host budget"``, or ``"overhead"`` (a
-      named, bounded cost outside the budgets).
-    note: how the bound comes about.
-
-  Example:
-    >>> from flax import nnx
-    >>> import jax_residency as jr
-    >>> from jax_residency.toy import ToyConfig, ToyTransformer
-    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
-    >>> with jr.place(model, jr.LayerwiseHost(prefetch_depth=1)) as placed:
-    ...   item = placed.metadata.memory[-1]
-    >>> item.name, item.memory, item.counted_in
-    ('host units', 'host', 'host budget')
-    >>> item.nbytes == sum(placed.metadata.unit_bytes)  # every unit, in pinned host memory
-    True
-  """
-
-  name: str
-  memory: str
-  nbytes: int
-  counted_in: str
-  note: str = ""
-
-  def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
 
 
 def largest_window(unit_bytes: Sequence[int], depth: int) -> int:
@@ -85,17 +45,52 @@ def largest_window(unit_bytes: Sequence[int], depth: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class StackMetadata:
+  """One placed layer stack's size and device window.
+
+  Attributes:
+    path: the stack's path in the model (``"encoder.layers"``).
+    layer_count: its units.
+    unit_bytes: bytes of one of its units (all shards together).
+    device_unit_bytes: bytes of one of its units on one device.
+    device_window_units: its units on a device at once.
+    device_window_bytes: bytes of its heaviest such window on one device.
+
+  Example:
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=3), rngs=nnx.Rngs(0))
+    >>> with jr.place(model, jr.LayerwiseHost(prefetch_depth=2), units="layers") as placed:
+    ...   (stack,) = placed.metadata.stacks
+    >>> stack.path, stack.layer_count, stack.device_window_units
+    ('layers', 3, 2)
+    >>> stack.device_window_bytes == 2 * stack.device_unit_bytes
+    True
+  """
+
+  path: str
+  layer_count: int
+  unit_bytes: int
+  device_unit_bytes: int
+  device_window_units: int
+  device_window_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelMetadata:
   """A placed model's size and placement, as decided at load time.
 
   Attributes:
-    layer_count: number of units in the layer stack.
+    layer_count: number of units over all placed layer stacks.
     static_device_bytes: bytes of static parameters held by one device.
     unit_bytes: bytes of each unit (all shards together).
     largest_device_unit_bytes: the largest unit's bytes on one device.
     largest_host_unit_bytes: the largest unit's bytes in this process's host memory.
-    device_window_units: units on a device at once (``policy.device_depth``).
-    device_window_bytes: bytes of the heaviest such window on one device.
+    device_window_units: units on a device at once (``policy.device_depth``;
+      with several stacks, the window of the stack whose window weighs most).
+    device_window_bytes: bytes of the heaviest such window on one device: the
+      largest window of any stack, as the stacks run one after another.
     device_unit_capacity: how many units the device budget could hold next to
       the static parameters (``None`` when the budget is unbounded).
     policy: the policy.
@@ -103,6 +98,11 @@ class ModelMetadata:
       :class:`MemoryItem` and ``docs``: "Where the bytes go" in the README).
     device_is_host: the devices' memory is this process's memory (CPU), so
       device items count in the process's RSS too.
+    stacks: each placed layer stack (:class:`StackMetadata`), in the order the
+      forward runs them; ``unit_bytes`` lists their units in that order.
+    unplaced_stacks: paths of stacks the forward loops over that this
+      placement does not place (their weights are static, on the device);
+      filled in as calls find them, each with a warning.
 
   Example:
     >>> from flax import nnx
@@ -129,6 +129,8 @@ class ModelMetadata:
   policy: LayerWeightResidency
   memory: tuple[MemoryItem, ...] = ()
   device_is_host: bool = False
+  stacks: tuple[StackMetadata, ...] = ()
+  unplaced_stacks: tuple[str, ...] = ()
 
   @property
   def total_unit_bytes(self) -> int:
@@ -189,6 +191,8 @@ class ModelMetadata:
     d["policy"] = self.policy.to_dict()
     d["total_unit_bytes"] = self.total_unit_bytes
     d["memory"] = [m.to_dict() for m in self.memory]
+    d["stacks"] = [dataclasses.asdict(x) for x in self.stacks]
+    d["unplaced_stacks"] = list(self.unplaced_stacks)
     d["planned_device_bytes"] = self.planned_device_bytes
     d["planned_host_bytes"] = self.planned_host_bytes
     d["overhead_bytes"] = self.overhead_bytes
@@ -199,6 +203,11 @@ class ModelMetadata:
     rows = [
       ("policy", self.policy.name),
       ("layers", str(self.layer_count)),
+      *(
+        (f"  stack {x.path}", f"{x.layer_count} x {format_bytes(x.unit_bytes)}")
+        for x in self.stacks
+        if len(self.stacks) > 1
+      ),
       ("static bytes / device", format_bytes(self.static_device_bytes)),
       ("unit bytes (total)", format_bytes(self.total_unit_bytes)),
       ("largest unit / device", format_bytes(self.largest_device_unit_bytes)),
@@ -217,114 +226,6 @@ class ModelMetadata:
     return text + ("\n\nmemory\n" + self.memory_table() if self.memory else "")
 
 
-def staging_bytes(policy: LayerWeightResidency, unit_bytes: int, *, device_is_host: bool) -> int:
-  """Host bytes a dense stream holds for a unit on its way to the device.
-
-  A unit read from disk lands in one host buffer. Where device memory is host
-  memory (CPU), that buffer becomes the device array without a copy, so it is
-  a device-window unit, not an extra one. On an accelerator it is an extra
-  unit of host memory until the copy is done: it counts against the host budget
-  when there is one (the host cache gets the rest) and is a named overhead in
-  direct disk-to-device mode.
-  """
-  if not isinstance(policy, DenseDiskStream) or device_is_host:
-    return 0
-  return unit_bytes
-
-
-def memory_items(
-  policy: LayerWeightResidency,
-  *,
-  static_device_bytes: int,
-  device_window: tuple[int, int],
-  host_unit_bytes: Sequence[int],
-  device_is_host: bool,
-) -> tuple[MemoryItem, ...]:
-  """Every item a placement of ``policy`` holds, each with its bound and who pays.
-
-  ``device_window`` is ``(units, bytes)``; ``host_unit_bytes`` what this
-  process holds of each unit in host memory.
-  """
-  depth, window = device_window
-  n = len(host_unit_bytes)
-  items = [
-    MemoryItem(
-      name="static parameters",
-      memory="device",
-      nbytes=static_device_bytes,
-      counted_in=DEVICE_BUDGET,
-      note="embeddings, norms, head: always on the device",
-    ),
-    MemoryItem(
-      name="device window" if depth < n or not policy.is_fully_resident else "units",
-      memory="device",
-      nbytes=window,
-      counted_in=DEVICE_BUDGET,
-      note=f"{depth} of {n} units",
-    ),
-  ]
-  if isinstance(policy, LayerwiseHost):
-    items.append(
-      MemoryItem(
-        name="host units",
-        memory="host",
-        nbytes=sum(host_unit_bytes),
-        counted_in=HOST_BUDGET,
-        note=f"all {n} units in pinned_host memory",
-      )
-    )
-  dense = policy.dense
-  if dense is None:
-    return tuple(items)
-  largest = max(host_unit_bytes, default=0)
-  staging = staging_bytes(policy, largest, device_is_host=device_is_host)
-  host_budget = dense.host_budget_bytes
-  if host_budget != 0:
-    everything = sum(host_unit_bytes)
-    cache = everything if host_budget is None else min(host_budget - staging, everything)
-    items.append(
-      MemoryItem(
-        name="host cache",
-        memory="host",
-        nbytes=cache,
-        counted_in=HOST_BUDGET,
-        note="cached units and reads in flight (each read is reserved in it before it starts)",
-      )
-    )
-  if device_is_host:
-    note = "0: mapped chunks (or a read buffer) become the device arrays, no copy (a window unit)"
-  else:
-    note = "one unit's host buffer while it is copied to the device"
-  items.append(
-    MemoryItem(
-      name="staging",
-      memory="host",
-      nbytes=staging,
-      counted_in=HOST_BUDGET if host_budget != 0 else OVERHEAD,
-      note=note,
-    )
-  )
-  items.append(
-    MemoryItem(
-      name="mapped store pages",
-      memory="host",
-      nbytes=largest,
-      counted_in=OVERHEAD,
-      note="page cache a copying read maps (so in RSS) until it is done; reclaimable",
-    )
-  )
-  items.append(
-    MemoryItem(
-      name="store index cache",
-      memory="host",
-      nbytes=STORE_INDEX_CACHE_BYTES,
-      counted_in=OVERHEAD,
-      note="decoded OCDBT index nodes (bounded; usually a few KiB)",
-    )
-  )
-  return tuple(items)
-
-
 def check_budgets(
   policy: LayerWeightResidency,
   *,
@@ -333,11 +234,16 @@ def check_budgets(
   device_unit_bytes: Sequence[int],
   host_unit_bytes: Sequence[int],
   device_is_host: bool = True,
+  stacks: Sequence[tuple[str, int]] = (),
 ) -> ModelMetadata:
   """Checks the policy's budgets against the model and returns the metadata.
 
   ``unit_bytes`` are whole units; ``device_unit_bytes`` what one device holds of
   each; ``host_unit_bytes`` what this process's host memory holds of each.
+  ``stacks`` splits the units, in order, into named layer stacks
+  ``(path, count)`` (default: one stack). The stacks run one after another,
+  so the device window is the largest window of any stack; the host cache is
+  shared, so a dense stream's host window may span two stacks.
   ``device_is_host``: the devices are CPU devices, whose memory is host memory
   (a dense stream's read buffers then become device arrays without a copy).
 
@@ -350,15 +256,36 @@ def check_budgets(
   """
   offload = policy.offload()
   n = len(device_unit_bytes)
-  depth = min(policy.device_depth(n), n)
-  window = largest_window(device_unit_bytes, depth)
+  if not stacks:
+    stacks = (("", n),)
+  if sum(c for _, c in stacks) != n:
+    raise ValueError(f"stacks {stacks!r} do not partition {n} units")
+  per_stack: list[StackMetadata] = []
+  start = 0
+  for name, count in stacks:
+    k = min(policy.device_depth(count), count)
+    dev = device_unit_bytes[start : start + count]
+    per_stack.append(
+      StackMetadata(
+        path=name,
+        layer_count=count,
+        unit_bytes=max(unit_bytes[start : start + count], default=0),
+        device_unit_bytes=max(dev, default=0),
+        device_window_units=k,
+        device_window_bytes=largest_window(dev, k),
+      )
+    )
+    start += count
+  heaviest = max(per_stack, key=lambda x: (x.device_window_bytes, x.device_window_units))
+  depth, window = heaviest.device_window_units, heaviest.device_window_bytes
+  window_of = f" of stack {heaviest.path!r} (the heaviest window)" if len(per_stack) > 1 else ""
   budget = offload.device_budget_bytes
   if budget is not None and static_device_bytes + window > budget:
     required = static_device_bytes + window
     raise DeviceBudgetTooSmallError(
       f"device_budget_bytes={budget} ({format_bytes(budget)}) is too small for {policy.name}: "
       f"static={static_device_bytes} ({format_bytes(static_device_bytes)}) + "
-      f"window={window} ({format_bytes(window)}, depth={depth} units) = "
+      f"window={window} ({format_bytes(window)}, depth={depth} units{window_of}) = "
       f"required={required} ({format_bytes(required)}); raise the device budget to at least "
       f"{required} bytes, or lower the prefetch depth",
       static=static_device_bytes,
@@ -424,8 +351,10 @@ def check_budgets(
       device_window=(depth, window),
       host_unit_bytes=host_unit_bytes,
       device_is_host=device_is_host,
+      window_of=window_of,
     ),
     device_is_host=device_is_host,
+    stacks=tuple(per_stack) if per_stack[0].path else (),
   )
 
 
@@ -435,33 +364,43 @@ def metadata_for(
   static_shardings: Sequence[jax.sharding.Sharding],
   slice_shardings: Sequence[jax.sharding.Sharding],
 ) -> ModelMetadata:
+  """The plan of placing ``split`` under ``policy`` with these shardings (see
+  `check_budgets`); ``slice_shardings`` hold one unit of each unit leaf."""
   static_bytes = sum(
     pl.per_device_bytes(leaf.shape, leaf.dtype, s)
     for leaf, s in zip(split.static_leaves(), static_shardings, strict=True)
   )
-  unit_leaves = split.unit_leaves()
-  one_unit = [(leaf.shape[1:], leaf.dtype) for leaf in unit_leaves]
-  unit_total = sum(leaf.nbytes for leaf in unit_leaves) // max(split.unit_count, 1)
-  device_unit = sum(
-    pl.per_device_bytes(shape, dtype, s)
-    for (shape, dtype), s in zip(one_unit, slice_shardings, strict=True)
-  )
-  if policy.execution_residency is ExecutionResidency.LAYERWISE_HOST:
-    host_unit = sum(
-      pl.per_process_bytes(shape, dtype, s)
-      for (shape, dtype), s in zip(one_unit, slice_shardings, strict=True)
+  unit_bytes: list[int] = []
+  device_bytes: list[int] = []
+  host_bytes: list[int] = []
+  for stack in split.stacks:
+    leaves = split.stack_leaves(stack)
+    one_unit = [(leaf.shape[1:], leaf.dtype) for leaf in leaves]
+    slices = slice_shardings[stack.leaf_slice]
+    unit_total = sum(leaf.nbytes for leaf in leaves) // max(stack.count, 1)
+    device_unit = sum(
+      pl.per_device_bytes(shape, dtype, s)
+      for (shape, dtype), s in zip(one_unit, slices, strict=True)
     )
-  elif policy.execution_residency is ExecutionResidency.DENSE_DISK_STREAM:
-    host_unit = unit_total
-  else:
-    host_unit = 0
-  n = split.unit_count
+    if policy.execution_residency is ExecutionResidency.LAYERWISE_HOST:
+      host_unit = sum(
+        pl.per_process_bytes(shape, dtype, s)
+        for (shape, dtype), s in zip(one_unit, slices, strict=True)
+      )
+    elif policy.execution_residency is ExecutionResidency.DENSE_DISK_STREAM:
+      host_unit = unit_total
+    else:
+      host_unit = 0
+    unit_bytes += [unit_total] * stack.count
+    device_bytes += [device_unit] * stack.count
+    host_bytes += [host_unit] * stack.count
   devices: set[Any] = {d for s in (*static_shardings, *slice_shardings) for d in s.device_set}
   return check_budgets(
     policy,
     static_device_bytes=static_bytes,
-    unit_bytes=[unit_total] * n,
-    device_unit_bytes=[device_unit] * n,
-    host_unit_bytes=[host_unit] * n,
+    unit_bytes=unit_bytes,
+    device_unit_bytes=device_bytes,
+    host_unit_bytes=host_bytes,
     device_is_host=all(d.platform == "cpu" for d in devices),
+    stacks=[(s.name, s.count) for s in split.stacks],
   )

@@ -10,6 +10,7 @@ forward is traced instead, so input gradients work.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -19,10 +20,12 @@ from jax.sharding import Mesh
 from jax_residency._src.placement import shardings as pl
 from jax_residency._src.placement.budget import ModelMetadata, metadata_for
 from jax_residency._src.placement.split import SplitModel
-from jax_residency._src.placement.unit_loop import run_in_loop
+from jax_residency._src.placement.stacks import note_unplaced
+from jax_residency._src.placement.unit_loop import LoopContext, StackLoop, run_in_loop
 from jax_residency._src.policy.errors import PlacementError
 from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResidency
 from jax_residency._src.report.compile_time import signature, temp_bytes
+from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.telemetry import PassCounters, Telemetry
 from jax_residency._src.store.loading import open_for, read_all
 from jax_residency._src.typing import path_str
@@ -56,50 +59,75 @@ class JittedExecutor:
     self._units = pl.put([values[i] for i in split.unit_index], placed_at.units)
     del values
     self._split = split
-    depth = policy.device_depth(split.unit_count)
+    loops = [
+      StackLoop(None, tuple(placed_at.unit_slices[s.leaf_slice]), policy.device_depth(s.count))
+      for s in split.stacks
+    ]
+    names = [s.name for s in split.stacks]
+    self._last_trace: LoopContext | None = None
+    self._traced_shares: dict[str, StackPass] = {}
 
     def forward(static: list[Any], units: list[Any], *args: Any, **kwargs: Any) -> Any:
       bound = split.bind(split.join(static, units))
-      return run_in_loop(
-        bound.call,
-        bound.units,
-        kind=policy.execution_residency,
-        depth=depth,
-        unit_shardings=tuple(placed_at.unit_slices),
-        unit_prefix=split.unit_prefix,
-        args=args,
-        kwargs=kwargs,
+      stacks = [
+        dataclasses.replace(loop, ref=ref) for loop, ref in zip(loops, bound.units, strict=True)
+      ]
+      out, self._last_trace = run_in_loop(
+        bound, stacks, kind=policy.execution_residency, names=names, args=args, kwargs=kwargs
       )
+      return out
 
     self._jitted = jax.jit(forward)
     self.telemetry = Telemetry.for_policy(
       policy=policy, metadata=self.metadata, sequence_axis=sequence_axis
     )
-    self._moved = self.metadata.total_unit_bytes if self._layerwise else 0
-    # One program per input signature, with the temporaries XLA gives it.
-    self._compiled: dict[Any, tuple[Any, int]] = {}
+    # One program per input signature: its temporaries and each stack's share of a pass.
+    self._compiled: dict[Any, tuple[Any, int, dict[str, StackPass]]] = {}
 
-  def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+  def _shares(self, ctx: LoopContext | None) -> dict[str, StackPass]:
+    """Each stack's units run and bytes moved by a program traced with ``ctx``;
+    notes the stacks it loops over that are not placed."""
+    if ctx is None:
+      return {}
+    note_unplaced(self, ctx)
+    shares = {}
+    for stack, loop, meta in zip(self._split.stacks, ctx.stacks, self.metadata.stacks, strict=True):
+      run = loop.loops * stack.count
+      moved = run * meta.unit_bytes if self._layerwise else 0
+      shares[stack.name] = StackPass(units_run=run, bytes_moved=moved)
+    return shares
+
+  def _program(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> tuple[Any, int, dict[str, StackPass]]:
     key = signature(args, kwargs)
     found = self._compiled.get(key)
     if found is None:
-      exe = self._jitted.trace(self._static, self._units, *args, **kwargs).lower().compile()
-      found = self._compiled[key] = (exe, temp_bytes(exe) or 0)
+      traced = self._jitted.trace(self._static, self._units, *args, **kwargs)
+      shares = self._shares(self._last_trace)
+      exe = traced.lower().compile()
+      found = self._compiled[key] = (exe, temp_bytes(exe) or 0, shares)
     return found
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     start = time.perf_counter()
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
       # Under a transformation (grad, make_jaxpr, an outer jit) the forward is traced.
-      exe, temp = self._jitted, 0
+      self._last_trace = None
+      out = self._jitted(self._static, self._units, *args, **kwargs)
+      if self._last_trace is not None:  # else jit reused a trace: the shares are as before
+        self._traced_shares = self._shares(self._last_trace)
+      temp, shares = 0, self._traced_shares
     else:
-      exe, temp = self._program(args, kwargs)
-    out = jax.block_until_ready(exe(self._static, self._units, *args, **kwargs))
+      exe, temp, shares = self._program(args, kwargs)
+      out = exe(self._static, self._units, *args, **kwargs)
+    out = jax.block_until_ready(out)
     meta = self.metadata
+    moved = sum(s.bytes_moved for s in shares.values())
     self.telemetry.commit_pass(
       args=args,
       seconds=time.perf_counter() - start,
-      counters=PassCounters(host_to_device_bytes=self._moved, step_temp_bytes=temp),
+      counters=PassCounters(host_to_device_bytes=moved, step_temp_bytes=temp, stacks=shares),
       peak_device_units=meta.device_window_units,
       peak_device_bytes=meta.device_window_bytes,
       peak_host_units=meta.layer_count if self._layerwise else 0,

@@ -57,8 +57,12 @@ def scan(target: type[nn.Module], **scan_kwargs: Any) -> type[nn.Module]:
     def __call__(self, carry: Any, *xs: Any) -> Any:
       ctx = current_loop()
       path = tuple(self.scope.path) if self.scope is not None else ()
-      if ctx is None or self.is_initializing() or not ctx.claims(path):
-        return super().__call__(carry, *xs)
+      loop = None if ctx is None or self.is_initializing() else ctx.claim(path)
+      if loop is None:
+        if ctx is None:
+          return super().__call__(carry, *xs)
+        with ctx.plain():
+          return super().__call__(carry, *xs)
       if in_axes != 0 or out_axes != 0:
         raise PlacementError(
           f"jax_residency.linen.scan at {'/'.join(path)!r}: placed runs scan every input "
@@ -71,7 +75,8 @@ def scan(target: type[nn.Module], **scan_kwargs: Any) -> type[nn.Module]:
       def step(c: Any, unit_params: Any, x: Any) -> tuple[Any, Any]:
         return block.apply({"params": unit_params}, c, *x)
 
-      return ctx.run(step, carry, params, xs, reverse=reverse)
+      assert ctx is not None
+      return ctx.run(loop, step, carry, params, xs, reverse=reverse)
 
   ResidencyScan.__name__ = scanned.__name__
   ResidencyScan.__qualname__ = scanned.__qualname__

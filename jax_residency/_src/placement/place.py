@@ -10,7 +10,9 @@ through :mod:`jax_residency._src.stream.engine`.
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,6 +25,7 @@ from jax_residency._src.placement.budget import ModelMetadata
 from jax_residency._src.placement.executor import Executor
 from jax_residency._src.placement.jitted import JittedExecutor
 from jax_residency._src.placement.split import SplitModel, split_model
+from jax_residency._src.placement.stacks import find_stacks
 from jax_residency._src.policy.errors import ClosedError, PlacementError
 from jax_residency._src.policy.types import (
   DenseDiskStream,
@@ -31,6 +34,7 @@ from jax_residency._src.policy.types import (
   LayerwiseHost,
 )
 from jax_residency._src.report.telemetry import Report
+from jax_residency._src.store.loading import stacks_in
 from jax_residency._src.stream.dense import DenseExecutor
 
 
@@ -42,7 +46,6 @@ class PlacedModel:
   background threads).
 
   Attributes:
-    metadata: sizes and placement decided at load time (:class:`ModelMetadata`).
     policy: the weight-residency policy.
     mesh: the mesh parameters are placed on.
 
@@ -65,17 +68,53 @@ class PlacedModel:
   """
 
   def __init__(
-    self, split: SplitModel, policy: LayerWeightResidency, mesh: Mesh, executor: Executor
+    self,
+    split: SplitModel,
+    policy: LayerWeightResidency,
+    mesh: Mesh,
+    build: Callable[[SplitModel], Executor],
   ) -> None:
     self._split = split
     self.policy = policy
     self.mesh = mesh
-    self.metadata: ModelMetadata = executor.metadata
-    self._executor = executor
-    self._telemetry = executor.telemetry
+    self._build = build
+    self._executor: Executor | None = None
     self._closed = False
     self._lock = threading.Lock()
-    self._telemetry.start()  # background samplers (sample_process_memory) run until close()
+    if split.stacks:
+      self._start(split)
+
+  def _start(self, split: SplitModel) -> Executor:
+    executor = self._build(split)
+    self._split, self._executor = split, executor
+    executor.telemetry.start()  # background samplers (sample_process_memory) run until close()
+    return executor
+
+  def _ready(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Executor:
+    """The executor; on the first call of a placement whose stacks are not known yet,
+    finds them by tracing the forward with these arguments, then places the model."""
+    if self._closed:
+      raise ClosedError("this placed model was closed; place the model again to run it")
+    if self._executor is None:
+      with self._lock:
+        if self._executor is None:
+          return self._start(find_stacks(self._split, args, kwargs))
+    assert self._executor is not None
+    return self._executor
+
+  def _placed(self) -> Executor:
+    if self._executor is None:
+      raise PlacementError(
+        "this placement finds the model's layer stacks on its first call (the modules the "
+        "forward runs through scan_units / linen.scan), and places the model then; call it "
+        "once, or pass units=<path or tuple of paths> to place(), to have it placed now"
+      )
+    return self._executor
+
+  @property
+  def metadata(self) -> ModelMetadata:
+    """Sizes and placement decided at load time (:class:`ModelMetadata`)."""
+    return self._placed().metadata
 
   @property
   def unit_count(self) -> int:
@@ -83,13 +122,17 @@ class PlacedModel:
 
   @property
   def unit_prefix(self) -> tuple[str, ...]:
-    """Path of the stacked layer module inside the model."""
+    """Path of the (first) stacked layer module inside the model."""
     return self._split.unit_prefix
 
+  @property
+  def stacks(self) -> tuple[str, ...]:
+    """Paths of the placed layer stacks, in the order the forward runs them
+    (empty until the first call finds them, when ``units=`` was not given)."""
+    return tuple(s.name for s in self._split.stacks)
+
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    if self._closed:
-      raise ClosedError("this placed model was closed; place the model again to run it")
-    return self._executor(*args, **kwargs)
+    return self._ready(args, kwargs)(*args, **kwargs)
 
   def arrays(self) -> dict[str, jax.Array]:
     """The arrays this placement holds, by parameter path (``"layers.attn.kernel"``).
@@ -100,11 +143,11 @@ class PlacedModel:
     """
     if self._closed:
       raise ClosedError("this placed model was closed; it holds no arrays")
-    return self._executor.arrays()
+    return self._placed().arrays()
 
   def report(self) -> Report:
     """What the passes so far moved and cost (an immutable :class:`Report`)."""
-    return self._telemetry.report()
+    return self._placed().telemetry.report()
 
   def clear_caches(self) -> None:
     """Drops cached unit copies (a dense stream's host and device tiers).
@@ -112,7 +155,8 @@ class PlacedModel:
     The next pass reads every unit from the store again. A no-op for policies
     that keep every unit placed.
     """
-    self._executor.clear_caches()
+    if self._executor is not None:
+      self._executor.clear_caches()
 
   def lower(self, *args: Any, platforms: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
     """Lowers the jitted forward (``FullyResident``/``LayerwiseHost``) for inspection.
@@ -122,7 +166,7 @@ class PlacedModel:
     """
     if self._closed:
       raise ClosedError("this placed model was closed; place the model again to lower it")
-    return self._executor.lower(*args, platforms=platforms, **kwargs)
+    return self._ready(args, kwargs).lower(*args, platforms=platforms, **kwargs)
 
   def close(self) -> None:
     """Releases every buffer, store handle and thread this placement holds."""
@@ -130,10 +174,13 @@ class PlacedModel:
       if self._closed:
         return
       self._closed = True
+    executor = self._executor
+    if executor is None:
+      return
     try:
-      self._executor.close()
+      executor.close()
     finally:
-      self._telemetry.close()
+      executor.telemetry.close()
 
   def __enter__(self) -> PlacedModel:
     return self
@@ -143,10 +190,9 @@ class PlacedModel:
 
   def __repr__(self) -> str:
     state = "closed" if self._closed else "open"
-    return (
-      f"PlacedModel({self.policy!r}, layers={self.metadata.layer_count}, "
-      f"units={'.'.join(self.unit_prefix)!r}, {state})"
-    )
+    if self._executor is None:
+      return f"PlacedModel({self.policy!r}, stacks found on the first call, {state})"
+    return f"PlacedModel({self.policy!r}, layers={self.unit_count}, stacks={self.stacks}, {state})"
 
 
 def place(
@@ -172,8 +218,15 @@ def place(
     mesh: the mesh to place on. Default: the mesh set with ``jax.set_mesh``,
       else the mesh (or the one device) the model's arrays are already on, else
       the default device alone, as the plain model runs.
-    units: path of the stacked layer module (``"layers"``); default: the first
-      of the common names that is a layer stack, else the only candidate.
+    units: the layer stacks to place: a path (``"layers"``,
+      ``"decoder.layers"``) or a tuple or list of paths
+      (``("encoder_layers", "decoder_layers")``). Default: the stacks ``store``
+      records, else those the model's class declares (``residency_stacks``),
+      else the modules the forward runs through ``scan_units`` /
+      ``linen.scan``, found by tracing it on the first call (the model is
+      placed then, and ``metadata`` is known from then on). A stack the forward
+      loops over but ``units`` leaves out stays on the device as static
+      parameters; ``metadata.unplaced_stacks`` lists it, with a warning.
     rules: logical-to-mesh axis rules for models with logical partitioning.
     store: a unit store written by :func:`jax_residency.save` (a directory or
       TensorStore kvstore URL). Required for ``DenseDiskStream``, which streams
@@ -215,22 +268,27 @@ def place(
   )
   enable_default_cache()  # JAX's persistent compilation cache; JAX_RESIDENCY_COMPILATION_CACHE=0
   split = split_model(model, params=params, units=units)
+  if store is not None and units is None:
+    recorded = stacks_in(os.fspath(store))
+    if recorded:  # the store's stacks, as model paths
+      split = split.with_stacks([p[len(split.root) :] for p in recorded])
   mesh = pl.default_mesh(split.values) if mesh is None else mesh
-  executor: Executor
-  match policy:
-    case DenseDiskStream():
-      if store is None:
-        raise PlacementError(
-          "DenseDiskStream streams units from a store: pass store=<path> written by "
-          "jax_residency.save(model, path)"
-        )
-      executor = DenseExecutor(
+  if isinstance(policy, DenseDiskStream) and store is None:
+    raise PlacementError(
+      "DenseDiskStream streams units from a store: pass store=<path> written by "
+      "jax_residency.save(model, path)"
+    )
+  if not isinstance(policy, DenseDiskStream | FullyResident | LayerwiseHost):
+    raise PlacementError(f"unsupported policy {policy!r}")
+
+  def build(split: SplitModel) -> Executor:
+    if isinstance(policy, DenseDiskStream):
+      assert store is not None
+      return DenseExecutor(
         split, policy, mesh=mesh, rules=rules, store=store, sequence_axis=sequence_axis
       )
-    case FullyResident() | LayerwiseHost():
-      executor = JittedExecutor(
-        split, policy, mesh=mesh, rules=rules, sequence_axis=sequence_axis, store=store
-      )
-    case _:
-      raise PlacementError(f"unsupported policy {policy!r}")
-  return PlacedModel(split, policy, mesh, executor)
+    return JittedExecutor(
+      split, policy, mesh=mesh, rules=rules, sequence_axis=sequence_axis, store=store
+    )
+
+  return PlacedModel(split, policy, mesh, build)

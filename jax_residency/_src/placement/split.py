@@ -1,10 +1,12 @@
-"""A Flax model seen as static parameters, a unit stack and a pure forward.
+"""A Flax model seen as static parameters, layer stacks and a pure forward.
 
 NNX and Linen models are both reduced to a :class:`SplitModel`: a flat list of
-parameter leaves with normalised paths, the set of leaves that form the stacked
-layer module (the *units*, leading axis = layer index), their partitioning
-metadata, and a ``forward(leaves, *args)`` that rebuilds the model from leaves
-and calls it. Placement never mutates the user's model.
+parameter leaves with normalised paths, the leaves of each stacked layer module
+(a :class:`Stack`; its *units* are its layers, leading axis = layer index),
+their partitioning metadata, and a ``bind(leaves)`` that rebuilds the model
+from leaves. Which modules are stacks is the user's choice (``units=``), the
+store's record, or what the forward loops over (``placement/discovery.py``).
+Placement never mutates the user's model.
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ from jax.sharding import PartitionSpec
 
 from jax_residency._src.policy.errors import UnitSelectionError, format_paths
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
-
-#: Attribute names tried, in order, when ``units`` is not given.
-DEFAULT_UNIT_NAMES: tuple[str, ...] = ("layers", "blocks", "h", "layer", "units", "decoder_layers")
 
 
 def normalise_path(key_path: Sequence[Any]) -> ParamPath:
@@ -59,58 +58,128 @@ class Leaf:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stack:
+  """One stacked layer module of a split model.
+
+  Attributes:
+    prefix: its path in the model (for Linen, without the ``params`` collection).
+    path_prefix: the prefix as it appears in leaf paths.
+    index: positions in ``SplitModel.leaves`` of its leaves, in order.
+    count: its number of units (layers).
+    offset: the id of its first unit: units are numbered stack by stack.
+    first: position of its first leaf among all unit leaves.
+  """
+
+  prefix: ParamPath
+  path_prefix: ParamPath
+  index: tuple[int, ...]
+  count: int
+  offset: int
+  first: int
+
+  @property
+  def name(self) -> str:
+    """The stack's path as a dotted string (``"encoder.layers"``)."""
+    return path_str(self.prefix)
+
+  @property
+  def units(self) -> range:
+    """The ids of its units."""
+    return range(self.offset, self.offset + self.count)
+
+  @property
+  def leaf_slice(self) -> slice:
+    """Its leaves' positions among all unit leaves (``SplitModel.unit_index`` order)."""
+    return slice(self.first, self.first + len(self.index))
+
+
+@dataclasses.dataclass(frozen=True)
 class Bound:
   """A model rebuilt from leaf values.
 
   Attributes:
     call: calls the rebuilt model (``call(*args, **kwargs)``).
-    units: what identifies its unit stack to the layer loop: the rebuilt NNX
-      module, or for Linen the stack's scope path.
+    units: what identifies each placed stack to the layer loop, in stack
+      order: the rebuilt NNX module, or for Linen the stack's scope path.
+    path_of: the model path of a module the forward loops over (an NNX
+      module, or a Linen scope path); ``None`` if it is not one of the
+      model's own modules.
   """
 
   call: Callable[..., Any]
-  units: Any
+  units: tuple[Any, ...]
+  path_of: Callable[[Any], ParamPath | None]
 
 
 @dataclasses.dataclass
 class SplitModel:
-  """A model reduced to leaves, a unit selection and a pure forward.
+  """A model reduced to leaves, its layer stacks and a pure forward.
 
   Attributes:
     kind: ``"nnx"`` or ``"linen"``.
     leaves: every parameter leaf, in the model's pytree order.
     values: the leaf arrays, same order.
-    unit_prefix: the path of the stacked layer module (for Linen, without
-      the ``params`` collection name).
-    unit_index: positions in ``leaves`` of the unit leaves, in order.
-    static_index: positions of the static leaves, in order.
+    stacks: the placed layer stacks, in the order the forward runs them
+      (empty until they are chosen or found, see `with_stacks`).
     bind: ``bind(leaves)`` rebuilds the model from leaf values (a
-      :class:`Bound`: its call and its unit stack). The unit loop
+      :class:`Bound`: its call and its stacks). The unit loop
       (``unit_loop.run_in_loop``) runs it; this module knows nothing of loops.
-    unit_path_prefix: the unit prefix as it appears in leaf paths.
+    root: the leaf-path prefix of parameters (``("params",)`` for Linen).
   """
 
   kind: str
   leaves: list[Leaf]
   values: list[Any]
-  unit_prefix: ParamPath
-  unit_index: list[int]
-  static_index: list[int]
-  bind: Callable[[Sequence[Any]], Bound]
-  unit_path_prefix: ParamPath
+  stacks: tuple[Stack, ...]
+  bind_stacks: Callable[[Sequence[Any], Sequence[Stack]], Bound]
+  root: ParamPath
+
+  def bind(self, leaf_values: Sequence[Any]) -> Bound:
+    return self.bind_stacks(leaf_values, self.stacks)
+
+  @property
+  def unit_index(self) -> list[int]:
+    """Positions in ``leaves`` of every unit leaf, stack by stack."""
+    return [i for s in self.stacks for i in s.index]
+
+  @property
+  def static_index(self) -> list[int]:
+    """Positions of the static leaves, in order."""
+    units = set(self.unit_index)
+    return [i for i in range(len(self.leaves)) if i not in units]
+
+  @property
+  def unit_prefix(self) -> ParamPath:
+    """The first stack's path (the only one for single-stack models)."""
+    return self.stacks[0].prefix if self.stacks else ()
+
+  @property
+  def unit_path_prefix(self) -> ParamPath:
+    return self.stacks[0].path_prefix if self.stacks else ()
 
   @property
   def unit_count(self) -> int:
-    return self.leaves[self.unit_index[0]].shape[0]
+    """Units over all stacks."""
+    return sum(s.count for s in self.stacks)
 
   def unit_leaves(self) -> list[Leaf]:
     return [self.leaves[i] for i in self.unit_index]
 
+  def stack_leaves(self, stack: Stack) -> list[Leaf]:
+    return [self.leaves[i] for i in stack.index]
+
   def static_leaves(self) -> list[Leaf]:
     return [self.leaves[i] for i in self.static_index]
 
+  def stack_of(self, leaf: Leaf) -> Stack:
+    for s in self.stacks:
+      if leaf.path[: len(s.path_prefix)] == s.path_prefix:
+        return s
+    raise KeyError(leaf.path)
+
   def unit_rel_path(self, leaf: Leaf) -> ParamPath:
-    return leaf.path[len(self.unit_path_prefix) :]
+    """A unit leaf's path inside its stack."""
+    return leaf.path[len(self.stack_of(leaf).path_prefix) :]
 
   def join(self, static: Sequence[Any], units: Sequence[Any]) -> list[Any]:
     """Interleaves static and unit leaves back into pytree order."""
@@ -120,6 +189,31 @@ class SplitModel:
     for i, v in zip(self.unit_index, units, strict=True):
       out[i] = v
     return out
+
+  def with_stacks(self, prefixes: Sequence[ParamPath]) -> SplitModel:
+    """The same model with ``prefixes`` (model paths, in forward order) as its stacks.
+
+    Raises:
+      UnitSelectionError: a prefix names no parameters or is not a layer stack.
+    """
+    paths = [leaf.path for leaf in self.leaves]
+    shapes = [leaf.shape for leaf in self.leaves]
+    for p in prefixes:
+      check_stack(paths, shapes, p, self.root, given=path_str(p))
+    stacks: list[Stack] = []
+    offset = first = 0
+    taken: set[int] = set()
+    for prefix in prefixes:
+      full = (*self.root, *prefix)
+      index = tuple(
+        i for i, leaf in enumerate(self.leaves) if leaf.path[: len(full)] == full and i not in taken
+      )
+      taken.update(index)
+      count = self.leaves[index[0]].shape[0]
+      stacks.append(Stack(tuple(prefix), full, index, count, offset, first))
+      offset += count
+      first += len(index)
+    return dataclasses.replace(self, stacks=tuple(stacks))
 
 
 def _specs(tree: Any, get_spec: Callable[[Any], Any], n: int) -> list[PartitionSpec]:
@@ -134,55 +228,81 @@ def _specs(tree: Any, get_spec: Callable[[Any], Any], n: int) -> list[PartitionS
   return [PartitionSpec()] * n
 
 
-def _select_units(
-  paths: list[ParamPath], shapes: list[tuple[int, ...]], units: Any, root: ParamPath
-) -> ParamPath:
-  """Resolves the unit prefix from a user choice or the defaults."""
-  rel = [p[len(root) :] for p in paths]
+def parse_units(units: Any) -> list[ParamPath]:
+  """The stack paths ``units`` names: a dotted str is one path; a tuple or list
+  holds one path per stack, each a dotted str or a tuple of path components."""
+  if isinstance(units, str):
+    return [tuple(units.split("."))]
+  return [tuple(u.split(".")) if isinstance(u, str) else tuple(str(x) for x in u) for u in units]
 
-  def leaves_under(prefix: ParamPath) -> list[int]:
-    return [i for i, p in enumerate(rel) if p[: len(prefix)] == prefix]
+
+def candidates(paths: Sequence[ParamPath], shapes: Sequence[tuple[int, ...]]) -> list[ParamPath]:
+  """The outermost modules whose leaves share a leading axis (hints for errors only:
+  a LayerNorm passes this test too; the stacks are what the forward loops over)."""
 
   def is_stack(prefix: ParamPath) -> bool:
-    idx = leaves_under(prefix)
-    dims = {shapes[i][0] if shapes[i] else None for i in idx}
-    return bool(idx) and len(dims) == 1 and None not in dims
+    dims = {
+      shapes[i][0] if shapes[i] else None for i, p in enumerate(paths) if p[: len(prefix)] == prefix
+    }
+    return bool(dims) and len(dims) == 1 and None not in dims
 
-  candidates = sorted({p[:k] for p in rel for k in range(1, len(p)) if is_stack(p[:k])})
-  top_candidates = [
-    c for c in candidates if not any(c[: len(o)] == o for o in candidates if o != c)
-  ]
+  found = sorted({p[:k] for p in paths for k in range(1, len(p)) if is_stack(p[:k])})
+  return [c for c in found if not any(c[: len(o)] == o for o in found if o != c)]
 
-  if units is None:
-    for name in DEFAULT_UNIT_NAMES:
-      if is_stack((name,)):
-        return (name,)
-    if len(top_candidates) == 1:
-      return top_candidates[0]
-    raise UnitSelectionError(
-      "could not tell which module is the stacked layer stack; pass units=<path>. "
-      f"Tried the names {DEFAULT_UNIT_NAMES!r}. Candidate paths (all leaves share a leading "
-      "axis):\n" + (format_paths(path_str(c) for c in top_candidates) or "  (none)")
-    )
-  prefix = tuple(units.split(".")) if isinstance(units, str) else tuple(str(u) for u in units)
-  idx = leaves_under(prefix)
+
+def check_stack(
+  paths: Sequence[ParamPath],
+  shapes: Sequence[tuple[int, ...]],
+  prefix: ParamPath,
+  root: ParamPath,
+  *,
+  given: str,
+) -> None:
+  """Checks that model path ``prefix`` is a layer stack (its leaves share axis 0)."""
+  full = (*root, *prefix)
+  idx = [i for i, p in enumerate(paths) if p[: len(full)] == full]
+  rel = [p[len(root) :] for p in paths if p[: len(root)] == root]
+  rel_shapes = [s for p, s in zip(paths, shapes, strict=True) if p[: len(root)] == root]
   if not idx:
     raise UnitSelectionError(
-      f"units={units!r} names no parameters of the model. Candidate paths:\n"
-      + (format_paths(path_str(c) for c in top_candidates) or "  (none)")
+      f"units={given!r} names no parameters of the model. Modules whose parameters share "
+      "a leading axis (possible stacks):\n"
+      + (format_paths(path_str(c) for c in candidates(rel, rel_shapes)) or "  (none)")
     )
-  if not is_stack(prefix):
-    bad = [f"{path_str(rel[i])}: shape {shapes[i]}" for i in idx]
+  dims = {shapes[i][0] if shapes[i] else None for i in idx}
+  if len(dims) != 1 or None in dims:
+    bad = [f"{path_str(paths[i][len(root) :])}: shape {shapes[i]}" for i in idx]
     raise UnitSelectionError(
-      f"units={units!r} is not a layer stack: its leaves do not share one leading axis. "
+      f"units={given!r} is not a layer stack: its leaves do not share one leading axis. "
       "Build the layers with nnx.vmap / nn.scan so every parameter has the layer index "
       "on axis 0.\n" + format_paths(bad)
     )
-  return prefix
+
+
+def _chosen(split: SplitModel, units: Any) -> SplitModel:
+  """``split`` with the stacks ``units`` names (none yet when ``units`` is None)."""
+  if units is None:
+    return split
+  prefixes = parse_units(units)
+  dup = sorted({path_str(p) for p in prefixes if prefixes.count(p) > 1})
+  nested = [
+    (path_str(a), path_str(b)) for a in prefixes for b in prefixes if a != b and b[: len(a)] == a
+  ]
+  if dup or nested:
+    what = f"names {dup[0]!r} twice" if dup else f"names {nested[0][1]!r} inside {nested[0][0]!r}"
+    raise UnitSelectionError(f"units={units!r} {what}; name each layer stack once")
+  return split.with_stacks(prefixes)
 
 
 def split_model(model: Any, *, params: Any = None, units: Any = None) -> SplitModel:
-  """Splits an NNX module, or a Linen module with its ``params``, for placement."""
+  """Splits an NNX module, or a Linen module with its ``params``, for placement.
+
+  The stacks are ``units`` when given, else the ones the model's class
+  declares in a ``residency_stacks`` class attribute (a tuple of paths), else
+  none yet: `placement.stacks.find_stacks` finds them by tracing the forward.
+  """
+  if units is None:
+    units = getattr(type(model), "residency_stacks", None)
   if isinstance(model, nnx.Module):
     if params is not None:
       raise UnitSelectionError("params= is for Linen models; an NNX module carries its own state")
@@ -228,14 +348,23 @@ def _walk(module: Any, path: ParamPath) -> Any:
 def _split_nnx(model: nnx.Module, units: Any) -> SplitModel:
   graphdef, state = nnx.split(model)
   treedef, paths, values, shapes = _flatten(state)
-  prefix = _select_units(paths, shapes, units, ())
   leaves = _leaves(paths, shapes, values, _specs(state, nnx.get_partition_spec, len(values)))
 
-  def bind(leaf_values: Sequence[Any]) -> Bound:
+  def bind(leaf_values: Sequence[Any], stacks: Sequence[Stack]) -> Bound:
     merged = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(leaf_values)))
-    return Bound(call=merged, units=_walk(merged, prefix))
+    found: dict[int, ParamPath] = {}
 
-  return _finish("nnx", leaves, values, prefix, prefix, bind)
+    def path_of(module: Any) -> ParamPath | None:
+      if not found:
+        for path, node in nnx.iter_graph(merged):
+          if isinstance(node, nnx.Module):
+            found.setdefault(id(node), tuple(str(k) for k in path))
+      return found.get(id(module))
+
+    return Bound(call=merged, units=tuple(_walk(merged, s.prefix) for s in stacks), path_of=path_of)
+
+  split = SplitModel("nnx", leaves, values, (), bind, ())
+  return _chosen(split, units)
 
 
 def _split_linen(model: nn.Module, variables: Any, units: Any) -> SplitModel:
@@ -244,36 +373,15 @@ def _split_linen(model: nn.Module, variables: Any, units: Any) -> SplitModel:
   specs_tree = nn.get_partition_spec(variables)
   variables = nn.meta.unbox(variables)
   treedef, paths, values, shapes = _flatten(variables)
-  param_paths = [p for p in paths if p[0] == "params"]
-  param_shapes = [s for p, s in zip(paths, shapes, strict=True) if p[0] == "params"]
-  prefix = _select_units(param_paths, param_shapes, units, ("params",))
   leaves = _leaves(paths, shapes, values, _specs(specs_tree, lambda t: t, len(values)))
 
-  def bind(leaf_values: Sequence[Any]) -> Bound:
+  def bind(leaf_values: Sequence[Any], stacks: Sequence[Stack]) -> Bound:
     variables = jax.tree.unflatten(treedef, list(leaf_values))
-    return Bound(call=functools.partial(model.apply, variables), units=prefix)
+    return Bound(
+      call=functools.partial(model.apply, variables),
+      units=tuple(s.prefix for s in stacks),
+      path_of=lambda scope_path: tuple(scope_path),
+    )
 
-  return _finish("linen", leaves, values, prefix, ("params", *prefix), bind)
-
-
-def _finish(
-  kind: str,
-  leaves: list[Leaf],
-  values: list[Any],
-  prefix: ParamPath,
-  full_prefix: ParamPath,
-  bind: Callable[[Sequence[Any]], Bound],
-) -> SplitModel:
-  n = len(full_prefix)
-  unit_index = [i for i, leaf in enumerate(leaves) if leaf.path[:n] == full_prefix]
-  static_index = [i for i, leaf in enumerate(leaves) if leaf.path[:n] != full_prefix]
-  return SplitModel(
-    kind=kind,
-    leaves=leaves,
-    values=values,
-    unit_prefix=prefix,
-    unit_index=unit_index,
-    static_index=static_index,
-    bind=bind,
-    unit_path_prefix=full_prefix,
-  )
+  split = SplitModel("linen", leaves, values, (), bind, ("params",))
+  return _chosen(split, units)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -31,10 +31,30 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jax_residency._src.placement.split import Bound
 from jax_residency._src.policy.errors import PlacementError
 from jax_residency._src.policy.types import ExecutionResidency
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+@dataclasses.dataclass
+class StackLoop:
+  """One placed stack, as the layer loop sees it.
+
+  Attributes:
+    ref: what identifies the stack: the rebuilt NNX module, or for Linen the
+      scope path of the stack (``split.Bound.units``).
+    shardings: the ``device`` sharding each leaf of one unit is moved to, in
+      the leaf order of the stack's pytree.
+    depth: device window in units (the prefetch depth for ``LAYERWISE_HOST``).
+    loops: how many loops over the stack ran while tracing.
+  """
+
+  ref: Any
+  shardings: tuple[jax.sharding.Sharding, ...]
+  depth: int
+  loops: int = 0
 
 
 @dataclasses.dataclass
@@ -43,36 +63,62 @@ class LoopContext:
 
   Attributes:
     kind: how units are resident.
-    depth: device window in units (the prefetch depth for ``LAYERWISE_HOST``).
-    unit_shardings: the ``device`` sharding each leaf of one unit is moved to,
-      in the leaf order of the unit stack's pytree.
-    units_ref: the unit stack this placement streams: the rebuilt NNX module,
-      or for Linen the scope path of the stack (``split.Bound.units``).
-    loops_run: how many unit loops ran while tracing (a placed forward checks
-      the model really ran its layers through the loop).
+    stacks: the placed stacks.
+    path_of: the model path of a module a loop runs over (``split.Bound.path_of``).
+    unplaced: model paths of the stacks the forward looped over that are not
+      placed, in the order it ran them (every stack, while discovering).
   """
 
   kind: ExecutionResidency
-  depth: int
-  unit_shardings: tuple[jax.sharding.Sharding, ...]
-  units_ref: Any = None
-  loops_run: int = 0
+  stacks: tuple[StackLoop, ...] = ()
+  path_of: Callable[[Any], tuple[str, ...] | None] = lambda _: None
+  unplaced: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+  _nesting: int = 0
 
-  def claims(self, units: Any) -> bool:
-    """Whether ``units`` (a module or a Linen scope path) is the placed stack."""
-    if isinstance(units, tuple):
-      return units == self.units_ref
-    return units is self.units_ref
+  @property
+  def loops_run(self) -> int:
+    return sum(s.loops for s in self.stacks)
+
+  def claim(self, units: Any) -> StackLoop | None:
+    """The placed stack ``units`` (a module or a Linen scope path) is, if any.
+
+    A top-level loop over a module that is no placed stack is noted in
+    ``unplaced``; the caller runs it as the plain Flax loop.
+    """
+    for s in self.stacks:
+      if (units == s.ref) if isinstance(units, tuple) else (units is s.ref):
+        return s
+    if self._nesting == 0:
+      path = self.path_of(units)
+      if path is not None and path not in self.unplaced:
+        self.unplaced.append(path)
+    return None
+
+  @contextlib.contextmanager
+  def plain(self) -> Iterator[None]:
+    """Marks a plain Flax loop while it traces: loops inside it are not stacks."""
+    self._nesting += 1
+    try:
+      yield
+    finally:
+      self._nesting -= 1
 
   def run(
-    self, step: Step, carry: Any, units: Any, xs: Any, *, reverse: bool = False
+    self,
+    loop: StackLoop,
+    step: Step,
+    carry: Any,
+    units: Any,
+    xs: Any,
+    *,
+    reverse: bool = False,
   ) -> tuple[Any, Any]:
     """Runs ``step`` over the stacked ``units`` (and ``xs``) as the policy asks.
 
     With ``reverse``, from the last unit to the first (as ``lax.scan``'s
     ``reverse``: ``ys[i]`` is still unit ``i``'s output).
     """
-    self.loops_run += 1
+    loop.loops += 1
     length = _leading_dim(units)
     if self.kind is ExecutionResidency.LAYERWISE_HOST:
       return _pipelined_host_scan(
@@ -80,8 +126,8 @@ class LoopContext:
         carry,
         units,
         xs,
-        depth=self.depth,
-        shardings=self.unit_shardings,
+        depth=loop.depth,
+        shardings=loop.shardings,
         length=length,
         reverse=reverse,
       )
@@ -90,11 +136,12 @@ class LoopContext:
     return lax.scan(lambda c, ux: step(c, *ux), carry, (units, xs), reverse=reverse)
 
 
-def not_looped_error(unit_prefix: tuple[str, ...]) -> PlacementError:
-  """The error for a model whose forward never ran its layer stack through the loop."""
+def not_looped_error(names: Sequence[str]) -> PlacementError:
+  """The error for a model whose forward never ran a placed layer stack through the loop."""
+  which = ", ".join(repr(n) for n in names) if names else "(none found)"
   return PlacementError(
-    f"the model's forward never ran its layer stack {'.'.join(unit_prefix)!r} "
-    "through jax_residency.scan_units (NNX) or jax_residency.linen.scan (Linen); replace "
+    f"the model's forward ran none of its layer stacks {which} through "
+    "jax_residency.scan_units (NNX) or jax_residency.linen.scan (Linen); replace "
     "its nnx.scan / nn.scan with that call so the policy can place the layers"
   )
 
@@ -115,37 +162,39 @@ def active_loop(ctx: LoopContext) -> Iterator[LoopContext]:
 
 
 def run_in_loop(
-  call: Callable[..., Any],
-  units: Any,
+  bound: Bound,
+  stacks: Sequence[StackLoop],
   *,
   kind: ExecutionResidency,
-  depth: int,
-  unit_shardings: tuple[jax.sharding.Sharding, ...],
-  unit_prefix: tuple[str, ...],
+  names: Sequence[str],
   args: tuple[Any, ...],
   kwargs: dict[str, Any],
-) -> Any:
-  """Calls a rebuilt model with its unit stack (``units``, see ``split.Bound``)
-  placed in a loop context, and checks that its layers ran through the loop.
+) -> tuple[Any, LoopContext]:
+  """Calls a rebuilt model with its stacks (``bound.units``, one `StackLoop`
+  each) placed in a loop context, and checks that a placed stack ran through
+  the loop. Returns the output and the context (loops run, stacks not placed).
+
+  A call may run only some of the stacks (a decoder step of an
+  encoder–decoder); it must run at least one.
 
   Raises:
-    PlacementError: the model never ran ``scan_units`` over its unit stack (the
-      error says how to fix the model); an error raised before the loop ran gets
-      a note saying so.
+    PlacementError: the model ran no placed stack through ``scan_units`` (the
+      error says how to fix the model); an error raised before any loop ran
+      gets a note saying so.
   """
-  loop = LoopContext(kind=kind, depth=depth, unit_shardings=unit_shardings, units_ref=units)
+  loop = LoopContext(kind=kind, stacks=tuple(stacks), path_of=bound.path_of)
   try:
     with active_loop(loop):
-      out = call(*args, **kwargs)
+      out = bound.call(*args, **kwargs)
   except Exception as e:
     if loop.loops_run == 0:
       if "memory_space" in str(e) or "memory kind" in str(e):  # host layers used off-loop
-        raise not_looped_error(unit_prefix) from e
-      e.add_note(f"jax_residency: the layer loop had not run yet. {not_looped_error(unit_prefix)}")
+        raise not_looped_error(names) from e
+      e.add_note(f"jax_residency: the layer loop had not run yet. {not_looped_error(names)}")
     raise
   if loop.loops_run == 0:
-    raise not_looped_error(unit_prefix)
-  return out
+    raise not_looped_error(names)
+  return out, loop
 
 
 def current_loop() -> LoopContext | None:
@@ -265,24 +314,40 @@ def scan_units(
     return out if outputs else (out, None)
 
   ctx = current_loop()
-  if ctx is None or not ctx.claims(units):
-    if xs is None:
-      c, ys = nnx.scan(
-        lambda c, layer: call(c, layer, None),
-        in_axes=(nnx.Carry, 0),
-        out_axes=(nnx.Carry, 0),
-        reverse=reverse,
-      )(carry, units)
-    else:
-      c, ys = nnx.scan(call, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), reverse=reverse)(
-        carry, units, xs
-      )
-    return (c, ys) if outputs else c
+  loop = None if ctx is None else ctx.claim(units)
+  if loop is None:
+    with contextlib.nullcontext() if ctx is None else ctx.plain():
+      return _plain_scan(call, carry, units, xs, outputs=outputs, reverse=reverse)
 
   graphdef, state = nnx.split(units)
 
   def step(c: Any, unit_state: Any, x: Any) -> tuple[Any, Any]:
     return call(c, nnx.merge(graphdef, unit_state), x)
 
-  c, ys = ctx.run(step, carry, state, xs, reverse=reverse)
+  assert ctx is not None
+  c, ys = ctx.run(loop, step, carry, state, xs, reverse=reverse)
+  return (c, ys) if outputs else c
+
+
+def _plain_scan(
+  call: Callable[[Any, Any, Any], tuple[Any, Any]],
+  carry: Any,
+  units: nnx.Module,
+  xs: Any,
+  *,
+  outputs: bool,
+  reverse: bool,
+) -> Any:
+  """``nnx.scan`` of ``call(carry, layer, x)`` over the layers (and ``xs``)."""
+  if xs is None:
+    c, ys = nnx.scan(
+      lambda c, layer: call(c, layer, None),
+      in_axes=(nnx.Carry, 0),
+      out_axes=(nnx.Carry, 0),
+      reverse=reverse,
+    )(carry, units)
+  else:
+    c, ys = nnx.scan(call, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), reverse=reverse)(
+      carry, units, xs
+    )
   return (c, ys) if outputs else c

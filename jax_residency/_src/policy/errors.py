@@ -184,12 +184,13 @@ class PlacementError(ResidencyError, ValueError):
   model given what it cannot run (a dense stream under ``jax.jit``).
 
   Example:
-    >>> import flax.nnx as nnx, jax_residency as jr
-    >>> try:  # one Linear layer: no stack of layers to place
-    ...   jr.place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> placed = jr.place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    >>> try:  # one Linear layer: its forward loops over no stack of layers
+    ...   placed(jnp.ones((1, 2)))
     ... except jr.PlacementError as e:
     ...   print(type(e).__name__, isinstance(e, ValueError))
-    UnitSelectionError True
+    PlacementError True
   """
 
 
@@ -197,7 +198,8 @@ class UnitSelectionError(PlacementError):
   """The stacked layer module could not be found or is not a layer stack.
 
   Raised by `place` and `save` when ``units=`` names no parameters, or not a
-  stack (leaves sharing a leading layer axis), or no default name is a stack.
+  stack (leaves sharing a leading layer axis), and by `save` when nothing says
+  which modules the stacks are.
 
   Example:
     >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
@@ -222,7 +224,7 @@ class BudgetTooSmallError(PlacementError):
     >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))  # 2 x 64 B
     >>> try:
-    ...   jr.place(net, jr.LayerwiseHost(host_budget_bytes=100))
+    ...   jr.place(net, jr.LayerwiseHost(host_budget_bytes=100), units="layers")
     ... except jr.BudgetTooSmallError as e:
     ...   print(type(e).__name__, e.required, e.budget)
     HostBudgetTooSmallError 128 100
@@ -259,7 +261,7 @@ class DeviceBudgetTooSmallError(BudgetTooSmallError):
     >>> layers = nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))  # 2 units of 64 B
     >>> net = nnx.Dict(layers=layers, head=nnx.Param(jnp.zeros(4)))  # 16 B static
     >>> try:
-    ...   jr.place(net, jr.LayerwiseHost(device_budget_bytes=64))
+    ...   jr.place(net, jr.LayerwiseHost(device_budget_bytes=64), units="layers")
     ... except jr.DeviceBudgetTooSmallError as e:
     ...   print(e.static, e.window, e.depth, e.required, e.budget)
     16 64 1 80 64
@@ -276,7 +278,7 @@ class HostBudgetTooSmallError(BudgetTooSmallError):
     >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))  # 2 x 64 B
     >>> try:
-    ...   jr.place(net, jr.LayerwiseHost(host_budget_bytes=100))
+    ...   jr.place(net, jr.LayerwiseHost(host_budget_bytes=100), units="layers")
     ... except jr.HostBudgetTooSmallError as e:
     ...   print(e.window, e.staging, e.required, e.budget)
     128 0 128 100
@@ -314,7 +316,8 @@ class ResidencyRuntimeError(ResidencyError, RuntimeError):
 
   Example:
     >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
-    >>> placed = jr.place(nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))))
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> placed = jr.place(net, units="layers")
     >>> placed.close()
     >>> try:
     ...   placed.arrays()
@@ -369,7 +372,8 @@ class ClosedError(ResidencyRuntimeError):
 
   Example:
     >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
-    >>> with jr.place(nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))) as placed:
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> with jr.place(net, units="layers") as placed:
     ...   pass
     >>> try:
     ...   placed(jnp.ones((1, 4)))

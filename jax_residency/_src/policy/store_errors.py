@@ -18,7 +18,7 @@ class StoreError(ResidencyError, ValueError):
     >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
     >>> try:
-    ...   jr.place(net, store=tempfile.mkdtemp() + "/missing")
+    ...   jr.place(net, store=tempfile.mkdtemp() + "/missing", units="layers")
     ... except jr.StoreError as e:
     ...   print(type(e).__name__, isinstance(e, ValueError))
     StoreNotFoundError True
@@ -35,7 +35,7 @@ class StoreNotFoundError(StoreError, FileNotFoundError):
     >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
     >>> try:  # an empty directory
-    ...   jr.place(net, jr.DenseDiskStream(), store=tempfile.mkdtemp())
+    ...   jr.place(net, jr.DenseDiskStream(), store=tempfile.mkdtemp(), units="layers")
     ... except FileNotFoundError as e:
     ...   print(type(e).__name__, "found neither Orbax's _METADATA" in str(e))
     StoreNotFoundError True
@@ -56,7 +56,7 @@ class StoreLayoutError(StoreError):
     >>> with ocp.StandardCheckpointer() as ckptr:  # one chunk of both units
     ...   ckptr.save(path, nnx.to_pure_dict(nnx.state(net)))
     >>> try:
-    ...   jr.place(net, store=path)
+    ...   jr.place(net, store=path, units="layers")
     ... except jr.errors.StoreLayoutError as e:
     ...   print(type(e).__name__, "layers.w: chunk shape (2, 4, 4)" in str(e))
     StoreLayoutError True
@@ -75,12 +75,12 @@ class StoreCorruptionError(StoreError):
     >>> import glob, os, tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.ones((2, 32, 32)))))
     >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(net, path, progress=False)
+    >>> _ = jr.save(net, path, units="layers", progress=False)
     >>> data = max(glob.glob(path + "/d/*"), key=os.path.getsize)  # starts with a unit's chunk
     >>> with open(data, "r+b") as f:  # damage the chunk's first byte
     ...   _ = f.write(b"\\x01")
     >>> try:
-    ...   jr.place(net, store=path)
+    ...   jr.place(net, store=path, units="layers")
     ... except jr.errors.StoreCorruptionError as e:
     ...   print(e.tensor, e.unit in (0, 1))
     layers.w True
@@ -141,7 +141,7 @@ class CheckpointMismatchError(StoreError):
     >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> net = lambda width: nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, width, width)))))
     >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(net(4), path, progress=False)
+    >>> _ = jr.save(net(4), path, units="layers", progress=False)
     >>> try:
     ...   jr.place(net(8), store=path)
     ... except jr.errors.CheckpointMismatchError as e:
@@ -159,7 +159,7 @@ class MissingCheckpointParametersError(CheckpointMismatchError):
     >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> layers = lambda: nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))
     >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(nnx.Dict(layers=layers()), path, progress=False)
+    >>> _ = jr.save(nnx.Dict(layers=layers()), path, units="layers", progress=False)
     >>> try:
     ...   jr.place(nnx.Dict(layers=layers(), head=nnx.Param(jnp.zeros(4))), store=path)
     ... except jr.errors.MissingCheckpointParametersError as e:
@@ -177,7 +177,7 @@ class CheckpointShapeMismatchError(CheckpointMismatchError):
     >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> net = lambda width: nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, width, width)))))
     >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(net(4), path, progress=False)
+    >>> _ = jr.save(net(4), path, units="layers", progress=False)
     >>> try:
     ...   jr.place(net(8), store=path)
     ... except jr.errors.CheckpointShapeMismatchError as e:
@@ -196,7 +196,8 @@ class UnexpectedCheckpointParametersError(CheckpointMismatchError):
     >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> layers = lambda: nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))
     >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(nnx.Dict(layers=layers(), head=nnx.Param(jnp.zeros(4))), path, progress=False)
+    >>> saved = nnx.Dict(layers=layers(), head=nnx.Param(jnp.zeros(4)))
+    >>> _ = jr.save(saved, path, units="layers", progress=False)
     >>> try:
     ...   jr.place(nnx.Dict(layers=layers()), store=path)
     ... except jr.errors.UnexpectedCheckpointParametersError as e:

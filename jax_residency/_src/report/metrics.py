@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, Self, TypeVar
+
+import numpy as np
 
 #: How two values of a field combine: counts add up (nested metrics merge), peaks are maxed.
 RULES: dict[str, Callable[[Any, Any], Any]] = {"sum": operator.add, "max": max}
@@ -80,3 +83,55 @@ class Tally(Generic[M]):
   def snapshot(self) -> M:
     """The counters so far, as an immutable metrics object."""
     return self._cls(**self._values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StackPass(Metrics):
+  """One layer stack's share of a pass (``PassReport.stacks[path]``).
+
+  Attributes:
+    units_run: its units the pass ran (0 for a stack the call did not run,
+      e.g. the encoder during a decoder step).
+    bytes_moved: bytes of its units moved to a device (from host memory or
+      the store) in the pass; 0 where its units stay on the device.
+
+  Example:
+    >>> import jax.numpy as jnp, jax_residency as jr
+    >>> from flax import nnx
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> with jr.place(model, jr.LayerwiseHost(), units="layers") as placed:
+    ...   _ = placed(jnp.zeros((1, 4), jnp.int32))
+    ...   layers = placed.report().last.stacks["layers"]
+    >>> layers.units_run, layers.bytes_moved == placed.metadata.total_unit_bytes
+    (2, True)
+  """
+
+  units_run: int = total()
+  bytes_moved: int = total()
+
+
+def freeze(x: Any) -> Any:
+  """A read-only copy: mappings become ``MappingProxyType``, lists tuples."""
+  if isinstance(x, Mapping):
+    return types.MappingProxyType({k: freeze(v) for k, v in x.items()})
+  if isinstance(x, list | tuple):
+    return tuple(freeze(v) for v in x)
+  return x
+
+
+def plain(x: Any) -> Any:
+  """Dataclasses, mappings, sequences and numpy scalars as JSON-ready Python values."""
+  if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+  if isinstance(x, Mapping):
+    return {str(k): plain(v) for k, v in x.items()}
+  if isinstance(x, list | tuple):
+    return [plain(v) for v in x]
+  if isinstance(x, np.integer):
+    return int(x)
+  if isinstance(x, np.floating):
+    return float(x)
+  if isinstance(x, np.bool_):
+    return bool(x)
+  return x

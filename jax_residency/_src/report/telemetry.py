@@ -22,12 +22,10 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from jax_residency._src.placement.budget import ModelMetadata
 from jax_residency._src.policy.types import LayerWeightResidency
 from jax_residency._src.report import compile_time, text
-from jax_residency._src.report.metrics import Metrics, peak, total
+from jax_residency._src.report.metrics import Metrics, StackPass, freeze, peak, plain, total
 from jax_residency._src.stream.ledger import LedgerMetrics, Tier, TierMetrics
 from jax_residency._src.stream.prefetch import WorkerMetrics
 
@@ -51,6 +49,7 @@ class PassCounters:
   mapped_bytes: int = 0
   step_temp_bytes: int = 0
   timeline: list[TimelinePoint] = dataclasses.field(default_factory=list)
+  stacks: dict[str, StackPass] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +94,7 @@ class _Moved:
 
   def to_dict(self) -> dict[str, Any]:
     """A JSON-serialisable dictionary."""
-    d = _plain(self)
+    d = plain(self)
     d["bytes_read"] = self.bytes_read
     return d
 
@@ -143,6 +142,8 @@ class PassReport(_Moved):
     timeline: for a dense stream, one :class:`TimelinePoint` per step of the
       unit loop (where the bytes were over the pass); empty for policies that
       run the loop as one compiled program.
+    stacks: each placed layer stack's share of the pass (:class:`StackPass`),
+      by its path (``"encoder_layers"``).
 
   Example:
     >>> import jax.numpy as jnp, jax_residency as jr
@@ -180,10 +181,12 @@ class PassReport(_Moved):
   process: Mapping[str, int] | None = None
   backend: Mapping[str, Any] | None = None
   timeline: tuple[TimelinePoint, ...] = ()
+  stacks: Mapping[str, StackPass] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self) -> None:
-    object.__setattr__(self, "process", _freeze(self.process))
-    object.__setattr__(self, "backend", _freeze(self.backend))
+    object.__setattr__(self, "stacks", types.MappingProxyType(dict(self.stacks)))
+    object.__setattr__(self, "process", freeze(self.process))
+    object.__setattr__(self, "backend", freeze(self.backend))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -243,32 +246,6 @@ class Totals(_Moved, Metrics):
 _PROCESS_FIELDS = ("peak_rss_bytes", "minor_faults", "major_faults")
 
 
-def _freeze(x: Any) -> Any:
-  """A read-only copy: mappings become ``MappingProxyType``, lists tuples."""
-  if isinstance(x, Mapping):
-    return types.MappingProxyType({k: _freeze(v) for k, v in x.items()})
-  if isinstance(x, list | tuple):
-    return tuple(_freeze(v) for v in x)
-  return x
-
-
-def _plain(x: Any) -> Any:
-  """Dataclasses, mappings, sequences and numpy scalars as JSON-ready Python values."""
-  if dataclasses.is_dataclass(x) and not isinstance(x, type):
-    return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
-  if isinstance(x, Mapping):
-    return {str(k): _plain(v) for k, v in x.items()}
-  if isinstance(x, list | tuple):
-    return [_plain(v) for v in x]
-  if isinstance(x, np.integer):
-    return int(x)
-  if isinstance(x, np.floating):
-    return float(x)
-  if isinstance(x, np.bool_):
-    return bool(x)
-  return x
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Report:
   """What a placed model did: recent passes and cumulative totals.
@@ -306,8 +283,8 @@ class Report:
   total: Totals
 
   def __post_init__(self) -> None:
-    object.__setattr__(self, "policy", _freeze(self.policy))
-    object.__setattr__(self, "metadata", _freeze(self.metadata))
+    object.__setattr__(self, "policy", freeze(self.policy))
+    object.__setattr__(self, "metadata", freeze(self.metadata))
     object.__setattr__(self, "passes", tuple(self.passes))
 
   @property
@@ -317,8 +294,8 @@ class Report:
   def to_dict(self) -> dict[str, Any]:
     """A JSON-serialisable dictionary."""
     return {
-      "policy": _plain(self.policy),
-      "metadata": _plain(self.metadata),
+      "policy": plain(self.policy),
+      "metadata": plain(self.metadata),
       "passes": [p.to_dict() for p in self.passes],
       "prefill": self.prefill.to_dict(),
       "decode": self.decode.to_dict(),
@@ -452,6 +429,7 @@ class Telemetry:
     counters = counters or PassCounters()
     moved = {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)}
     moved["timeline"] = tuple(counters.timeline)
+    moved["stacks"] = dict(counters.stacks)
     peaks: dict[str, Any] = {
       "peak_device_units": peak_device_units,
       "peak_device_bytes": peak_device_bytes,
@@ -483,6 +461,11 @@ class Telemetry:
       self._count += 1
       self._totals[report.phase] = self._totals[report.phase] + Totals.of(report)
       return report
+
+  def note_metadata(self, metadata: ModelMetadata) -> None:
+    """Reports carry ``metadata`` from now on (a call found a stack it does not place)."""
+    with self._lock:
+      self._metadata = metadata
 
   def report(self) -> Report:
     with self._lock:

@@ -20,23 +20,37 @@ if TYPE_CHECKING:
   from jax.typing import DTypeLike
 
 
+def recorded_stacks(found: Discovered) -> list[ParamPath]:
+  """The layer stacks a store's sidecar records, in order (none for a plain checkpoint)."""
+  sidecar = found.sidecar or {}
+  if sidecar.get("stacks"):
+    return [as_path(tuple(e["prefix"])) for e in sidecar["stacks"]]
+  if sidecar.get("unit_prefix"):
+    return [as_path(tuple(sidecar["unit_prefix"]))]
+  return []
+
+
 def check_layout(
   path: str,
   found: Discovered,
   unit_prefix: ParamPath | None,
   *,
   require_unit_chunks: bool,
-) -> tuple[ParamPath, int]:
-  """Checks that a discovered store holds stacked units; returns (unit prefix, unit count).
+  stacks: Sequence[ParamPath] | None = None,
+) -> list[tuple[ParamPath, int]]:
+  """Checks that a discovered store holds stacked units; returns each stack's
+  (prefix, unit count), in order.
 
   Args:
     path: The store's path, for messages.
     found: What `discovery.discover` found there.
     unit_prefix: Path of the stacked unit subtree; None takes the sidecar's.
     require_unit_chunks: Also reject unit arrays chunked over several units.
+    stacks: Several stack prefixes (instead of ``unit_prefix``).
 
   Raises:
-    StoreError: A newer format, no known unit prefix, or nothing under it.
+    StoreError: A newer format, no known unit prefix, nothing under one, or
+      stacks the store was not written with.
     StoreLayoutError: Units disagree on their count, or (with
       `require_unit_chunks`) a unit array is not chunked one unit per chunk.
   """
@@ -46,19 +60,48 @@ def check_layout(
       f"{path} was written by a newer jax_residency (format_version="
       f"{sidecar.get('format_version')}; this one reads <= {FORMAT_VERSION}). Upgrade."
     )
-  if unit_prefix is None:
-    if sidecar is None or not sidecar.get("unit_prefix"):
+  recorded = recorded_stacks(found)
+  if stacks is None and unit_prefix is not None:
+    stacks = [unit_prefix]
+  if stacks is None:
+    if not recorded:
       tops = sorted({path_str(p[:2]) for p in paths if len(p) > 2})
       raise errors.StoreError(
         f"{path} has no {SIDECAR_KEY} (a plain Orbax checkpoint), so the unit prefix is "
         f"unknown. Pass unit_prefix=(...) naming the stacked layer subtree; candidates:\n"
         f"{errors.format_paths(tops)}"
       )
-    unit_prefix = tuple(sidecar["unit_prefix"])
-  prefix = as_path(unit_prefix)
+    stacks = recorded
+  chosen = [as_path(p) for p in stacks]
+  held = [p for p in chosen if any(a[: len(p)] == p and len(a) > len(p) for a in arrays)]
+  if recorded and require_unit_chunks and any(p not in recorded for p in held):
+    raise errors.StoreError(
+      f"{path} holds the layer stack(s) {', '.join(repr(path_str(p)) for p in recorded)}, "
+      f"but {', '.join(repr(path_str(p)) for p in chosen)} were chosen. Place with "
+      "units= naming stacks the store holds (or leave units= out to take the store's), or "
+      "save the model again with units= naming every stack to stream."
+    )
+  counts = {tuple(e["prefix"]): e["count"] for e in (sidecar or {}).get("stacks") or ()}
+  if sidecar is not None and sidecar.get("unit_prefix") and "unit_count" in sidecar:
+    counts.setdefault(tuple(sidecar["unit_prefix"]), sidecar["unit_count"])
+  return [
+    _check_stack(path, arrays, p, counts.get(p), require_unit_chunks=require_unit_chunks)
+    for p in chosen
+  ]
+
+
+def _check_stack(
+  path: str,
+  arrays: Mapping[ParamPath, Any],
+  prefix: ParamPath,
+  recorded_count: int | None,
+  *,
+  require_unit_chunks: bool,
+) -> tuple[ParamPath, int]:
+  """Checks one stack of a store; returns its (prefix, unit count)."""
   units = {p: a for p, a in arrays.items() if p[: len(prefix)] == prefix and len(p) > len(prefix)}
   if not units:
-    parents = sorted({path_str(p[:-1]) for p in paths if len(p) > 1})
+    parents = sorted({path_str(p[:-1]) for p in arrays if len(p) > 1})
     raise errors.StoreError(
       f"{path} holds no arrays under unit_prefix={prefix}. Pass the prefix of the "
       f"stacked layer subtree; array parents found:\n{errors.format_paths(parents)}"
@@ -71,10 +114,10 @@ def check_layout(
       f"found:\n{errors.format_paths(f'{k}: leading dim {v}' for k, v in counts.items())}\n"
       "Fix unit_prefix so it names only the stacked layers."
     )
-  if sidecar is not None and sidecar.get("unit_count", unit_count) != unit_count:
+  if recorded_count is not None and recorded_count != unit_count:
     raise errors.StoreLayoutError(
-      f"{path}: {SIDECAR_KEY} records unit_count={sidecar['unit_count']} but the arrays "
-      f"hold {unit_count} units. The store is inconsistent; write it again."
+      f"{path}: {SIDECAR_KEY} records {recorded_count} units under {path_str(prefix)!r} but "
+      f"the arrays hold {unit_count}. The store is inconsistent; write it again."
     )
   bad = [
     f"{path_str(p)}: chunk shape {a.read_chunk}" for p, a in units.items() if a.read_chunk[0] > 1
@@ -91,7 +134,7 @@ def check_layout(
 
 def check_against(
   path: str,
-  unit_prefix: ParamPath,
+  stacks: Sequence[ParamPath],
   stored_units: Mapping[ParamPath, TensorSpec],
   stored_static: Mapping[ParamPath, TensorSpec],
   expected_units: Mapping[ParamPath, tuple[Sequence[int], DTypeLike]],
@@ -101,9 +144,9 @@ def check_against(
 ) -> None:
   """Checks that a store holds exactly what a model expects.
 
-  ``stored_units`` and ``expected_units`` are keyed by path relative to
-  ``unit_prefix`` (per-unit shapes), the static ones by full path; ``strict``
-  also rejects stored tensors the model does not claim.
+  ``stored_units`` and ``expected_units`` (per-unit shapes) and the static ones
+  are keyed by full path; ``stacks`` are the stacks' prefixes, for messages;
+  ``strict`` also rejects stored tensors the model does not claim.
 
   Raises:
     MissingCheckpointParametersError: Expected tensors are absent (checked
@@ -116,31 +159,31 @@ def check_against(
     ("per unit", expected_units, stored_units),
     ("", expected_static, stored_static),
   ):
-    full = (lambda p: unit_prefix + p) if label else (lambda p: p)
     for key, (shape, dtype) in expected.items():
-      name = path_str(full(tuple(key))) + (f" ({label})" if label else "")
+      name = path_str(tuple(key)) + (f" ({label})" if label else "")
       want = (tuple(int(d) for d in shape), np.dtype(dtype))
       found = stored.get(tuple(key))
       if found is None:
         missing.append(f"{name}: expected {_fmt(want)}")
       elif found != want:
         mismatched.append(f"{name}: expected {_fmt(want)}, found {_fmt(found)}")
-  claimed = {unit_prefix + tuple(p) for p in expected_units} | {tuple(p) for p in expected_static}
+  claimed = {tuple(p) for p in expected_units} | {tuple(p) for p in expected_static}
   unexpected = []
   if strict:
-    for rel, spec in stored_units.items():
-      if unit_prefix + rel not in claimed:
-        unexpected.append(f"{path_str(unit_prefix + rel)} (per unit): {_fmt(spec)}")
+    for key, spec in stored_units.items():
+      if key not in claimed:
+        unexpected.append(f"{path_str(key)} (per unit): {_fmt(spec)}")
     for key, spec in stored_static.items():
       if key not in claimed:
         unexpected.append(f"{path_str(key)}: {_fmt(spec)}")
-  where = f"the store at {path} (unit_prefix={unit_prefix})"
+  names = ", ".join(repr(path_str(p)) for p in stacks)
+  where = f"the store at {path} (layer stack{'s' if len(stacks) > 1 else ''} {names})"
   if missing:
     also = _also(mismatched=len(mismatched), unexpected=len(unexpected))
     raise errors.MissingCheckpointParametersError(
       f"The model has {len(missing)} parameter(s) that {where} does not hold:\n"
       f"{errors.format_paths(missing)}\n{also}Fix: save the store from this model "
-      "(save_store), or check that unit_prefix names the model's layer stack."
+      "(save_store), or check that the stacks are the model's layer stacks."
     )
   if mismatched:
     also = _also(unexpected=len(unexpected))

@@ -145,6 +145,11 @@ _PREFIX: _Kind = (
   lambda v: isinstance(v, list) and all(isinstance(p, str) and p for p in v),
 )
 
+_STACKS: _Kind = (
+  'a non-empty array of objects, each {"prefix": [...], "count": n}',
+  lambda v: isinstance(v, list) and bool(v) and all(isinstance(e, dict) for e in v),
+)
+
 
 def _described(value: Any) -> str:
   """A decoded JSON value as messages show it: ``an array ([1, 2])``."""
@@ -275,6 +280,10 @@ def _checked_sidecar(sidecar: dict[str, Any], file: str) -> dict[str, Any]:
   _field(sidecar, "format_version", _INT, file, None)
   _field(sidecar, "unit_count", _COUNT, file, None)
   _field(sidecar, "unit_prefix", _PREFIX, file, None)
+  stacks = _field(sidecar, "stacks", _STACKS, file, None)
+  for k, entry in enumerate(stacks or ()):
+    _field(entry, f"stacks[{k}].prefix", _PREFIX, file)
+    _field(entry, f"stacks[{k}].count", _COUNT, file)
   return sidecar
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from jax_residency._src.placement.budget import STORE_INDEX_CACHE_BYTES
+from jax_residency._src.placement.memory import STORE_INDEX_CACHE_BYTES
 from jax_residency._src.policy import errors
 from jax_residency._src.store import buffers, discovery
 

@@ -15,20 +15,24 @@ import tqdm
 
 from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.policy.errors import StoreError
+from jax_residency._src.store import checks, commit, discovery, handles
+from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.unit_store import UnitStore
+from jax_residency._src.typing import ParamPath
 
 
 def open_for(split: SplitModel, path: str, *, strict: bool, max_cached_shards: int) -> UnitStore:
-  """Opens ``path`` and checks it holds exactly what ``split`` expects.
+  """Opens ``path`` with ``split``'s stacks and checks it holds exactly what ``split`` expects.
 
   Raises:
     StoreNotFoundError: nothing at ``path``.
+    StoreError: the store records other stacks than ``split``'s (the message
+      names both), or a stack's unit count differs.
     MissingCheckpointParametersError, CheckpointShapeMismatchError,
     UnexpectedCheckpointParametersError: one error listing every bad path.
-    StoreError: the unit counts differ.
   """
   store = UnitStore.open(
-    path, unit_prefix=split.unit_path_prefix, max_cached_shards=max_cached_shards
+    path, stacks=[s.path_prefix for s in split.stacks], max_cached_shards=max_cached_shards
   )
   try:
     check_for(split, store, strict=strict)
@@ -38,18 +42,37 @@ def open_for(split: SplitModel, path: str, *, strict: bool, max_cached_shards: i
   return store
 
 
+def stacks_in(path: str) -> list[ParamPath]:
+  """The stacks a store records (leaf-path prefixes, in order; only its metadata is
+  read); empty for a plain Orbax checkpoint.
+
+  Raises:
+    StoreNotFoundError, StoreError: as `UnitStore.open`.
+  """
+  loc = discovery.locate(path)
+  if loc.local is not None:  # a save that died between its two renames
+    commit.recover_local(loc.local)
+  found = discovery.discover(loc, handles.store_context(), sidecar_key=SIDECAR_KEY)
+  return checks.recorded_stacks(found)
+
+
 def check_for(split: SplitModel, store: UnitStore, *, strict: bool) -> None:
   """Checks an open ``store`` holds exactly the tensors ``split`` expects (see `open_for`)."""
   store.check_against(
-    {split.unit_rel_path(leaf): (leaf.shape[1:], leaf.dtype) for leaf in split.unit_leaves()},
+    None,
     {leaf.path: (leaf.shape, leaf.dtype) for leaf in split.static_leaves()},
     strict=strict,
+    expected_stacks=[
+      {split.unit_rel_path(leaf): (leaf.shape[1:], leaf.dtype) for leaf in split.stack_leaves(s)}
+      for s in split.stacks
+    ],
   )
-  if store.unit_count != split.unit_count:
-    raise StoreError(
-      f"the store at {store.path!r} holds {store.unit_count} units but the model has "
-      f"{split.unit_count}; save this model again with jax_residency.save"
-    )
+  for stack, stored in zip(split.stacks, store.stacks, strict=True):
+    if stored.count != stack.count:
+      raise StoreError(
+        f"the store at {store.path!r} holds {stored.count} units of {stack.name!r} but the "
+        f"model has {stack.count}; save this model again with jax_residency.save"
+      )
 
 
 def read_all(split: SplitModel, store: UnitStore, *, progress: bool | None = None) -> list[Any]:
@@ -63,6 +86,7 @@ def read_all(split: SplitModel, store: UnitStore, *, progress: bool | None = Non
   for i in split.static_index:
     values[i] = static[split.leaves[i].path]
   stacks = {i: np.empty(split.leaves[i].shape, split.leaves[i].dtype) for i in split.unit_index}
+  owner = {s.offset + u: s for s in split.stacks for u in range(s.count)}
   rel = {i: split.unit_rel_path(split.leaves[i]) for i in split.unit_index}
   bar = tqdm.tqdm(
     total=split.unit_count,
@@ -73,8 +97,9 @@ def read_all(split: SplitModel, store: UnitStore, *, progress: bool | None = Non
   )
   with bar:
     for u, tensors in store.read_units(range(split.unit_count)):
-      for i, stack in stacks.items():
-        stack[u] = tensors[rel[i]]
+      stack = owner[u]
+      for i in stack.index:
+        stacks[i][u - stack.offset] = tensors[rel[i]]
       bar.update(1)
   for i in split.unit_index:
     values[i] = stacks.pop(i)

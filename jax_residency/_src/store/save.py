@@ -8,7 +8,8 @@ from typing import Any
 
 from jax_residency._src.placement.arguments import check_store_path, check_units
 from jax_residency._src.placement.split import split_model
-from jax_residency._src.policy.errors import StoreError
+from jax_residency._src.placement.stacks import find_stacks
+from jax_residency._src.policy.errors import StoreError, UnitSelectionError
 from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.writer import save_store
 
@@ -18,13 +19,14 @@ def save(
   path: str | os.PathLike[str],
   *,
   params: Any = None,
-  units: str | tuple[str, ...] | None = None,
+  units: str | tuple[str, ...] | list[str] | None = None,
+  example: tuple[Any, ...] | None = None,
   progress: bool | None = None,
   overwrite: bool = False,
 ) -> StoreInfo:
   """Writes a model's parameters to ``path`` as an Orbax-compatible unit store.
 
-  The stacked layer parameters are written one chunk per unit, uncompressed,
+  Each layer stack's parameters are written one chunk per unit, uncompressed,
   so :class:`DenseDiskStream` can read any unit at disk speed; static
   parameters are written whole, every chunk with a CRC-32C that reads check.
   The store is written to a temporary location and put in place only once
@@ -36,7 +38,12 @@ def save(
     path: a directory (a ``str`` or ``os.PathLike``), or a TensorStore kvstore
       URL (``memory://...``, ``gs://...``).
     params: a Linen model's variables.
-    units: path of the stacked layer module (as for :func:`place`).
+    units: the layer stacks to write one unit per chunk: a path, or a tuple or
+      list of paths (as for :func:`place`). Default: the stacks the model
+      declares (``residency_stacks``), else those its forward loops over when
+      called with ``example``.
+    example: the model's call arguments, as a tuple (arrays or
+      ``jax.ShapeDtypeStruct``: only traced, never run), to find its stacks.
     progress: show a progress bar: True, False, or None (the default: when
       stderr is a terminal).
     overwrite: replace an existing store at ``path`` (True or False).
@@ -51,7 +58,8 @@ def save(
       a directory of ``path`` should be, or the disk has (or runs out of) less
       space than the store needs; nothing is left written, and an old store at
       ``path`` is kept.
-    UnitSelectionError: ``units`` is not a path, or names no layer stack.
+    UnitSelectionError: ``units`` is not a path, or names no layer stack; or
+      neither ``units``, a declaration nor ``example`` says which the stacks are.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -79,11 +87,24 @@ def save(
         f"nothing was written. Pass {accepted}."
       )
   split = split_model(model, params=params, units=units)
+  if not split.stacks:
+    if example is None:
+      raise UnitSelectionError(
+        "save: which modules are the layer stacks? The stacks are the modules the forward "
+        "runs through jax_residency.scan_units / jax_residency.linen.scan. Pass units=<path> "
+        "(or a tuple of paths), or example=(inputs...) to find them by tracing the forward."
+      )
+    split = find_stacks(split, tuple(example), {})
   return save_store(
     os.fspath(path),
     static={split.leaves[i].path: split.values[i] for i in split.static_index},
-    units={split.unit_rel_path(split.leaves[i]): split.values[i] for i in split.unit_index},
-    unit_prefix=split.unit_path_prefix,
+    stacks={
+      s.path_prefix: {
+        split.unit_rel_path(leaf): split.values[i]
+        for i, leaf in zip(s.index, split.stack_leaves(s), strict=True)
+      }
+      for s in split.stacks
+    },
     progress=progress,
     overwrite=overwrite,
   )

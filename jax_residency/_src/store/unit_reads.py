@@ -37,6 +37,8 @@ class UnitRead:
     prefix: tuple[str, ...] = (),
   ):
     self.unit = unit
+    #: The unit's id in the store (`unit` is its index in its stack).
+    self.id = unit
     self._prefix = prefix
     self._arrays = dict(arrays)
     self._futures = list(futures)

@@ -43,9 +43,11 @@ import tensorstore as ts
 from jax_residency._src.policy import errors
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
 from jax_residency._src.store import checks, commit, discovery, generation, handles, mapped
-from jax_residency._src.store.buffers import BufferPool, buffer_layout, padded_nbytes
+from jax_residency._src.store.buffers import BufferPool
 from jax_residency._src.store.discovery import SIDECAR_KEY
+from jax_residency._src.store.info import StackInfo
 from jax_residency._src.store.info import StoreInfo as StoreInfo
+from jax_residency._src.store.stored_stack import locate, split_stacks
 from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read, read_advice, read_error
 from jax_residency._src.typing import ParamPath, TensorSpec, path_str, tensor_nbytes
 
@@ -75,37 +77,24 @@ class UnitStore:
     location: discovery.Location,
     context: ts.Context,
     arrays: Mapping[ParamPath, discovery.ArrayInfo],
-    unit_prefix: ParamPath,
-    unit_count: int,
+    stacks: Sequence[tuple[ParamPath, int]],
     use_ocdbt: bool,
     max_cached_shards: int,
     spare_unit_buffers: int,
   ):
     self._loc = location
     self._context = context
-    self._prefix = unit_prefix
-    self._unit_count = unit_count
     self._use_ocdbt = use_ocdbt
-    n = len(unit_prefix)
-    self._units = {p[n:]: a for p, a in sorted(arrays.items()) if p[:n] == unit_prefix}
-    self._static = {p: a for p, a in sorted(arrays.items()) if p[:n] != unit_prefix}
+    self._stacks, self._static = split_stacks(
+      arrays, stacks, local=location.local, use_ocdbt=use_ocdbt
+    )
+    self._prefix = self._stacks[0].prefix
+    self._units = self._stacks[0].arrays
+    self._unit_count = sum(s.count for s in self._stacks)
     self._drivers = {path_str(p): a.driver for p, a in arrays.items()}
     self._handles = handles.HandleCache(max_cached_shards, self._open_handle)
     self._pool = BufferPool(spare_unit_buffers)
-    # Unit chunks stored raw in local files: read straight into the unit's buffer
-    # (`mapped.UnitMapper.read_into`), or mapped once `use_mapped_reads` is called.
-    raw = {
-      rel: (path_str(unit_prefix + rel), a.shape[1:], a.dtype)
-      for rel, a in self._units.items()
-      if a.raw and a.read_chunk == (1, *a.shape[1:])
-    }
-    self._mapper = (
-      mapped.UnitMapper(location.local, use_ocdbt=use_ocdbt, tensors=raw)
-      if location.local and raw and use_ocdbt
-      else None
-    )
     self._map = False
-    self._mapped_unit_bytes = sum(padded_nbytes(shape, dtype) for _, shape, dtype in raw.values())
     self._closed = False
     # A placement serves the store it opened: reads check it was not replaced since.
     self._watch = generation.Watch(location.local, location.path) if location.local else None
@@ -116,6 +105,7 @@ class UnitStore:
     path: str,
     *,
     unit_prefix: ParamPath | None = None,
+    stacks: Sequence[ParamPath] | None = None,
     max_cached_shards: int = DEFAULT_MAX_CACHED_SHARDS,
     require_unit_chunks: bool = True,
     spare_unit_buffers: int = DEFAULT_SPARE_UNIT_BUFFERS,
@@ -126,6 +116,8 @@ class UnitStore:
     Args:
       path: A local directory, or any TensorStore kvstore URL of the checkpoint
         directory (`file://…`, `memory://…`, `gs://…`, `s3://…`).
+      stacks: Paths of several stacked unit subtrees (instead of `unit_prefix`);
+        both None take the stacks the store records.
       unit_prefix: Path of the stacked unit subtree. Defaults to the one in the
         store's `jax_residency.json`; required for plain Orbax checkpoints.
       max_cached_shards: Maximum number of open TensorStore array handles (LRU).
@@ -164,8 +156,8 @@ class UnitStore:
       raise errors.StoreError(
         f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). {advice}"
       ) from e
-    prefix, unit_count = checks.check_layout(
-      path, found, unit_prefix, require_unit_chunks=require_unit_chunks
+    layout = checks.check_layout(
+      path, found, unit_prefix, require_unit_chunks=require_unit_chunks, stacks=stacks
     )
     if cache_largest_chunk:
       largest = max(tensor_nbytes(a.read_chunk, a.dtype) for a in found.arrays.values())
@@ -174,8 +166,7 @@ class UnitStore:
       location=loc,
       context=context,
       arrays=found.arrays,
-      unit_prefix=prefix,
-      unit_count=unit_count,
+      stacks=layout,
       use_ocdbt=found.use_ocdbt,
       max_cached_shards=max_cached_shards,
       spare_unit_buffers=spare_unit_buffers,
@@ -189,16 +180,28 @@ class UnitStore:
 
   @property
   def unit_prefix(self) -> ParamPath:
+    """The (first) stack's path."""
     return self._prefix
 
   @property
+  def stacks(self) -> tuple[StackInfo, ...]:
+    """Every stack opened, in order; unit ids run through them one after another."""
+    return tuple(StackInfo(s.prefix, s.count, s.unit_nbytes) for s in self._stacks)
+
+  @property
   def unit_count(self) -> int:
+    """Units over all stacks."""
     return self._unit_count
 
   @property
   def unit_specs(self) -> dict[ParamPath, TensorSpec]:
-    """Unit tensors, keyed by path relative to `unit_prefix`: (per-unit shape, dtype)."""
-    return {p: (a.shape[1:], a.dtype) for p, a in self._units.items()}
+    """The (first) stack's unit tensors, keyed by path relative to `unit_prefix`:
+    (per-unit shape, dtype). See `stack_specs` for the others."""
+    return self._stacks[0].specs
+
+  def stack_specs(self, k: int) -> dict[ParamPath, TensorSpec]:
+    """Stack ``k``'s unit tensors, keyed by path relative to its prefix."""
+    return self._stacks[k].specs
 
   @property
   def static_specs(self) -> dict[ParamPath, TensorSpec]:
@@ -207,11 +210,12 @@ class UnitStore:
 
   @property
   def unit_nbytes(self) -> int:
-    return sum(tensor_nbytes(a.shape[1:], a.dtype) for a in self._units.values())
+    """Bytes of one unit (of the largest, with several stacks)."""
+    return max(s.unit_nbytes for s in self._stacks)
 
   @property
   def total_unit_bytes(self) -> int:
-    return self.unit_nbytes * self._unit_count
+    return sum(s.unit_nbytes * s.count for s in self._stacks)
 
   @property
   def static_nbytes(self) -> int:
@@ -220,12 +224,12 @@ class UnitStore:
   @property
   def chunked_per_unit(self) -> bool:
     """Whether every unit array holds at most one unit per chunk (streamable)."""
-    return all(a.read_chunk[:1] == (1,) for a in self._units.values())
+    return all(a.read_chunk[:1] == (1,) for s in self._stacks for a in s.arrays.values())
 
   @property
   def compressed(self) -> bool:
     """Whether any unit array is compressed (slower reads; `rechunk_store` drops it)."""
-    return any(a.compressed for a in self._units.values())
+    return any(a.compressed for s in self._stacks for a in s.arrays.values())
 
   @property
   def open_handles(self) -> int:
@@ -240,6 +244,7 @@ class UnitStore:
       unit_count=self._unit_count,
       unit_nbytes=self.unit_nbytes,
       static_nbytes=self.static_nbytes,
+      stacks=self.stacks,
     )
 
   def __repr__(self) -> str:
@@ -258,8 +263,7 @@ class UnitStore:
     `BufferPool.set_limit`). A buffer is a whole unit with each tensor
     rounded up to a page.
     """
-    specs = [(path_str(p), a.shape[1:], a.dtype) for p, a in self._units.items()]
-    slab = buffer_layout(specs)[1]
+    slab = max(s.slab_nbytes for s in self._stacks)
     self._pool.set_limit(None if units is None else units * slab, reclaim=reclaim)
 
   def use_mapped_reads(self) -> bool:
@@ -272,23 +276,26 @@ class UnitStore:
     tensor can be mapped (False for remote or compressed stores, or where
     `mapped.MAPPED_READS_ENV` is "0").
     """
-    if self._mapper is None or not mapped.mapped_reads_enabled():
+    if not self._mappers() or not mapped.mapped_reads_enabled():
       return False
     self._map = True
     # Mapped units count against the same limit as read buffers (`limit_buffers`).
-    self._pool.count_external(lambda: self._mapper.mapped_bytes if self._mapper else 0)
+    self._pool.count_external(lambda: sum(m.mapped_bytes for m in self._mappers()))
     return True
+
+  def _mappers(self) -> list[mapped.UnitMapper]:
+    return [s.mapper for s in self._stacks if s.mapper is not None]
 
   @property
   def mapped_bytes_total(self) -> int:
     """Tensor bytes that reads have mapped instead of copied, since the store opened."""
-    return self._mapper.total_bytes if self._mapper is not None else 0
+    return sum(m.total_bytes for m in self._mappers())
 
   @property
   def buffer_bytes(self) -> int:
     """Bytes of unit buffers alive now (arrays returned by reads and not yet freed),
     mapped chunk ranges included."""
-    return self._pool.leased_bytes + (self._mapper.mapped_bytes if self._mapper else 0)
+    return self._pool.leased_bytes + sum(m.mapped_bytes for m in self._mappers())
 
   @property
   def buffer_peak_bytes(self) -> int:
@@ -307,63 +314,65 @@ class UnitStore:
   ) -> UnitRead:
     """Starts reading unit `i`; see `read_unit`. Returns a future-like `UnitRead`."""
     self._check_usable()
-    if not isinstance(i, int | np.integer) or not 0 <= i < self._unit_count:
-      raise errors.StoreError(
-        f"Unit index {i!r} is out of range for {self.path}, which holds "
-        f"{self._unit_count} units; use 0 <= i < {self._unit_count}."
-      )
+    stack, j = locate(self._stacks, i, self.path)
+    units, prefix, mapper = stack.arrays, stack.prefix, stack.mapper
     ready: dict[ParamPath, np.ndarray] = {}
     checks: list[tuple[ParamPath, Any]] = []
     if index is None:
-      if self._map and self._mapper is not None:
+      if self._map and mapper is not None:
         # A mapping holds memory as a buffer would: wait for dropped units first.
-        self._pool.wait_for_room(self._mapped_unit_bytes, outside=True)
-        ready, checks = self._mapper.map_unit(int(i))
+        self._pool.wait_for_room(stack.mapped_unit_bytes, outside=True)
+        ready, checks = mapper.map_unit(j)
         self._pool.note_external()
-      requests: Mapping[ParamPath, tuple[Any, ...]] = {p: () for p in self._units if p not in ready}
+      requests: Mapping[ParamPath, tuple[Any, ...]] = {p: () for p in units if p not in ready}
     else:
-      unknown = [path_str(p) for p in index if tuple(p) not in self._units]
+      unknown = [path_str(p) for p in index if tuple(p) not in units]
       if unknown:
         raise errors.StoreError(
           f"read_unit index names tensors that are not unit tensors of {self.path}:\n"
-          f"{errors.format_paths(unknown)}\nKeys are paths relative to unit_prefix="
-          f"{self._prefix}; see UnitStore.unit_specs."
+          f"{errors.format_paths(unknown)}\nKeys are paths relative to the stack's prefix "
+          f"{prefix}; see UnitStore.stack_specs."
         )
       requests = {tuple(p): tuple(s) if isinstance(s, tuple) else (s,) for p, s in index.items()}
     sources = []
     handles = self._handles.get_many(
-      [path_str(self._prefix + rel) for rel in requests], self._open_handle_async
+      [path_str(prefix + rel) for rel in requests], self._open_handle_async
     )
     for (rel, idx), handle in zip(requests.items(), handles, strict=True):
       try:
-        sources.append((rel, handle[(int(i), *idx)]))
+        sources.append((rel, handle[(j, *idx)]))
       except (IndexError, ValueError, TypeError) as e:
         raise errors.StoreError(
           f"Cannot index unit tensor {path_str(rel)!r} (per-unit shape "
-          f"{self._units[rel].shape[1:]}) with {idx!r}: {e}"
+          f"{units[rel].shape[1:]}) with {idx!r}: {e}"
         ) from e
-    mapper = self._mapper if index is None and mapped.direct_reads_enabled() else None
-    return issue_unit_read(
-      int(i),
+    direct = mapper if index is None and mapped.direct_reads_enabled() else None
+    read = issue_unit_read(
+      j,
       sources,
       self._pool,
       self.path,
       ready=ready,
-      prefix=self._prefix,
-      whole=[rel for rel in requests if not self._units[rel].partial_reads],
-      direct=None if mapper is None else functools.partial(mapper.read_into, int(i)),
+      prefix=prefix,
+      whole=[rel for rel in requests if not units[rel].partial_reads],
+      direct=None if direct is None else functools.partial(direct.read_into, j),
       pending=checks,
     )
+    read.id = int(i)
+    return read
 
   def read_unit(
     self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
   ) -> dict[ParamPath, np.ndarray]:
-    """Reads the tensors of unit `i`, keyed by path relative to `unit_prefix`.
+    """Reads the tensors of unit `i`, keyed by path relative to its stack's prefix.
+
+    Unit ids run through the stacks in order (see `stacks`): with one stack,
+    `i` is the layer index.
 
     All tensors are read concurrently into one reused host buffer.
 
     Args:
-      i: Unit index, `0 <= i < unit_count`.
+      i: Unit id, `0 <= i < unit_count`.
       index: If given, read only these tensors, each restricted to its tuple of
         slices/ints over the per-unit shape (`()` means all of it) — a process
         reads just what its devices own.
@@ -391,7 +400,7 @@ class UnitStore:
       nxt = next(todo, None)
       if nxt is not None:
         pending.append(self.read_unit_async(nxt, index=index))
-      yield head.unit, head.result()
+      yield head.id, head.result()
 
   def read_static(self) -> dict[ParamPath, np.ndarray]:
     """Reads every static tensor, keyed by full path."""
@@ -423,19 +432,27 @@ class UnitStore:
 
   def check_against(
     self,
-    expected_units: Mapping[ParamPath, tuple[Sequence[int], DTypeLike]],
+    expected_units: Mapping[ParamPath, tuple[Sequence[int], DTypeLike]] | None,
     expected_static: Mapping[ParamPath, tuple[Sequence[int], DTypeLike]],
     *,
     strict: bool,
+    expected_stacks: Sequence[Mapping[ParamPath, tuple[Sequence[int], DTypeLike]]] = (),
   ) -> None:
     """Checks that the store holds exactly what a model expects; see
-    `checks.check_against` (``expected_units`` are keyed relative to `unit_prefix`)."""
+    `checks.check_against`. ``expected_units`` are the (first) stack's tensors keyed
+    relative to `unit_prefix`; ``expected_stacks`` each stack's, in order."""
+    if expected_units is not None:
+      expected_stacks = [expected_units, *expected_stacks[1:]]
+    stored, expected = {}, {}
+    for stack, want in zip(self._stacks, expected_stacks, strict=False):
+      stored.update({stack.prefix + rel: spec for rel, spec in stack.specs.items()})
+      expected.update({stack.prefix + tuple(rel): spec for rel, spec in want.items()})
     checks.check_against(
       self.path,
-      self._prefix,
-      self.unit_specs,
+      tuple(s.prefix for s in self._stacks),
+      stored,
       self.static_specs,
-      expected_units,
+      expected,
       expected_static,
       strict=strict,
     )

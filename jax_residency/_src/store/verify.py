@@ -98,12 +98,12 @@ def verify_store(path: str, *, progress: bool | None = None) -> VerifyResult:
   """
   store = UnitStore.open(path, require_unit_chunks=False, max_cached_shards=1, spare_unit_buffers=0)
   try:
-    prefix, count = store.unit_prefix, store.unit_count
     jobs: list[tuple[ParamPath, int | None, int]] = [
       (p, None, tensor_nbytes(shape, dtype)) for p, (shape, dtype) in store.static_specs.items()
     ]
-    for rel, (shape, dtype) in store.unit_specs.items():
-      jobs += [(prefix + rel, i, tensor_nbytes(shape, dtype)) for i in range(count)]
+    for k, stack in enumerate(store.stacks):
+      for rel, (shape, dtype) in store.stack_specs(k).items():
+        jobs += [(stack.prefix + rel, i, tensor_nbytes(shape, dtype)) for i in range(stack.count)]
     checksummed = checksums(store) == "crc32c"
     show = sys.stderr.isatty() if progress is None else progress
     bar = tqdm.tqdm(
@@ -160,7 +160,8 @@ def checksums(store: UnitStore) -> str:
   """Which arrays of an open store carry chunk checksums: ``"crc32c"`` (all of them),
   ``"none"``, or ``"some"``."""
   found = set()
-  for path in [*store.static_specs, *(store.unit_prefix + rel for rel in store.unit_specs)]:
+  units = [s.prefix + rel for k, s in enumerate(store.stacks) for rel in store.stack_specs(k)]
+  for path in [*store.static_specs, *units]:
     metadata = store.array_handle(path).spec().to_json().get("metadata", {})
     found.add(has_checksum_codec(metadata.get("codecs")))
   return "crc32c" if found == {True} else "some" if True in found else "none"

@@ -33,7 +33,7 @@ from jax_residency._src.store.discovery import (
   ocdbt_spec,
 )
 from jax_residency._src.store.handles import store_context
-from jax_residency._src.store.info import StoreInfo
+from jax_residency._src.store.info import StackInfo, StoreInfo
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
@@ -201,14 +201,16 @@ class _StoreWriter:
     while self._pending:
       self._wait_oldest()
 
-  def commit(self, *, unit_prefix: ParamPath, unit_count: int) -> None:
+  def commit(self, *, stacks: Sequence[tuple[ParamPath, int]]) -> None:
     self._drain()
     kv = ts.KvStore.open(self.target.base, context=self.context).result()
     sidecar = {
       "format": FORMAT_NAME,
       "format_version": FORMAT_VERSION,
-      "unit_prefix": list(unit_prefix),
-      "unit_count": unit_count,
+      # The first stack as single-stack readers read it; "stacks" lists them all.
+      "unit_prefix": list(stacks[0][0]),
+      "unit_count": stacks[0][1],
+      "stacks": [{"prefix": list(p), "count": n} for p, n in stacks],
     }
     for key, value in (
       ("_METADATA", _orbax_metadata(self._paths)),
@@ -261,7 +263,7 @@ def _native(value: Any, dtype: np.dtype) -> np.ndarray:
   return np.asarray(np.asarray(value), dtype=dtype, order="C")
 
 
-def _check_paths(full: Mapping[ParamPath, Any], unit_prefix: ParamPath) -> None:
+def _check_paths(full: Mapping[ParamPath, Any], prefixes: Sequence[ParamPath]) -> None:
   problems = []
   names = collections.Counter(path_str(p) for p in full)
   problems += [f"{n}: several paths join to this Orbax name" for n, c in names.items() if c > 1]
@@ -277,7 +279,8 @@ def _check_paths(full: Mapping[ParamPath, Any], unit_prefix: ParamPath) -> None:
   ]
   if problems:
     raise errors.StoreError(
-      f"Cannot save these parameter paths (unit_prefix={unit_prefix}) as one Orbax tree:\n"
+      f"Cannot save these parameter paths (unit_prefix={', '.join(map(str, prefixes))}) "
+      "as one Orbax tree:\n"
       f"{errors.format_paths(problems)}\nRename the parameters or choose another unit_prefix."
     )
 
@@ -286,8 +289,9 @@ def save_store(
   path: str,
   *,
   static: Mapping[tuple[str, ...], ArrayLike],
-  units: Mapping[tuple[str, ...], ArrayLike],
-  unit_prefix: tuple[str, ...],
+  units: Mapping[tuple[str, ...], ArrayLike] | None = None,
+  unit_prefix: tuple[str, ...] | None = None,
+  stacks: Mapping[tuple[str, ...], Mapping[tuple[str, ...], ArrayLike]] | None = None,
   progress: bool | None = None,
   overwrite: bool = False,
 ) -> StoreInfo:
@@ -308,6 +312,8 @@ def save_store(
     units: Path relative to `unit_prefix` -> array stacked on axis 0 (leading
       dimension = unit count, equal for all).
     unit_prefix: Path of the unit subtree, e.g. `("params", "layers")`.
+    stacks: Instead of `units` and `unit_prefix`, several layer stacks: each
+      stack's prefix -> its `units`, in the order the model runs them.
     progress: Show a progress bar over bytes written; None shows it when stderr
       is a terminal.
     overwrite: Replace an existing store at `path`.
@@ -321,13 +327,73 @@ def save_store(
       is in the way of `path`; or the disk is full (checked before writing, and
       reported with the bytes needed if it fills up while writing).
   """
-  prefix = as_path(unit_prefix)
+  if stacks is None:
+    if unit_prefix is None or units is None:
+      raise errors.StoreError("save_store needs units= and unit_prefix=, or stacks=.")
+    stacks = {tuple(unit_prefix): units}
+  elif units is not None or unit_prefix is not None:
+    raise errors.StoreError("save_store takes stacks= or units= with unit_prefix=, not both.")
+  if not stacks:
+    raise errors.StoreError("save_store needs at least one layer stack; got none.")
+  static_arrays = {as_path(k): _host(v) for k, v in static.items()}
+  laid_out: list[tuple[ParamPath, dict[ParamPath, Any], int]] = []
+  for key, arrays in stacks.items():
+    prefix = as_path(key)
+    unit_arrays = {as_path(k): _host(v) for k, v in arrays.items()}
+    laid_out.append((prefix, unit_arrays, _unit_count(prefix, unit_arrays, static_arrays)))
+  full = {
+    **static_arrays,
+    **{prefix + p: a for prefix, arrays, _ in laid_out for p, a in arrays.items()},
+  }
+  _check_paths(full, tuple(prefix for prefix, _, _ in laid_out))
+  dtypes = {p: np.dtype(a.dtype).newbyteorder("=") for p, a in full.items()}
+  unit_nbytes = {
+    prefix: sum(tensor_nbytes(a.shape[1:], dtypes[prefix + p]) for p, a in arrays.items())
+    for prefix, arrays, _ in laid_out
+  }
+  static_nbytes = sum(tensor_nbytes(a.shape, dtypes[p]) for p, a in static_arrays.items())
+  writer = _StoreWriter(
+    path,
+    overwrite=overwrite,
+    progress=progress,
+    total=sum(unit_nbytes[p] * n for p, _, n in laid_out) + static_nbytes,
+    desc="save_store",
+  )
+  try:
+    for p, a in sorted(static_arrays.items()):
+      handle = writer.create(p, tuple(a.shape), dtypes[p], a.shape)
+      writer.write(handle, (), _native(a, dtypes[p]))
+    for prefix, arrays, count in laid_out:
+      handles = {}
+      for p, a in sorted(arrays.items()):
+        shape = tuple(a.shape)
+        handles[p] = writer.create(prefix + p, shape, dtypes[prefix + p], (1, *shape[1:]))
+      for i in range(count):
+        for p, a in sorted(arrays.items()):
+          writer.write(handles[p], i, _native(a[i], dtypes[prefix + p]))
+    writer.commit(stacks=[(prefix, count) for prefix, _, count in laid_out])
+  except BaseException as e:
+    if (disk_full := writer.fail(e)) is not None:
+      raise disk_full from e
+    raise
+  return StoreInfo(
+    path=path,
+    unit_prefix=laid_out[0][0],
+    unit_count=sum(n for _, _, n in laid_out),
+    unit_nbytes=max(unit_nbytes.values()),
+    static_nbytes=static_nbytes,
+    stacks=tuple(StackInfo(p, n, unit_nbytes[p]) for p, _, n in laid_out),
+  )
+
+
+def _unit_count(
+  prefix: ParamPath, unit_arrays: Mapping[ParamPath, Any], static_arrays: Mapping[ParamPath, Any]
+) -> int:
+  """The unit count of one stack's arrays, once they are a stack under ``prefix``."""
   if not prefix:
     raise errors.StoreError("unit_prefix must name the unit subtree, e.g. ('layers',); got ().")
-  if not units:
+  if not unit_arrays:
     raise errors.StoreError(f"save_store needs at least one unit array under {prefix}; got none.")
-  unit_arrays = {as_path(k): _host(v) for k, v in units.items()}
-  static_arrays = {as_path(k): _host(v) for k, v in static.items()}
   clash = [path_str(p) for p in static_arrays if p[: len(prefix)] == prefix]
   if clash:
     raise errors.StoreError(
@@ -343,42 +409,7 @@ def save_store(
       f"{errors.format_paths(f'{k}: leading dim {v}' for k, v in leading.items())}\n"
       "Stack each unit parameter over the same layers."
     )
-  unit_count = int(next(iter(leading.values())) or 0)
-  full = {**static_arrays, **{prefix + p: a for p, a in unit_arrays.items()}}
-  _check_paths(full, prefix)
-  dtypes = {p: np.dtype(a.dtype).newbyteorder("=") for p, a in full.items()}
-  unit_nbytes = sum(tensor_nbytes(a.shape[1:], dtypes[prefix + p]) for p, a in unit_arrays.items())
-  static_nbytes = sum(tensor_nbytes(a.shape, dtypes[p]) for p, a in static_arrays.items())
-  writer = _StoreWriter(
-    path,
-    overwrite=overwrite,
-    progress=progress,
-    total=unit_nbytes * unit_count + static_nbytes,
-    desc="save_store",
-  )
-  try:
-    for p, a in sorted(static_arrays.items()):
-      handle = writer.create(p, tuple(a.shape), dtypes[p], a.shape)
-      writer.write(handle, (), _native(a, dtypes[p]))
-    handles = {}
-    for p, a in sorted(unit_arrays.items()):
-      shape = tuple(a.shape)
-      handles[p] = writer.create(prefix + p, shape, dtypes[prefix + p], (1, *shape[1:]))
-    for i in range(unit_count):
-      for p, a in sorted(unit_arrays.items()):
-        writer.write(handles[p], i, _native(a[i], dtypes[prefix + p]))
-    writer.commit(unit_prefix=prefix, unit_count=unit_count)
-  except BaseException as e:
-    if (disk_full := writer.fail(e)) is not None:
-      raise disk_full from e
-    raise
-  return StoreInfo(
-    path=path,
-    unit_prefix=prefix,
-    unit_count=unit_count,
-    unit_nbytes=unit_nbytes,
-    static_nbytes=static_nbytes,
-  )
+  return int(next(iter(leading.values())) or 0)
 
 
 def _read_unit_slice(handle: ts.TensorStore, i: int) -> np.ndarray:
@@ -438,7 +469,7 @@ def rechunk_store(
       src_handle = source.array_handle(prefix + rel)
       for i in range(source.unit_count):
         writer.write(handle, i, _read_unit_slice(src_handle, i))
-    writer.commit(unit_prefix=prefix, unit_count=source.unit_count)
+    writer.commit(stacks=[(prefix, source.unit_count)])
   except BaseException as e:
     if (disk_full := writer.fail(e)) is not None:
       raise disk_full from e

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jax_residency._src.placement import shardings as pl
 from jax_residency._src.placement.budget import ModelMetadata, metadata_for
 from jax_residency._src.placement.split import SplitModel
+from jax_residency._src.placement.stacks import note_unplaced
 from jax_residency._src.policy.errors import PlacementError
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.telemetry import Telemetry
@@ -63,6 +64,7 @@ class DenseExecutor:
         unit_shardings=placed_at.unit_slices,
         metadata=self.metadata,
         telemetry=self.telemetry,
+        on_trace=lambda ctx: note_unplaced(self, ctx),
       )
     except BaseException:
       self._store.close()

@@ -36,15 +36,22 @@ except ImportError:  # pragma: no cover - a jaxlib that moved it
 
 from jax_residency._src.placement.budget import ModelMetadata
 from jax_residency._src.placement.split import SplitModel
-from jax_residency._src.placement.unit_loop import not_looped_error, run_in_loop
+from jax_residency._src.placement.unit_loop import (
+  LoopContext,
+  StackLoop,
+  not_looped_error,
+  run_in_loop,
+)
 from jax_residency._src.policy.errors import AdmissionError, ClosedError, StoreError
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.compile_time import signature
+from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.telemetry import PassCounters, Telemetry, TimelinePoint
-from jax_residency._src.stream.boxes import addressable_box, box_nbytes, from_local_box
+from jax_residency._src.stream.boxes import from_local_box
 from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger, Tier
 from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker
-from jax_residency._src.stream.staged import StagedForward, run_staged, trace
+from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.stream.staged import StackSpan, StagedForward, run_staged, trace
 from jax_residency._src.typing import ParamPath
 
 #: Platforms whose unit steps run inside a one-trip while loop. On CPU that
@@ -77,8 +84,10 @@ class DenseStreamEngine:
     unit_shardings: Sequence[jax.sharding.Sharding],
     metadata: ModelMetadata,
     telemetry: Telemetry,
+    on_trace: Callable[[LoopContext], None] = lambda ctx: None,
   ) -> None:
     opts = policy.options
+    self._on_trace = on_trace
     self._split = split
     self._policy = policy
     self._source = source
@@ -88,29 +97,15 @@ class DenseStreamEngine:
     self._platform = str(device.platform)
     self._metadata = metadata
     self._telemetry = telemetry
-    self._rel_paths = [split.unit_rel_path(leaf) for leaf in split.unit_leaves()]
-    self._unit_shapes = [leaf.shape[1:] for leaf in split.unit_leaves()]
-    # Multi-process meshes: each process reads only the box of each tensor that
-    # its own devices hold (``None`` when every device is this process's).
-    boxes = [
-      addressable_box(s, shape)
-      for s, shape in zip(self._unit_shardings, self._unit_shapes, strict=True)
+    self._stacks = [
+      StackUnits.of(split, stack, self._unit_shardings[stack.leaf_slice], meta)
+      for stack, meta in zip(split.stacks, metadata.stacks, strict=True)
     ]
-    self._read_index: dict[ParamPath, tuple[slice, ...]] | None = None
-    if any(b is not None for b in boxes):
-      self._read_index = {
-        p: (b if b is not None else ()) for p, b in zip(self._rel_paths, boxes, strict=True)
-      }
+    self._owner = [st for st in self._stacks for _ in range(st.count)]
     # Bytes of one unit as this process reads and holds it (its boxes only, on a
     # multi-process mesh); the load-time budget check counted whole units.
-    self._host_unit_bytes = metadata.unit_bytes[0] if metadata.unit_bytes else 0
-    if self._read_index is not None:
-      self._host_unit_bytes = sum(
-        box_nbytes(leaf.shape[1:], leaf.dtype, self._read_index[p])
-        for p, leaf in zip(self._rel_paths, split.unit_leaves(), strict=True)
-      )
-    self._device_unit_bytes = metadata.largest_device_unit_bytes
-    self._unit_count = metadata.layer_count
+    self._host_unit_bytes = max(st.host_bytes for st in self._stacks)
+    self._multiprocess = any(st.read_index is not None for st in self._stacks)
     self._lookahead = opts.host_lookahead
     self._host_enabled = opts.host_budget_bytes != 0
     # The device tier holds the window (current + next unit), within the budget
@@ -140,12 +135,12 @@ class DenseStreamEngine:
     # Where device memory is host memory, whole units are mapped from the store's
     # files instead of copied (see `mapped`): the page cache is the read buffer.
     use_mapped = getattr(source, "use_mapped_reads", None)
-    if use_mapped is not None and metadata.device_is_host and self._read_index is None:
+    if use_mapped is not None and metadata.device_is_host and not self._multiprocess:
       use_mapped()
     self.worker: PrefetchWorker | None = None
     if self._host_enabled:
       self.worker = PrefetchWorker(self._prefetch, capacity=opts.background_queue_capacity)
-    self._counters = PassCounters()
+    self._counters = self._new_counters()
     self._counters_lock = threading.Lock()
     self._ahead: dict[int, tuple[Reservation, Callable[[], Mapping[ParamPath, np.ndarray]]]] = {}
     self._ahead_lock = threading.Lock()
@@ -165,12 +160,7 @@ class DenseStreamEngine:
       ok = False
       try:
         out = run_staged(
-          staged,
-          self._static,
-          (args, kwargs),
-          unit_count=self._unit_count,
-          fetch=self._fetch,
-          after_step=self._after_step,
+          staged, self._static, (args, kwargs), fetch=self._fetch, after_step=self._after_step
         )
         out = jax.block_until_ready(out)
         with self._counters_lock:
@@ -187,32 +177,40 @@ class DenseStreamEngine:
       unit_specs = [
         jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self._split.unit_leaves()
       ]
-      staged = trace(self._forward, self._static, unit_specs, (args, kwargs))
+      spans = [StackSpan(s.offset, s.count, s.first, len(s.index)) for s in self._split.stacks]
+      staged = trace(self._forward, self._static, unit_specs, (args, kwargs), spans)
       staged.in_loop = self._platform in STEP_IN_LOOP_PLATFORMS
       if staged.unit_loop_count == 0:
-        raise not_looped_error(self._split.unit_prefix)
+        raise not_looped_error([s.name for s in self._split.stacks])
       self._staged[key] = staged
     return staged
 
   def _forward(self, static: list[Any], units: list[Any], args: Any, kwargs: Any) -> Any:
     bound = self._split.bind(self._split.join(static, units))
-    return run_in_loop(
-      bound.call,
-      bound.units,
+    loops = [
+      StackLoop(ref, st.shardings, depth=2)
+      for ref, st in zip(bound.units, self._stacks, strict=True)
+    ]
+    out, ctx = run_in_loop(
+      bound,
+      loops,
       kind=self._policy.execution_residency,
-      depth=2,
-      unit_shardings=tuple(self._unit_shardings),
-      unit_prefix=self._split.unit_prefix,
+      names=[st.name for st in self._stacks],
       args=tuple(args),
       kwargs=dict(kwargs),
     )
+    self._on_trace(ctx)
+    return out
+
+  def _new_counters(self) -> PassCounters:
+    return PassCounters(stacks={st.name: StackPass() for st in self._stacks})
 
   def _begin_pass(self) -> None:
     self.ledger.begin_pass()
     if self.worker is not None:
       self.worker.begin_pass()
     with self._counters_lock:
-      self._counters = PassCounters()
+      self._counters = self._new_counters()
     reset = getattr(self._source, "reset_buffer_peak", None)
     if reset is not None:
       reset()
@@ -243,11 +241,13 @@ class DenseStreamEngine:
 
   # --- the unit loop's callbacks --------------------------------------------
 
-  def _fetch(self, i: int, upcoming: range) -> list[jax.Array]:
-    self.ledger.protect(Tier.DEVICE, (i, *upcoming[:1]))
+  def _fetch(self, i: int, upcoming: Sequence[int]) -> list[jax.Array]:
+    self.ledger.protect(Tier.DEVICE, (i, *self._next_in_stack(i, upcoming)))
     arrays = self.ledger.get(Tier.DEVICE, i)
     if arrays is None:
       arrays = self._load_device(i)
+    with self._counters_lock:
+      self._counters.stacks[self._owner[i].name] += StackPass(units_run=1)
     point = TimelinePoint(
       seconds=time.perf_counter() - self._pass_start,
       unit=i,
@@ -258,16 +258,25 @@ class DenseStreamEngine:
       self._counters.timeline.append(point)
     return arrays
 
-  def _after_step(self, i: int, upcoming: range) -> None:
+  def _next_in_stack(self, i: int, upcoming: Sequence[int]) -> tuple[int, ...]:
+    """The unit the device window moves in after ``i``: the next one, if it is of
+    ``i``'s stack (the window of a stack holds only that stack's units)."""
+    if upcoming and self._owner[upcoming[0]] is self._owner[i]:
+      return (upcoming[0],)
+    return ()
+
+  def _after_step(self, i: int, upcoming: Sequence[int]) -> None:
+    # The host cache is shared: read-ahead follows the forward, into the next stack.
     ahead = upcoming[: self._lookahead]
     if self.worker is not None:
       self.ledger.protect(Tier.HOST, ahead)
       for j in ahead:
         if not (self.ledger.contains(Tier.HOST, j) or self.ledger.is_pending(Tier.HOST, j)):
           self.worker.submit(j)
-    if upcoming and not self.ledger.contains(Tier.DEVICE, upcoming[0]):
-      self.ledger.protect(Tier.DEVICE, (i, upcoming[0]))
-      self._load_device(upcoming[0])
+    for j in self._next_in_stack(i, upcoming):
+      if not self.ledger.contains(Tier.DEVICE, j):
+        self.ledger.protect(Tier.DEVICE, (i, j))
+        self._load_device(j)
 
   # --- moving units ------------------------------------------------------------
 
@@ -278,7 +287,8 @@ class DenseStreamEngine:
     before the read lands: on CPU the read buffer is the device array (no copy),
     and the device tier never holds more than its window, reads included.
     """
-    with self.ledger.reserve(Tier.DEVICE, i, self._device_unit_bytes) as reservation:
+    st = self._owner[i]
+    with self.ledger.reserve(Tier.DEVICE, i, st.device_bytes) as reservation:
       if reservation.evicted:
         release_dropped_buffers()
       if self._host_enabled:
@@ -289,24 +299,23 @@ class DenseStreamEngine:
         source = "disk"
       # On a CPU backend, page-aligned host buffers become device arrays without a
       # copy (may_alias); accelerators copy host→device as usual.
-      if self._read_index is None:
+      if st.read_index is None:
         arrays = jax.device_put(
-          [np.asarray(host[p]) for p in self._rel_paths], self._unit_shardings, may_alias=True
+          [np.asarray(host[p]) for p in st.rel_paths], list(st.shardings), may_alias=True
         )
       else:
         arrays = [
-          from_local_box(np.asarray(host[p]), shape, s, self._read_index[p])
-          for p, shape, s in zip(
-            self._rel_paths, self._unit_shapes, self._unit_shardings, strict=True
-          )
+          from_local_box(np.asarray(host[p]), shape, s, st.read_index[p])
+          for p, shape, s in zip(st.rel_paths, st.shapes, st.shardings, strict=True)
         ]
       del host
       reservation.commit(arrays)
     with self._counters_lock:
       if source == "host":
-        self._counters.host_to_device_bytes += self._host_unit_bytes
+        self._counters.host_to_device_bytes += st.host_bytes
       else:
-        self._counters.disk_to_device_bytes += self._host_unit_bytes
+        self._counters.disk_to_device_bytes += st.host_bytes
+      self._counters.stacks[st.name] += StackPass(bytes_moved=st.host_bytes)
     return arrays
 
   def _host_unit(self, i: int) -> Mapping[ParamPath, np.ndarray]:
@@ -319,7 +328,7 @@ class DenseStreamEngine:
     if host is not None:
       return host
     try:
-      reservation = self.ledger.reserve(Tier.HOST, i, self._host_unit_bytes)
+      reservation = self.ledger.reserve(Tier.HOST, i, self._owner[i].host_bytes)
     except AdmissionError:
       # Everything cached is pinned; read this unit without caching it.
       return self._read_blocking(i)
@@ -336,14 +345,15 @@ class DenseStreamEngine:
     self._note_stall(time.perf_counter() - start)
     with self._counters_lock:
       if count_as == "disk_to_host":
-        self._counters.disk_to_host_bytes += self._host_unit_bytes
+        self._counters.disk_to_host_bytes += self._owner[i].host_bytes
     return data
 
   def _read(self, i: int) -> Mapping[ParamPath, np.ndarray]:
+    index = self._owner[i].read_index
     try:
-      if self._read_index is None:
+      if index is None:
         return self._source.read_unit(i)
-      return self._source.read_unit(i, index=self._read_index)
+      return self._source.read_unit(i, index=index)
     except (StoreError, ClosedError):
       raise
     except Exception as e:
@@ -355,10 +365,9 @@ class DenseStreamEngine:
     start_async = getattr(self._source, "read_unit_async", None)
     if start_async is None:
       return lambda: self._read(i)
+    index = self._owner[i].read_index
     try:
-      pending = (
-        start_async(i) if self._read_index is None else start_async(i, index=self._read_index)
-      )
+      pending = start_async(i) if index is None else start_async(i, index=index)
     except Exception as e:  # noqa: BLE001 - re-raised with the unit named
       return functools.partial(_raise_read_error, i, e)
 
@@ -389,7 +398,7 @@ class DenseStreamEngine:
       ):
         return
       try:
-        reservation = self.ledger.reserve(Tier.HOST, i, self._host_unit_bytes)
+        reservation = self.ledger.reserve(Tier.HOST, i, self._owner[i].host_bytes)
       except AdmissionError:
         return  # no room right now; demand will read it
       started = (reservation, self._start_read(i))
@@ -401,7 +410,7 @@ class DenseStreamEngine:
         return
       reservation.commit(data, prefetched=True)
     with self._counters_lock:
-      self._counters.disk_to_host_bytes += self._host_unit_bytes
+      self._counters.disk_to_host_bytes += self._owner[i].host_bytes
 
   def _read_ahead(self) -> None:
     assert self.worker is not None
@@ -412,7 +421,7 @@ class DenseStreamEngine:
       if self.ledger.contains(Tier.HOST, j) or self.ledger.is_pending(Tier.HOST, j):
         continue
       try:
-        reservation = self.ledger.reserve(Tier.HOST, j, self._host_unit_bytes)
+        reservation = self.ledger.reserve(Tier.HOST, j, self._owner[j].host_bytes)
       except AdmissionError:
         continue
       with self._ahead_lock:

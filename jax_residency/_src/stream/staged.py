@@ -24,12 +24,25 @@ from jax.extend import core as jcore
 from jax_residency._src.policy.errors import PlacementError
 from jax_residency._src.report.compile_time import temp_bytes
 
-#: ``fetch(i, upcoming) -> unit leaves`` in the unit stack's leaf order;
-#: ``upcoming`` is the units the loop runs after ``i``, in its order.
-Fetch = Callable[[int, range], Sequence[jax.Array]]
-#: ``after_step(i, upcoming)``, called once step ``i`` has been dispatched and
+#: ``fetch(u, upcoming) -> unit leaves`` in its stack's leaf order. ``u`` is a
+#: unit id (stacks number their units one after another, `split.Stack.units`);
+#: ``upcoming`` the ids the forward runs after ``u``: the rest of this loop, then
+#: the loops that follow it.
+Fetch = Callable[[int, Sequence[int]], Sequence[jax.Array]]
+#: ``after_step(u, upcoming)``, called once step ``u`` has been dispatched and
 #: the step before it has finished (to start moving the units that come next).
-AfterStep = Callable[[int, range], None]
+AfterStep = Callable[[int, Sequence[int]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSpan:
+  """Where a stack's units and leaves lie: unit ids ``offset ..
+  offset + count - 1``, unit leaves ``first .. first + leaves - 1``."""
+
+  offset: int
+  count: int
+  first: int
+  leaves: int
 
 
 @dataclasses.dataclass
@@ -45,6 +58,9 @@ class StagedForward:
     in_loop: compile each step inside a run-time-bounded while loop, so its
       math is the plain model's scanned loop bit for bit (used on CPU).
     bodies: compiled loop bodies, one per unit-loop equation.
+    stacks: where each stack's units and leaves lie.
+    loops: per unit-loop equation, in order: its index and the unit ids it
+      runs, in its order.
   """
 
   closed: jcore.ClosedJaxpr
@@ -53,6 +69,18 @@ class StagedForward:
   out_tree: Any
   in_loop: bool = True
   bodies: dict[int, CompiledStep] = dataclasses.field(default_factory=dict)
+  stacks: tuple[StackSpan, ...] = ()
+  loops: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+
+  def stack_of(self, operands: dict[int, int]) -> StackSpan:
+    """The stack whose leaves a unit loop's operands are."""
+    leaf = min(operands.values())
+    for s in self.stacks:
+      if s.first <= leaf < s.first + s.leaves:
+        if not all(s.first <= j < s.first + s.leaves for j in operands.values()):
+          raise PlacementError("one unit loop runs over the leaves of two layer stacks")
+        return s
+    raise PlacementError(f"unit leaf {leaf} belongs to no stack")
 
   @property
   def step_temp_bytes(self) -> int | None:
@@ -87,8 +115,10 @@ def trace(
   static_leaves: Sequence[Any],
   unit_specs: Sequence[jax.ShapeDtypeStruct],
   args: Sequence[Any],
+  stacks: Sequence[StackSpan],
 ) -> StagedForward:
-  """Traces ``forward(static_leaves, unit_leaves, *args)`` with abstract units."""
+  """Traces ``forward(static_leaves, unit_leaves, *args)`` with abstract units
+  (``unit_specs``: every stack's leaves, stack by stack, as ``stacks`` lays out)."""
   flat_args, args_tree = jax.tree.flatten(tuple(args))
 
   def flat_forward(*flat: Any) -> Any:
@@ -105,8 +135,15 @@ def trace(
     n_static=len(static_leaves),
     n_units=len(unit_specs),
     out_tree=jax.tree.structure(out_shape),
+    stacks=tuple(stacks),
   )
   _check_units_only_in_loops(staged)
+  for k, eqn in enumerate(closed.jaxpr.eqns):
+    operands = staged._unit_operands(eqn)
+    if operands is not None:
+      span = staged.stack_of(operands)
+      steps = range(span.count - 1, -1, -1) if eqn.params["reverse"] else range(span.count)
+      staged.loops.append((k, [span.offset + i for i in steps]))
   return staged
 
 
@@ -133,7 +170,6 @@ def run_staged(
   static_leaves: Sequence[Any],
   args: Sequence[Any],
   *,
-  unit_count: int,
   fetch: Fetch,
   after_step: AfterStep,
 ) -> Any:
@@ -161,7 +197,7 @@ def run_staged(
   for k, eqn in enumerate(jaxpr.eqns):
     operands = staged._unit_operands(eqn)
     if operands is not None:
-      outs = _run_unit_loop(staged, k, eqn, operands, read, unit_count, fetch, after_step)
+      outs = _run_unit_loop(staged, k, eqn, operands, read, fetch, after_step)
     else:
       with eqn.ctx.manager:
         outs = eqn.primitive.bind(
@@ -279,14 +315,14 @@ def _run_unit_loop(
   eqn: jcore.JaxprEqn,
   operands: dict[int, int],
   read: Callable[[Any], Any],
-  unit_count: int,
   fetch: Fetch,
   after_step: AfterStep,
 ) -> list[Any]:
   p = eqn.params
   num_consts, num_carry, length = p["num_consts"], p["num_carry"], p["length"]
-  if length != unit_count:
-    raise PlacementError(f"the unit loop runs {length} steps but the store has {unit_count} units")
+  span = staged.stack_of(operands)
+  if length != span.count:
+    raise PlacementError(f"the unit loop runs {length} steps but its stack has {span.count} units")
   first_x = num_consts + num_carry
   unit_xs = frozenset(pos - first_x for pos in operands)
   body = staged.bodies.get(k)
@@ -297,19 +333,22 @@ def _run_unit_loop(
   consts = invals[:num_consts]
   carry = invals[num_consts:first_x]
   others = [x for j, x in enumerate(invals[first_x:]) if j not in unit_xs]
-  unit_leaves = [operands[first_x + j] for j in sorted(unit_xs)]
+  unit_leaves = [operands[first_x + j] - span.first for j in sorted(unit_xs)]
   # Each step writes its outputs into these stacked buffers at its index, as scan does.
   ys = [jnp.zeros((length, *a.shape), a.dtype) for a in p["jaxpr"].out_avals[num_carry:]]
-  steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
-  for s, i in enumerate(steps):
-    upcoming = steps[s + 1 :]
-    unit = fetch(i, upcoming)
+  at = next(n for n, (eqn_k, _) in enumerate(staged.loops) if eqn_k == k)
+  ids = staged.loops[at][1]
+  later = [u for _, units in staged.loops[at + 1 :] for u in units]
+  for s, u in enumerate(ids):
+    upcoming = ids[s + 1 :] + later
+    unit = fetch(u, upcoming)
     previous = carry
-    carry, ys = body(consts, carry, [unit[j] for j in unit_leaves], others, ys, np.int32(i))
+    i = np.int32(u - span.offset)
+    carry, ys = body(consts, carry, [unit[j] for j in unit_leaves], others, ys, i)
     del unit
     # The step before this one is done before after_step moves the next unit in
     # and evicts the oldest: the evicted unit's memory is free when it is dropped
     # (this step keeps running meanwhile).
     jax.block_until_ready(previous)
-    after_step(i, upcoming)
+    after_step(u, upcoming)
   return list(carry) + list(ys)

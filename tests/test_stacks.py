@@ -17,6 +17,7 @@ static because it is the call's pytree structure).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -339,6 +340,62 @@ def test_store_with_fewer_stacks_than_chosen_raises(case, tmp_path):
     jr.place(c.model, POLICIES["dense_host"](), units=("towers", "mixer"), store=path, mesh=c.mesh)
   message = str(info.value)
   assert "towers" in message and "mixer" in message
+
+
+def test_store_of_one_stack_places_that_stack_by_default(case, tmp_path):
+  """A store saved with ``units="towers"`` and placed without ``units=`` takes the
+  store's stack (it once said "the store is inconsistent"), and the mixer the forward
+  also loops over is reported, not silently kept static."""
+  c = case("nnx-1dev")
+  path = str(tmp_path / "towers_only")
+  jr.save(c.model, path, units="towers", progress=False)
+  with jr.place(c.model, POLICIES["dense_host"](), store=path, mesh=c.mesh) as placed:
+    assert paths(placed) == ["towers"]
+    with pytest.warns(UserWarning, match="'mixer'"):
+      np.testing.assert_array_equal(placed(TOKENS), c.reference("dense_host"))
+    assert placed.metadata.unplaced_stacks == ("mixer",)
+
+
+def test_inspect_and_verify_cover_every_stack(case, tmp_path, capfd):
+  from jax_residency._src.cli import main as cli
+
+  c = case("nnx-1dev")
+  path = str(tmp_path / "both")
+  jr.save(c.model, path, units=("towers", "mixer"), progress=False)
+  assert cli.main(["inspect", path, "--json"]) == 0
+  info = json.loads(capfd.readouterr().out)
+  assert [(s["prefix"], s["units"], s["unit_bytes"]) for s in info["stacks"]] == [
+    ("towers", TOWER_LAYERS, TOWER_UNIT_BYTES),
+    ("mixer", MIXER_LAYERS, MIXER_UNIT_BYTES),
+  ]
+  assert any(k.startswith("mixer.") for k in info["unit_tensors"])
+  assert info["total_unit_bytes"] == (
+    TOWER_LAYERS * TOWER_UNIT_BYTES + MIXER_LAYERS * MIXER_UNIT_BYTES
+  )
+  assert cli.main(["verify", path, "--json"]) == 0
+  result = json.loads(capfd.readouterr().out)
+  assert result["ok"] and result["chunks"] >= len(info["unit_tensors"])
+
+
+def test_host_cache_reads_ahead_in_forward_order_across_stacks(case, tmp_path):
+  """The host cache is shared: while the last towers run, the first mixer unit is
+  already asked for, so with a lookahead of 2 every unit but the first is read
+  ahead (4 of 5), and each unit is read once; the next pass reads nothing."""
+  c = case("nnx-1dev")
+  path = str(tmp_path / "both")
+  jr.save(c.model, path, units=("towers", "mixer"), progress=False)
+  dense = jr.DenseDiskStream(host_budget_bytes="1MiB", host_lookahead=2)
+  with jr.place(c.model, dense, store=path, mesh=c.mesh) as placed:
+    np.testing.assert_array_equal(placed(TOKENS), c.reference("dense_host"))
+    first = placed.report().last
+    placed(TOKENS)
+    second = placed.report().last
+  units = TOWER_LAYERS + MIXER_LAYERS
+  assert first.worker is not None and first.worker.submitted == units - 1
+  assert [t.unit for t in first.timeline] == list(range(units))  # unit ids, stack after stack
+  stored = TOWER_LAYERS * TOWER_UNIT_BYTES + MIXER_LAYERS * MIXER_UNIT_BYTES
+  assert first.bytes_read == stored
+  assert second.bytes_read == 0 and second.host is not None and second.host.misses == 0
 
 
 # --- 6. budgets ---------------------------------------------------------------------------

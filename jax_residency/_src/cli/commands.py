@@ -52,6 +52,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     checksum_kind = checksums(store)
     compressed = bool(getattr(store, "compressed", False))
     specs = store.unit_specs
+    if len(store.stacks) > 1:  # every stack's tensors, by full path
+      specs = {
+        st.prefix + rel: spec
+        for k, st in enumerate(store.stacks)
+        for rel, spec in store.stack_specs(k).items()
+      }
     info = {
       "path": args.path,
       "unit_prefix": path_str(store.unit_prefix),
@@ -88,7 +94,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ),
     (
       "unit bytes",
-      f"{fmt_bytes(info['unit_bytes'])} each, {fmt_bytes(info['total_unit_bytes'])} total",
+      ", ".join(
+        f"{fmt_bytes(st['unit_bytes'])} each"
+        + (f" under {st['prefix']!r}" if len(info["stacks"]) > 1 else "")
+        for st in info["stacks"]
+      )
+      + f", {fmt_bytes(info['total_unit_bytes'])} total",
     ),
     (
       "static bytes",

@@ -377,6 +377,27 @@ def test_inspect_and_verify_cover_every_stack(case, tmp_path, capfd):
   assert result["ok"] and result["chunks"] >= len(info["unit_tensors"])
 
 
+def test_fully_resident_holds_every_stack_and_plan_agrees(case, tmp_path, capfd):
+  """FullyResident keeps both stacks on the device (their sum), the streaming policies
+  one stack's window at a time (the largest); ``jax-residency plan`` says the same."""
+  from jax_residency._src.cli import main as cli
+
+  c = case("nnx-1dev")
+  everything = TOWER_LAYERS * TOWER_UNIT_BYTES + MIXER_LAYERS * MIXER_UNIT_BYTES
+  with jr.place(c.model, jr.FullyResident(), units=STACKS, mesh=c.mesh) as placed:
+    assert placed.metadata.device_window_bytes == everything
+  path = str(tmp_path / "both")
+  jr.save(c.model, path, units=STACKS, progress=False)
+  assert cli.main(["plan", path, "--json", "--platform", "cpu"]) == 0
+  plans = {p["policy"]: p for p in json.loads(capfd.readouterr().out)["plans"]}
+  device = {name: p["tiers"][0]["window_bytes"] for name, p in plans.items()}
+  assert device["fully_resident"] == everything
+  assert device["layerwise_host"] == 2 * MIXER_UNIT_BYTES  # prefetch_depth 2
+  assert device["dense_disk_stream"] == 2 * MIXER_UNIT_BYTES
+  host = plans["layerwise_host"]["tiers"][1]
+  assert host["window_bytes"] == everything  # every unit in pinned host memory
+
+
 def test_host_cache_reads_ahead_in_forward_order_across_stacks(case, tmp_path):
   """The host cache is shared: while the last towers run, the first mixer unit is
   already asked for, so with a lookahead of 2 every unit but the first is read

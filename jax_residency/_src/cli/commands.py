@@ -196,6 +196,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
   with open_store(args.path, units=args.units, streamable=False) as store:
     n, unit, static = store.unit_count, store.unit_nbytes, store.static_nbytes
     streamable = bool(store.chunked_per_unit)
+    stacks = [(path_str(st.prefix), st.count, st.unit_nbytes) for st in store.stacks]
   plan = plan_budgets(
     args.path,
     units=n,
@@ -206,6 +207,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     lookahead=args.lookahead,
     streamable=streamable,
     device_is_host=(args.platform or _default_platform()) == "cpu",
+    stacks=stacks if len(stacks) > 1 else (),
   )
   if args.json:
     emit_json(plan.to_dict())

@@ -10,6 +10,7 @@ verdict is that arithmetic: would every unit fit next to the static parameters.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from jax_residency._src.cli.console import PROG, fmt_bytes, table
@@ -50,6 +51,8 @@ class _Tier:
 
   def arithmetic(self) -> str:
     window = f"{self.units} x {fmt_bytes(self.unit_bytes)}"
+    if self.window != self.units * self.unit_bytes:  # units of several sizes (stacks)
+      window = f"{self.units} units ({fmt_bytes(self.window)})"
     if self.tier == "device":
       text = f"{fmt_bytes(self.static)} + {window}"
     elif self.static:  # a dense stream's staging unit on an accelerator
@@ -199,8 +202,10 @@ def plan_budgets(
   lookahead: int,
   streamable: bool,
   device_is_host: bool = True,
+  stacks: Sequence[tuple[str, int, int]] = (),
 ) -> BudgetPlan:
-  """Judges every policy against the budgets for a store of ``units`` equal units.
+  """Judges every policy against the budgets for a store of ``units`` equal units
+  (or of ``stacks``).
 
   Args:
     path: the store, as the user named it.
@@ -216,13 +221,25 @@ def plan_budgets(
     device_is_host: plan for CPU devices (a dense stream's read buffers become
       device arrays); ``False`` plans for an accelerator, where the unit in
       transit is a staging buffer in host memory.
+    stacks: the store's layer stacks as ``(path, units, unit_bytes)``, in
+      forward order (then ``units`` and ``unit_bytes`` are their total and
+      largest): a device window is the largest of any stack, a host window
+      runs over the units in forward order.
   """
   n, unit, static = units, unit_bytes, static_bytes
   device, host = device_budget, host_budget
-  sizes = [unit] * n
+  if not stacks:
+    stacks = [("", n, unit)]
+  sizes = [b for _, count, b in stacks for _ in range(count)]
 
-  def tier(name: str, count: int, budget: int | None, fixed: int = 0) -> _Tier:
-    return _Tier(name, fixed, count, unit, largest_window(sizes, count), budget)
+  def tier(
+    name: str, count: int, budget: int | None, fixed: int = 0, *, resident: bool = False
+  ) -> _Tier:
+    if name == "device" and not resident:  # the stacks run one after another
+      window = max(largest_window([b] * c, min(count, c)) for _, c, b in stacks)
+    else:
+      window = largest_window(sizes, count)
+    return _Tier(name, fixed, count, unit, window, budget)
 
   def metadata(policy: LayerWeightResidency) -> ModelMetadata | None:
     """What ``place()`` decides before anything moves (None: it refuses)."""
@@ -234,6 +251,7 @@ def plan_budgets(
         device_unit_bytes=sizes,
         host_unit_bytes=sizes,
         device_is_host=device_is_host,
+        stacks=[(name, count) for name, count, _ in stacks],
       )
     except BudgetTooSmallError:
       return None
@@ -257,7 +275,7 @@ def plan_budgets(
       )
     )
 
-  full = [tier("device", n, device, static)]
+  full = [tier("device", n, device, static, resident=True)]
   plans: list[dict[str, Any]] = [
     {"policy": "fully_resident", "setting": "", "tiers": full, "fits": full[0].fits}
   ]

@@ -276,9 +276,15 @@ def check_budgets(
       )
     )
     start += count
-  heaviest = max(per_stack, key=lambda x: (x.device_window_bytes, x.device_window_units))
-  depth, window = heaviest.device_window_units, heaviest.device_window_bytes
-  window_of = f" of stack {heaviest.path!r} (the heaviest window)" if len(per_stack) > 1 else ""
+  if policy.is_fully_resident:  # every unit of every stack stays on the device
+    depth, window = n, sum(x.device_window_bytes for x in per_stack)
+    window_of = ""
+  else:  # the stacks run one after another: the heaviest stack window bounds them all
+    heaviest = max(per_stack, key=lambda x: (x.device_window_bytes, x.device_window_units))
+    depth, window = heaviest.device_window_units, heaviest.device_window_bytes
+    window_of = ""
+    if len(per_stack) > 1:
+      window_of = f" of stack {heaviest.path!r} ({heaviest.layer_count} units; the heaviest window)"
   budget = offload.device_budget_bytes
   if budget is not None and static_device_bytes + window > budget:
     required = static_device_bytes + window

@@ -103,7 +103,7 @@ def memory_items(
       memory="device",
       nbytes=window,
       counted_in=DEVICE_BUDGET,
-      note=f"{depth} of {n} units" + window_of,
+      note=f"{depth} units{window_of}" if window_of else f"{depth} of {n} units",
     ),
   ]
   if isinstance(policy, LayerwiseHost):

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import jax_residency as jr
+from jax_residency._src.store import mapped
 from jax_residency._src.store.buffers import buffer_layout
 from jax_residency.toy import ToyConfig, ToyTransformer
 
@@ -25,6 +26,15 @@ MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
 #: Units of ~131 KiB: a unit leaked per pass would be 38 MiB over 300 passes.
 TINY = ToyConfig(vocab=32, d_model=64, n_heads=2, d_ff=128, n_layers=3)
 TINY_UNIT = TINY.unit_bytes()
+
+
+#: Threads of the process-wide read pool (direct reads and checksum checks): started
+#: once, on first use, shared by every store, bounded; not a placement's.
+READ_POOL = "jax_residency-read"
+
+
+def _placement_threads() -> int:
+  return sum(1 for t in threading.enumerate() if not t.name.startswith(READ_POOL))
 
 
 def _rss() -> int:
@@ -63,7 +73,7 @@ def test_300_passes_of_a_tiny_model_stay_bounded_and_equal(tiny, host_units):
     host_lookahead=1 if host_units else 0,
     background_queue_capacity=1 if host_units else 0,
   )
-  threads_before = threading.active_count()
+  threads_before = _placement_threads()
   passes, warm = 300, 30
   differ = []
   with jr.place(model, policy, store=path, mesh=MESH1) as placed:
@@ -74,8 +84,8 @@ def test_300_passes_of_a_tiny_model_stay_bounded_and_equal(tiny, host_units):
         differ.append(k)
     rss_end = _rss()
     report, meta = placed.report(), placed.metadata
-    assert threading.active_count() == threads_before + (1 if host_units else 0)
-  assert threading.active_count() == threads_before
+    assert _placement_threads() == threads_before + (1 if host_units else 0)
+  assert _placement_threads() == threads_before
   assert differ == []
   total = report.total  # peaks are the maximum over all 300 passes
   assert total.passes == passes and len(report.passes) <= passes
@@ -106,7 +116,7 @@ def test_many_passes_hold_memory_and_threads_steady(tmp_path, host_units):
     host_lookahead=2 if host_units else 0,
     background_queue_capacity=2 if host_units else 0,
   )
-  threads_before = threading.active_count()
+  threads_before = _placement_threads()
   with jr.place(model, jr.DenseDiskStream(options), store=path, mesh=MESH1) as placed:
     np.testing.assert_array_equal(placed(tokens), expected_prefill)
     for _ in range(20):  # warm up allocators and compile caches
@@ -119,7 +129,9 @@ def test_many_passes_hold_memory_and_threads_steady(tmp_path, host_units):
         np.testing.assert_array_equal(out, expected_step)
     rss_end = _rss()
     report = placed.report()
-  assert threading.active_count() == threads_before
+  assert _placement_threads() == threads_before
+  pool = [t for t in threading.enumerate() if t.name.startswith(READ_POOL)]
+  assert len(pool) <= mapped.DIRECT_READ_THREADS  # process-wide, bounded, shared
   assert report.decode.passes == 20 + passes and report.prefill.passes == 1
   assert report.total.bytes_read == (21 + passes) * CFG.n_layers * UNIT
   assert report.total.peak_device_units <= 2

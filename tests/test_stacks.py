@@ -267,6 +267,31 @@ def test_stacks_found_by_tracing(case, variant: str, policy: str):
     assert placed.metadata.layer_count == TOWER_LAYERS + MIXER_LAYERS
 
 
+def test_a_placement_that_finds_its_stacks_on_the_first_call_says_so_before(case):
+  """Before the first call there is no plan yet: ``metadata`` and ``report()`` raise a
+  PlacementError saying what to do; ``lower(...)`` finds the stacks from its arguments."""
+  c = case("nnx-1dev")
+  with c.place("layerwise_k2") as placed:
+    assert placed.stacks == ()
+    for read in (lambda: placed.metadata, placed.report, placed.arrays):
+      with pytest.raises(jr.PlacementError, match="first call.*units="):
+        read()
+    assert "stacks found on the first call" in repr(placed)
+    placed.lower(TOKENS)
+    assert placed.stacks == STACKS
+
+
+def test_save_finds_the_stacks_from_an_example_and_refuses_to_guess(case, tmp_path):
+  c = case("nnx-1dev")
+  with pytest.raises(jr.errors.UnitSelectionError, match="units=.*example="):
+    jr.save(c.model, str(tmp_path / "guess"), progress=False)
+  assert not (tmp_path / "guess").exists()
+  example = (jax.ShapeDtypeStruct(TOKENS.shape, TOKENS.dtype),)  # traced, never run
+  info = jr.save(c.model, str(tmp_path / "traced"), example=example, progress=False)
+  assert [s.prefix for s in info.stacks] == [("towers",), ("mixer",)]
+  assert info.total_unit_bytes == TOWER_LAYERS * TOWER_UNIT_BYTES + MIXER_LAYERS * MIXER_UNIT_BYTES
+
+
 # --- 3. a call that runs only the mixer -------------------------------------------------
 
 

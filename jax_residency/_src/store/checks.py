@@ -7,6 +7,7 @@ offending tensor and how to fix it.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -208,3 +209,56 @@ def _also(*, mismatched: int = 0, unexpected: int = 0) -> str:
   parts = [f"{mismatched} shape/dtype mismatch(es)"] if mismatched else []
   parts += [f"{unexpected} unexpected tensor(s)"] if unexpected else []
   return f"(Also found: {', '.join(parts)}.)\n" if parts else ""
+
+
+def check_save_paths(full: Mapping[ParamPath, Any], prefixes: Sequence[ParamPath]) -> None:
+  """Checks that full parameter paths can be saved as one Orbax tree.
+
+  Raises:
+    StoreError: paths join to one name, contain '/', are empty or nest.
+  """
+  problems = []
+  names = collections.Counter(path_str(p) for p in full)
+  problems += [f"{n}: several paths join to this Orbax name" for n, c in names.items() if c > 1]
+  problems += [
+    f"{path_str(p)}: a path component contains '/'" for p in full if any("/" in k for k in p)
+  ]
+  problems += [f"{path_str(p)}: an empty path" for p in full if not p]
+  keys = sorted(full)
+  problems += [
+    f"{path_str(a)}: is a prefix of {path_str(b)}"
+    for a, b in zip(keys, keys[1:], strict=False)
+    if b[: len(a)] == a
+  ]
+  if problems:
+    raise errors.StoreError(
+      f"Cannot save these parameter paths (unit_prefix={', '.join(map(str, prefixes))}) "
+      "as one Orbax tree:\n"
+      f"{errors.format_paths(problems)}\nRename the parameters or choose another unit_prefix."
+    )
+
+
+def stack_unit_count(
+  prefix: ParamPath, unit_arrays: Mapping[ParamPath, Any], static_arrays: Mapping[ParamPath, Any]
+) -> int:
+  """The unit count of one stack's arrays, once they are a stack under ``prefix``."""
+  if not prefix:
+    raise errors.StoreError("unit_prefix must name the unit subtree, e.g. ('layers',); got ().")
+  if not unit_arrays:
+    raise errors.StoreError(f"save_store needs at least one unit array under {prefix}; got none.")
+  clash = [path_str(p) for p in static_arrays if p[: len(prefix)] == prefix]
+  if clash:
+    raise errors.StoreError(
+      f"Static paths lie under unit_prefix={prefix}, where only units belong:\n"
+      f"{errors.format_paths(clash)}\nPass them in `units` (stacked) or change unit_prefix."
+    )
+  leading = {
+    path_str(prefix + p): (a.shape[0] if a.shape else None) for p, a in unit_arrays.items()
+  }
+  if len(set(leading.values())) != 1 or None in leading.values():
+    raise errors.StoreError(
+      "Unit arrays must be stacked on axis 0 with one common unit count; found:\n"
+      f"{errors.format_paths(f'{k}: leading dim {v}' for k, v in leading.items())}\n"
+      "Stack each unit parameter over the same layers."
+    )
+  return int(next(iter(leading.values())) or 0)

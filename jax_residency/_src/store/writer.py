@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ import tensorstore as ts
 import tqdm
 
 from jax_residency._src.policy import errors
-from jax_residency._src.store import commit, mapped, space
+from jax_residency._src.store import checks, commit, mapped, space
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
   FORMAT_VERSION,
@@ -80,8 +81,18 @@ class _StoreWriter:
   cannot fit in the free space.
   """
 
-  def __init__(self, path: str, *, overwrite: bool, progress: bool | None, total: int, desc: str):
+  def __init__(
+    self,
+    path: str,
+    *,
+    overwrite: bool,
+    progress: bool | None,
+    total: int,
+    desc: str,
+    in_flight: int = WRITE_IN_FLIGHT_BYTES,
+  ):
     self.dest = locate(path)
+    self._limit = in_flight
     self._overwrite = overwrite
     self._total = total
     self._checksums = WRITE_CHECKSUMS
@@ -188,7 +199,7 @@ class _StoreWriter:
       self._drain()
       return
     self._in_flight += value.nbytes
-    while self._in_flight > WRITE_IN_FLIGHT_BYTES and len(self._pending) > 1:
+    while self._in_flight > self._limit and len(self._pending) > 1:
       self._wait_oldest()
 
   def _wait_oldest(self) -> None:
@@ -201,7 +212,9 @@ class _StoreWriter:
     while self._pending:
       self._wait_oldest()
 
-  def commit(self, *, stacks: Sequence[tuple[ParamPath, int]]) -> None:
+  def commit(
+    self, *, stacks: Sequence[tuple[ParamPath, int]], extra: Mapping[str, Any] | None = None
+  ) -> None:
     self._drain()
     kv = ts.KvStore.open(self.target.base, context=self.context).result()
     sidecar = {
@@ -213,6 +226,7 @@ class _StoreWriter:
       "stacks": [{"prefix": list(p), "count": n} for p, n in stacks],
     }
     for key, value in (
+      *(extra or {}).items(),
       ("_METADATA", _orbax_metadata(self._paths)),
       (SIDECAR_KEY, sidecar),
       ("commit_success.txt", f"Checkpoint commit was successful to {self.dest.path}"),
@@ -259,30 +273,19 @@ def _host(value: Any) -> Any:
   return np.asarray(value)
 
 
+def _chunk_regions(shape: tuple[int, ...], chunk: tuple[int, ...]) -> list[tuple[slice, ...]]:
+  """The regions of a ``chunk``-chunked array of ``shape``; ``[()]`` for one chunk."""
+  if chunk == shape:
+    return [()]
+  grids = [range(0, n, c) for n, c in zip(shape, chunk, strict=True)]
+  return [
+    tuple(slice(o, min(o + c, n)) for o, c, n in zip(origin, chunk, shape, strict=True))
+    for origin in itertools.product(*grids)
+  ]
+
+
 def _native(value: Any, dtype: np.dtype) -> np.ndarray:
   return np.asarray(np.asarray(value), dtype=dtype, order="C")
-
-
-def _check_paths(full: Mapping[ParamPath, Any], prefixes: Sequence[ParamPath]) -> None:
-  problems = []
-  names = collections.Counter(path_str(p) for p in full)
-  problems += [f"{n}: several paths join to this Orbax name" for n, c in names.items() if c > 1]
-  problems += [
-    f"{path_str(p)}: a path component contains '/'" for p in full if any("/" in k for k in p)
-  ]
-  problems += [f"{path_str(p)}: an empty path" for p in full if not p]
-  keys = sorted(full)
-  problems += [
-    f"{path_str(a)}: is a prefix of {path_str(b)}"
-    for a, b in zip(keys, keys[1:], strict=False)
-    if b[: len(a)] == a
-  ]
-  if problems:
-    raise errors.StoreError(
-      f"Cannot save these parameter paths (unit_prefix={', '.join(map(str, prefixes))}) "
-      "as one Orbax tree:\n"
-      f"{errors.format_paths(problems)}\nRename the parameters or choose another unit_prefix."
-    )
 
 
 def save_store(
@@ -294,6 +297,9 @@ def save_store(
   stacks: Mapping[tuple[str, ...], Mapping[tuple[str, ...], ArrayLike]] | None = None,
   progress: bool | None = None,
   overwrite: bool = False,
+  in_flight_bytes: int = WRITE_IN_FLIGHT_BYTES,
+  extra: Mapping[str, Any] | None = None,
+  desc: str = "save_store",
 ) -> StoreInfo:
   """Writes a streamable, Orbax-compatible store.
 
@@ -317,6 +323,16 @@ def save_store(
     progress: Show a progress bar over bytes written; None shows it when stderr
       is a terminal.
     overwrite: Replace an existing store at `path`.
+    in_flight_bytes: Bytes of chunk writes in flight before a write waits for
+      the oldest (with lazy arrays, what bounds the host memory a save holds).
+    extra: More files to write into the store with it (name -> JSON value or
+      str), e.g. the model's config; written before the markers.
+    desc: The progress bar's label.
+
+  Arrays may be lazy: anything with ``shape``, ``dtype`` and ``__getitem__``
+  (a unit array is indexed one unit at a time) and ``__array__`` (a static one
+  is read whole), so a converter can hand over tensors it reads only when
+  written.
 
   Returns:
     A `StoreInfo` describing what was written.
@@ -340,12 +356,14 @@ def save_store(
   for key, arrays in stacks.items():
     prefix = as_path(key)
     unit_arrays = {as_path(k): _host(v) for k, v in arrays.items()}
-    laid_out.append((prefix, unit_arrays, _unit_count(prefix, unit_arrays, static_arrays)))
+    laid_out.append(
+      (prefix, unit_arrays, checks.stack_unit_count(prefix, unit_arrays, static_arrays))
+    )
   full = {
     **static_arrays,
     **{prefix + p: a for prefix, arrays, _ in laid_out for p, a in arrays.items()},
   }
-  _check_paths(full, tuple(prefix for prefix, _, _ in laid_out))
+  checks.check_save_paths(full, tuple(prefix for prefix, _, _ in laid_out))
   dtypes = {p: np.dtype(a.dtype).newbyteorder("=") for p, a in full.items()}
   unit_nbytes = {
     prefix: sum(tensor_nbytes(a.shape[1:], dtypes[prefix + p]) for p, a in arrays.items())
@@ -357,12 +375,17 @@ def save_store(
     overwrite=overwrite,
     progress=progress,
     total=sum(unit_nbytes[p] * n for p, _, n in laid_out) + static_nbytes,
-    desc="save_store",
+    desc=desc,
+    in_flight=in_flight_bytes,
   )
   try:
     for p, a in sorted(static_arrays.items()):
-      handle = writer.create(p, tuple(a.shape), dtypes[p], a.shape)
-      writer.write(handle, (), _native(a, dtypes[p]))
+      # A lazy array may ask for smaller chunks (a converter writing a large tensor in
+      # pieces); each chunk is then read and written on its own.
+      chunk = tuple(getattr(a, "chunk_shape", None) or a.shape)
+      handle = writer.create(p, tuple(a.shape), dtypes[p], chunk)
+      for region in _chunk_regions(tuple(a.shape), chunk):
+        writer.write(handle, region, _native(a[region] if region else a, dtypes[p]))
     for prefix, arrays, count in laid_out:
       handles = {}
       for p, a in sorted(arrays.items()):
@@ -371,7 +394,7 @@ def save_store(
       for i in range(count):
         for p, a in sorted(arrays.items()):
           writer.write(handles[p], i, _native(a[i], dtypes[prefix + p]))
-    writer.commit(stacks=[(prefix, count) for prefix, _, count in laid_out])
+    writer.commit(stacks=[(prefix, count) for prefix, _, count in laid_out], extra=extra)
   except BaseException as e:
     if (disk_full := writer.fail(e)) is not None:
       raise disk_full from e
@@ -384,32 +407,6 @@ def save_store(
     static_nbytes=static_nbytes,
     stacks=tuple(StackInfo(p, n, unit_nbytes[p]) for p, _, n in laid_out),
   )
-
-
-def _unit_count(
-  prefix: ParamPath, unit_arrays: Mapping[ParamPath, Any], static_arrays: Mapping[ParamPath, Any]
-) -> int:
-  """The unit count of one stack's arrays, once they are a stack under ``prefix``."""
-  if not prefix:
-    raise errors.StoreError("unit_prefix must name the unit subtree, e.g. ('layers',); got ().")
-  if not unit_arrays:
-    raise errors.StoreError(f"save_store needs at least one unit array under {prefix}; got none.")
-  clash = [path_str(p) for p in static_arrays if p[: len(prefix)] == prefix]
-  if clash:
-    raise errors.StoreError(
-      f"Static paths lie under unit_prefix={prefix}, where only units belong:\n"
-      f"{errors.format_paths(clash)}\nPass them in `units` (stacked) or change unit_prefix."
-    )
-  leading = {
-    path_str(prefix + p): (a.shape[0] if a.shape else None) for p, a in unit_arrays.items()
-  }
-  if len(set(leading.values())) != 1 or None in leading.values():
-    raise errors.StoreError(
-      "Unit arrays must be stacked on axis 0 with one common unit count; found:\n"
-      f"{errors.format_paths(f'{k}: leading dim {v}' for k, v in leading.items())}\n"
-      "Stack each unit parameter over the same layers."
-    )
-  return int(next(iter(leading.values())) or 0)
 
 
 def _read_unit_slice(handle: ts.TensorStore, i: int) -> np.ndarray:

@@ -365,3 +365,23 @@ def cmd_rechunk(args: argparse.Namespace) -> int:
     f"{fmt_bytes(info.static_nbytes)}; one uncompressed chunk per unit"
   )
   return 0
+
+
+# --- convert -----------------------------------------------------------------
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+  from jax_residency._src.models.hf_convert import convert_hf  # noqa: PLC0415
+
+  if not os.path.isdir(args.src):
+    raise CommandError(f"{args.src}: not a directory (a Hugging Face checkpoint directory)")
+  try:
+    info = convert_hf(args.src, args.dst, dtype=args.dtype, progress=None, overwrite=args.overwrite)
+  except (OSError, TypeError) as e:
+    raise CommandError(f"cannot convert {args.src}: {type(e).__name__}: {e}") from e
+  stacks = ", ".join(f"{s.count} units under {path_str(s.prefix)!r}" for s in info.stacks)
+  emit(
+    f"converted {args.src} -> {args.dst}: {stacks} ({fmt_bytes(info.total_unit_bytes)}), "
+    f"static {fmt_bytes(info.static_nbytes)}"
+  )
+  return 0

@@ -1,4 +1,5 @@
-"""The ``jax-residency`` command: ``demo``, ``inspect``, ``verify``, ``plan``, ``run``, ``rechunk``.
+"""The ``jax-residency`` command: ``demo``, ``inspect``, ``verify``, ``plan``, ``run``,
+``rechunk``, ``convert``.
 
 ``jax-residency demo`` is the main job: with no configuration it writes a seeded
 toy transformer of a few hundred MB to a local store under the user cache
@@ -24,6 +25,7 @@ from typing import NoReturn
 
 from jax_residency._src.cli.commands import (
   UNSET,
+  cmd_convert,
   cmd_inspect,
   cmd_plan,
   cmd_rechunk,
@@ -248,6 +250,25 @@ def build_parser() -> argparse.ArgumentParser:
   rechunk.add_argument("--units", metavar="PREFIX", help="unit prefix, e.g. params.layers")
   rechunk.add_argument("--overwrite", action="store_true", help="replace an existing DST")
   rechunk.set_defaults(handler=cmd_rechunk)
+
+  convert = sub.add_parser(
+    "convert",
+    help="convert a Hugging Face checkpoint into a unit store",
+    description=(
+      "convert hf SRC DST: reads a Hugging Face checkpoint directory (config.json and\n"
+      "safetensors, sharded or not; Llama, Mistral or Qwen2) one tensor at a time and\n"
+      "writes a unit store every policy can place (host memory: about one tensor)."
+    ),
+    formatter_class=fmt,
+  )
+  convert.add_argument("format", choices=["hf"], help="the checkpoint's format")
+  convert.add_argument("src", help="the checkpoint directory")
+  convert.add_argument("dst", help="where to write the store")
+  convert.add_argument(
+    "--dtype", help="store floating weights in this dtype (e.g. bfloat16); default float32"
+  )
+  convert.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+  convert.set_defaults(handler=cmd_convert)
   return parser
 
 

@@ -223,7 +223,7 @@ TOKENIZER_EXAMPLE = "the old cat can see a red bird by the river and the dog wil
 
 
 def prompt_batch(rng: np.random.Generator, lengths: list[int], width: int, vocab: int) -> tuple:
-  """``<s>`` and random ids (3..vocab-1), LEFT-padded with 0 to ``width``; the mask."""
+  """``<s>`` then random ids (4..vocab-1, no special token), LEFT-padded with 0; the mask."""
   ids = np.zeros((len(lengths), width), np.int64)
   mask = np.zeros_like(ids)
   for row, n in enumerate(lengths):
@@ -257,15 +257,12 @@ def head_dim_of(cfg) -> int:
   return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def inv_freqs(spec: dict) -> tuple[np.ndarray, np.ndarray]:
-  """(the rope inverse frequencies with this config's scaling, the plain ones), float32."""
-  config_cls, model_cls = spec["classes"]
-  cfg = config_cls(**{**SIZES, **spec["config"]})
-  scaled = model_cls(cfg).model.rotary_emb.inv_freq.numpy()
-  head_dim = head_dim_of(cfg)
-  theta = cfg.rope_parameters["rope_theta"]
+def inv_freqs(model) -> tuple[np.ndarray, np.ndarray]:
+  """(the rope inverse frequencies the model uses, the unscaled ones), float32."""
+  head_dim = head_dim_of(model.config)
+  theta = model.config.rope_parameters["rope_theta"]
   plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-  return scaled, plain.numpy()
+  return model.model.rotary_emb.inv_freq.numpy(), plain.numpy()
 
 
 def check_llama3_bands(scaled: np.ndarray, plain: np.ndarray) -> None:
@@ -309,7 +306,9 @@ def build(name: str, directory: Path):
     raise SystemExit(f"{name}: rope read back as {loaded.config.rope_parameters}")
   if not torch.equal(loaded.model.rotary_emb.inv_freq, rotary):
     raise SystemExit(f"{name}: the reloaded rotary frequencies differ")
-  if getattr(loaded.config, "sliding_window", None) is not None:
+  window = getattr(loaded.config, "sliding_window", None)
+  layer_types = set(getattr(loaded.config, "layer_types", None) or ["full_attention"])
+  if window is not None or layer_types != {"full_attention"}:
     raise SystemExit(f"{name}: the reloaded model has a sliding window")
   for key, value in model.state_dict().items():
     if not torch.equal(loaded.state_dict()[key], value):
@@ -443,7 +442,7 @@ def reference(name: str, directory: Path) -> dict:
   stop = next(t for i, t in enumerate(tokens[0]) if i >= 2 and t not in tokens[0][:i])
   stopped, stopped_logits = greedy(model, gen_ids, gen_mask, stop)
   gap = min(gap, top2_gap(stopped_logits, steps_taken(stopped, stop)))
-  scaled, plain = inv_freqs(spec)
+  scaled, plain = inv_freqs(model)
   if spec["config"]["rope_parameters"]["rope_type"] == "llama3":
     check_llama3_bands(scaled, plain)
   elif not np.array_equal(scaled, plain):

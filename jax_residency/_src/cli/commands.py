@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shutil
 from typing import Any
@@ -192,11 +193,44 @@ def _default_platform() -> str:
   return jax.default_backend()
 
 
+def _hf_config_path(path: str) -> str | None:
+  """``path`` as a Hugging Face config.json to plan from (a directory with one and no
+  store sidecar), else None."""
+  if path.endswith(".json") and os.path.isfile(path):
+    return path
+  config = os.path.join(path, "config.json")
+  if os.path.isfile(config) and not os.path.exists(os.path.join(path, "jax_residency.json")):
+    return config
+  return None
+
+
+def _sizes_from_hf_config(path: str, dtype: str | None) -> tuple[int, int, list[Any]]:
+  """(static bytes, largest unit bytes, stacks) of the model a config.json describes."""
+  from jax_residency._src.models.hf_convert import abstract_model  # noqa: PLC0415
+  from jax_residency._src.placement.split import split_model  # noqa: PLC0415
+
+  with open(path) as f:
+    hf = json.load(f)
+  model = abstract_model(hf, dtype=dtype or hf.get("torch_dtype") or None, where=path)
+  split = split_model(model)
+  static = sum(leaf.nbytes for leaf in split.static_leaves())
+  stacks = [
+    (s.name, s.count, sum(leaf.nbytes for leaf in split.stack_leaves(s)) // s.count)
+    for s in split.stacks
+  ]
+  return static, max(b for _, _, b in stacks), stacks
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-  with open_store(args.path, units=args.units, streamable=False) as store:
-    n, unit, static = store.unit_count, store.unit_nbytes, store.static_nbytes
-    streamable = bool(store.chunked_per_unit)
-    stacks = [(path_str(st.prefix), st.count, st.unit_nbytes) for st in store.stacks]
+  config = _hf_config_path(args.path)
+  if config is not None:
+    static, unit, stacks = _sizes_from_hf_config(config, args.dtype)
+    n, streamable = sum(c for _, c, _ in stacks), True
+  else:
+    with open_store(args.path, units=args.units, streamable=False) as store:
+      n, unit, static = store.unit_count, store.unit_nbytes, store.static_nbytes
+      streamable = bool(store.chunked_per_unit)
+      stacks = [(path_str(st.prefix), st.count, st.unit_nbytes) for st in store.stacks]
   plan = plan_budgets(
     args.path,
     units=n,

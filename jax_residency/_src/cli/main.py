@@ -167,10 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
       "if nothing fits.\n\n"
       "Budgets: bytes (123), sizes (512MiB, 2GB, 1.5GiB) or 'unbounded'."
     ),
-    epilog="Example: jax-residency plan ./store --device-budget 2GiB --host-budget 8GiB",
+    epilog=(
+      "Examples: jax-residency plan ./store --device-budget 2GiB --host-budget 8GiB\n"
+      "          jax-residency plan ./Llama-3.1-8B/config.json --device-budget 16GiB "
+      "--platform gpu"
+    ),
     formatter_class=fmt,
   )
-  plan.add_argument("path", help="store directory or TensorStore kvstore URL")
+  plan.add_argument(
+    "path",
+    help="store directory or TensorStore kvstore URL; or a Hugging Face config.json (or a\n"
+    "directory with one and no store): plans from the model's sizes, no weights needed",
+  )
+  plan.add_argument(
+    "--dtype", help="with a config.json: the weights' dtype (default: its torch_dtype, or float32)"
+  )
   for flag in ("--device-budget", "--host-budget"):
     plan.add_argument(flag, metavar="BYTES", type=_budget, default=None, help="default unbounded")
   plan.add_argument(

@@ -10,7 +10,8 @@ are capped (`CONVERT_IN_FLIGHT_BYTES`), so host memory holds about one tensor
 plus that cap, whatever the model's size. The store is written to a temporary
 directory and put in place when complete, records its stacks like any store,
 and carries the checkpoint's ``config.json`` (`HF_CONFIG_FILE`), which `load`
-reads to rebuild the model.
+reads to rebuild the model, and its tokenizer and generation files
+(`CARRIED_FILES`), so the store alone serves generation.
 
 The model family comes from ``config.json``'s ``architectures`` (`FAMILIES`):
 each family names its config parser, its model class and its tensor map (which
@@ -48,6 +49,14 @@ STATIC_CHUNK_BYTES = 32 << 20
 HF_CONFIG_FILE = "hf_config.json"
 #: What a converted store records of the conversion (the dtype written).
 CONVERSION_FILE = "jax_residency_conversion.json"
+#: Files of the checkpoint directory a converted store carries as they are, so a
+#: store serves generation on its own (the tokenizer, the generation defaults).
+CARRIED_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "generation_config.json",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +272,7 @@ def convert_hf(
     overwrite=overwrite,
     in_flight_bytes=CONVERT_IN_FLIGHT_BYTES,
     extra={
+      **{name: (src / name).read_text() for name in CARRIED_FILES if (src / name).is_file()},
       HF_CONFIG_FILE: hf,
       CONVERSION_FILE: {
         "source": str(src),

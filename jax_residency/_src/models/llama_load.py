@@ -1,0 +1,261 @@
+"""Where a :class:`~jax_residency._src.models.llama.Llama`'s weights come from: a Hugging Face
+``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` safetensors checkpoint
+(one file or sharded), or seeded random draws.
+
+Every parameter is one Hugging Face tensor: :func:`hf_tensor_map` names it, and
+says whether to transpose it (``torch.nn.Linear`` stores ``weight`` as
+``(out, in)``, ``nnx.Linear``'s ``kernel`` is ``(in, out)``). Layer ``i``'s
+tensor ``model.layers.<i>.<name>`` is row ``i`` of the stacked parameter. A
+converter can therefore move a checkpoint one tensor at a time; :func:`load_llama`
+uses the same map to build the model in memory.
+
+``safetensors`` is an optional dependency (``pip install 'jax-residency[models]'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_residency._src.models.hf import expected_shapes, read_config, read_safetensors
+from jax_residency._src.models.init import seeded_weights
+from jax_residency._src.models.llama import Llama
+from jax_residency._src.models.llama_config import LlamaConfig
+from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.policy.errors import (
+  CheckpointShapeMismatchError,
+  MissingCheckpointParametersError,
+  UnexpectedCheckpointParametersError,
+  format_paths,
+)
+from jax_residency._src.typing import ParamPath, path_str
+
+#: The model's layer stack (its parameters' paths start with it).
+STACK = "layers"
+#: Tensors a checkpoint may hold that the model does not read (old checkpoints
+#: stored the rotary frequencies; a tied head's copy of the embedding).
+IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+  """One Hugging Face tensor: its name (``{i}`` for the layer index in a per-layer name),
+  and whether it is transposed before it is reshaped (row-major) to the parameter's shape.
+
+  Example:
+    >>> t = HFTensor("model.layers.{i}.mlp.up_proj.weight", transpose=True)
+    >>> t.name.format(i=3)
+    'model.layers.3.mlp.up_proj.weight'
+  """
+
+  name: str
+  transpose: bool
+
+
+def hf_tensor_map(
+  config: LlamaConfig,
+) -> tuple[dict[ParamPath, HFTensor], dict[ParamPath, HFTensor]]:
+  """The Hugging Face tensor of every parameter of a :class:`Llama` of ``config``.
+
+  Returns:
+    ``(static, per_unit)``: static parameters by their full path (as in
+    ``nnx.state(model)``, ``.value`` dropped), and the parameters of one layer
+    by their path inside ``layers``, whose names hold ``{i}`` for the layer
+    index. A parameter is its tensor, transposed if ``transpose``, reshaped
+    (row-major) to the parameter's shape (per layer: without the layer axis).
+    A tied head has no entry (the logits use ``embed_tokens``).
+
+  Example:
+    >>> cfg = LlamaConfig(architecture="Qwen2ForCausalLM", tie_word_embeddings=True,
+    ...                   qkv_bias=True)
+    >>> static, unit = hf_tensor_map(cfg)
+    >>> sorted(static)
+    [('embed_tokens', 'embedding'), ('norm', 'scale')]
+    >>> unit[("self_attn", "q_proj", "bias")]
+    HFTensor(name='model.layers.{i}.self_attn.q_proj.bias', transpose=False)
+  """
+  static: dict[ParamPath, HFTensor] = {
+    ("embed_tokens", "embedding"): HFTensor("model.embed_tokens.weight", False),
+    ("norm", "scale"): HFTensor("model.norm.weight", False),
+  }
+  if not config.tie_word_embeddings:
+    static[("lm_head", "kernel")] = HFTensor("lm_head.weight", True)
+  layer = "model.layers.{i}"
+  unit: dict[ParamPath, HFTensor] = {
+    ("input_layernorm", "scale"): HFTensor(f"{layer}.input_layernorm.weight", False),
+    ("post_attention_layernorm", "scale"): HFTensor(
+      f"{layer}.post_attention_layernorm.weight", False
+    ),
+  }
+  for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    unit[("self_attn", proj, "kernel")] = HFTensor(f"{layer}.self_attn.{proj}.weight", True)
+    if config.o_bias if proj == "o_proj" else config.qkv_bias:
+      unit[("self_attn", proj, "bias")] = HFTensor(f"{layer}.self_attn.{proj}.bias", False)
+  for proj in ("gate_proj", "up_proj", "down_proj"):
+    unit[("mlp", proj, "kernel")] = HFTensor(f"{layer}.mlp.{proj}.weight", True)
+  return static, unit
+
+
+def read_llama_config(path: str | Path, *, dtype: str = "float32") -> LlamaConfig:
+  """The :class:`LlamaConfig` of the ``config.json`` in (or beside) ``path``.
+
+  Example:
+    >>> import json, pathlib, tempfile
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> config = {"architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    >>> _ = (folder / "config.json").write_text(json.dumps(config))
+    >>> read_llama_config(folder).sliding_window
+    4096
+  """
+  return LlamaConfig.from_hf(read_config(path, "LlamaConfig"), dtype=dtype)
+
+
+def _abstract(cfg: LlamaConfig) -> Llama:
+  return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+
+
+def llama_params_from_hf(
+  tensors: Mapping[str, np.ndarray], cfg: LlamaConfig, *, strict: bool = True
+) -> dict[ParamPath, np.ndarray]:
+  """Maps checkpoint tensors to the model's parameters, as :func:`hf_tensor_map` says.
+
+  Args:
+    tensors: name → array, as read from the checkpoint.
+    cfg: the model's sizes; every tensor's shape is checked against them.
+    strict: reject tensors that map to nothing (other than old checkpoints'
+      rotary frequencies and a tied head's copy of the embedding).
+
+  Returns:
+    Parameter path (as in ``nnx.state(model)``) → array in ``cfg.dtype``.
+
+  Raises:
+    MissingCheckpointParametersError: tensors the model needs are absent.
+    UnexpectedCheckpointParametersError: with ``strict``, unknown tensors.
+    CheckpointShapeMismatchError: a tensor does not fit its parameter.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> cfg = LlamaConfig(vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> tensors = {"model.embed_tokens.weight": np.zeros((8, 4)), "model.norm.weight": np.ones(4)}
+    >>> try:
+    ...   llama_params_from_hf(tensors, cfg)
+    ... except jr.errors.MissingCheckpointParametersError as e:
+    ...   print(str(e).split(";")[0])
+    the checkpoint lacks 10 tensors a LlamaForCausalLM of this config needs
+  """
+  return _params(tensors, cfg, strict, consume=False)
+
+
+def _params(
+  tensors: Mapping[str, np.ndarray], cfg: LlamaConfig, strict: bool, *, consume: bool
+) -> dict[ParamPath, np.ndarray]:
+  """:func:`llama_params_from_hf`; with ``consume`` (a dict ``load_llama`` owns), each
+  tensor is taken out of ``tensors`` as it is stacked, so the checkpoint is not held twice."""
+  expected = expected_shapes(_abstract(cfg))
+  static, unit = hf_tensor_map(cfg)
+  n = cfg.num_hidden_layers
+  dtype = np.dtype(cfg.dtype)
+  pop = tensors.pop if consume and isinstance(tensors, dict) else tensors.get
+  known = {t.name for t in static.values()}
+  known |= {t.name.format(i=i) for t in unit.values() for i in range(n)}
+  unexpected = [name for name in tensors if name not in known and not IGNORED.match(name)]
+  if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
+    unexpected.remove("lm_head.weight")
+  out: dict[ParamPath, np.ndarray] = {}
+  missing: list[str] = []
+  bad: list[str] = []
+
+  def take(name: str, t: HFTensor, path: ParamPath, want: tuple[int, ...]) -> np.ndarray | None:
+    value = pop(name, None)
+    if value is None:
+      missing.append(name)
+      return None
+    value = value.T if t.transpose else value
+    if value.size != int(np.prod(want)) or (value.ndim == len(want) and value.shape != want):
+      bad.append(f"{name} {value.shape} → {path_str(path)}: expected {want}")
+      return None
+    return np.asarray(value, dtype).reshape(want)
+
+  for path, t in static.items():
+    value = take(t.name, t, path, expected[path])
+    if value is not None:
+      out[path] = value
+  for sub, t in unit.items():
+    path = (STACK, *sub)
+    rows = [take(t.name.format(i=i), t, path, expected[path][1:]) for i in range(n)]
+    if all(r is not None for r in rows):
+      out[path] = np.stack(rows)  # type: ignore[arg-type]
+    del rows
+  if unexpected and strict:
+    raise UnexpectedCheckpointParametersError(
+      f"the checkpoint has {len(unexpected)} tensors a {cfg.architecture} of this config does "
+      f"not use ({n} layers); pass strict=False to ignore them:\n"
+      + format_paths(sorted(unexpected))
+    )
+  if missing:
+    raise MissingCheckpointParametersError(
+      f"the checkpoint lacks {len(missing)} tensors a {cfg.architecture} of this config needs; "
+      "is it a checkpoint of this config?\n" + format_paths(sorted(missing))
+    )
+  if bad:
+    raise CheckpointShapeMismatchError(
+      f"checkpoint tensors do not fit {cfg}; check the config's sizes:\n" + format_paths(bad)
+    )
+  return out
+
+
+def load_llama(
+  path: str | Path,
+  *,
+  config: LlamaConfig | None = None,
+  strict: bool = True,
+  dtype: str = "float32",
+) -> Llama:
+  """Builds a :class:`Llama` holding a Hugging Face Llama, Mistral or Qwen2 checkpoint.
+
+  Args:
+    path: a ``.safetensors`` file, or a directory with ``model.safetensors`` or
+      a sharded ``model.safetensors.index.json``.
+    config: the model's sizes; default: the ``config.json`` in (or beside) ``path``.
+    strict: reject tensors the model does not use (see :func:`llama_params_from_hf`).
+    dtype: parameter and compute dtype, with the default config.
+
+  Returns:
+    The model; nothing is compiled to build it. Its weights are read into
+    memory whole; to run a checkpoint larger than memory, convert it to a
+    store and place an abstract model from there.
+
+  Example:
+    >>> from jax_residency.models import load_llama
+    >>> model = load_llama("tests/fixtures/llama_tiny_tied")  # doctest: +SKIP
+  """
+  cfg = read_llama_config(path, dtype=dtype) if config is None else config
+  params = _params(read_safetensors(path), cfg, strict, consume=True)
+  graphdef, state = nnx.split(_abstract(cfg))
+  filled = jax.tree_util.tree_map_with_path(
+    lambda p, _: jnp.asarray(params.pop(normalise_path(p))), state
+  )
+  return nnx.merge(graphdef, filled)
+
+
+def init_llama(cfg: LlamaConfig, seed: int = 0) -> Llama:
+  """A :class:`Llama` with seeded random weights, drawn host-side so nothing compiles.
+
+  Linear kernels ``normal(0, 1/sqrt(fan_in))``, embeddings ``normal(0, 1)``,
+  zero biases, unit norm scales.
+
+  Example:
+    >>> cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    >>> init_llama(cfg).layers.mlp.down_proj.kernel.shape
+    (2, 32, 16)
+  """
+  return seeded_weights(_abstract(cfg), seed)

@@ -7,10 +7,12 @@ text, tokenized with the directory's ``tokenizer.json`` (the ``tokenizers``
 package), or token ids. Prints the prompt and generated ids, the generated text
 when there is a tokenizer, the tokens per second, and what the placement moved.
 
-With ``--store DIR``, the weights go into a unit store there once (from the
-checkpoint) and every later run places an abstract model from it: no weights
-are read into memory first. The ``dense`` policy always streams from a store (a
-temporary one without ``--store``).
+CHECKPOINT_DIR may also be a store written by ``jax-residency convert hf`` (it
+carries the checkpoint's config and tokenizer): the model is then placed from
+it abstractly, no weights read into memory first. With ``--store DIR``, the
+checkpoint is converted into a store there once (``models.convert_hf``: one
+tensor at a time) and later runs place from it. The ``dense`` policy always
+streams from a store (a temporary one without ``--store``).
 
   python examples/llm_generate.py CHECKPOINT_DIR --policy dense --host-budget 1GiB \\
       --store /tmp/llama-store --prompt "the old cat" -n 32
@@ -81,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
 
-  cfg = models.read_llama_config(args.checkpoint)
+  converted = (args.checkpoint / "hf_config.json").is_file()  # a store from `convert hf`
+  if converted:
+    args.store = args.checkpoint
+  if converted:
+    cfg = models.load(args.checkpoint).config
+  else:
+    cfg = models.read_llama_config(args.checkpoint)
   tokenizer = load_tokenizer(args.checkpoint)
   ids = prompt_ids(args, tokenizer)
   print(f"model: {cfg.architecture}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}")
@@ -92,17 +100,22 @@ def main(argv: list[str] | None = None) -> int:
   if store is None and args.policy == "dense":
     store = Path(tmp.name) / "store"
   model: nnx.Module
-  if store is not None and store.exists() and any(store.iterdir()):
-    print(f"store: {store} (reused)")
-    model = nnx.eval_shape(lambda: models.Llama(cfg, rngs=nnx.Rngs(0)))  # weights: the store's
+  if store is not None:
+    if not (store.exists() and any(store.iterdir())):
+      start = time.perf_counter()
+      info = models.convert_hf(args.checkpoint, str(store), progress=None)
+      unit = jr.format_bytes(info.unit_nbytes)
+      print(
+        f"store: {store} (converted in {time.perf_counter() - start:.2f} s: "
+        f"{info.unit_count} units of {unit})"
+      )
+    else:
+      print(f"store: {store} (reused)")
+    model = models.load(store)  # abstract: the weights are the store's
   else:
     start = time.perf_counter()
     model = models.load_llama(args.checkpoint, config=cfg)
     print(f"loaded {args.checkpoint} in {time.perf_counter() - start:.2f} s")
-    if store is not None:
-      info = jr.save(model, str(store), progress=False)
-      unit = jr.format_bytes(info.unit_nbytes)
-      print(f"store: {store} (written: {info.unit_count} units of {unit})")
   policy = make_policy(args)
   with jr.place(model, policy, store=None if store is None else str(store)) as placed:
     tokens = models.generate_llm(

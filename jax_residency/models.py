@@ -10,7 +10,9 @@ Hugging Face ``T5ForConditionalGeneration`` checkpoint, with greedy
 :func:`generate_t5` over a decoder cache. ``Llama`` is a Llama / Mistral /
 Qwen2 decoder (one stack, ``layers``) that :func:`load_llama` fills from a
 Hugging Face checkpoint (:func:`hf_tensor_map` names the tensor of every
-parameter), with greedy or sampled :func:`generate_llm` over a KV cache.
+parameter), with greedy or sampled :func:`generate_llm` over a KV cache;
+:func:`convert_hf` writes such a checkpoint into a unit store one tensor at a
+time, and :func:`load` gives the model of a store or a checkpoint directory.
 """
 
 from ._src.models.bert import BertConfig as BertConfig
@@ -27,6 +29,8 @@ from ._src.models.gpt import KVCache as KVCache
 from ._src.models.gpt import generate as generate
 from ._src.models.gpt import init_gpt as init_gpt
 from ._src.models.hf import read_safetensors as read_safetensors
+from ._src.models.hf_convert import convert_hf as convert_hf
+from ._src.models.hf_convert import load as load
 from ._src.models.llama import Llama as Llama
 from ._src.models.llama import LlamaCache as LlamaCache
 from ._src.models.llama_config import LlamaConfig as LlamaConfig
@@ -75,6 +79,7 @@ __all__ = [
   "T5EncoderLayer",
   "bert_params_from_hf",
   "convert_bert",
+  "convert_hf",
   "convert_minilm",
   "filter_logits",
   "generate",
@@ -84,6 +89,7 @@ __all__ = [
   "init_gpt",
   "init_llama",
   "init_t5",
+  "load",
   "l2_normalize",
   "llama_params_from_hf",
   "load_bert_from_safetensors",

@@ -106,7 +106,11 @@ def abstract_model(hf_config: Mapping[str, Any], *, dtype: Any = None, where: st
   """The model a Hugging Face ``config.json`` describes, abstract (no weights), with
   its floating parameters in ``dtype`` when given."""
   family = _family(hf_config, where or "config.json")
-  config = family.get("config").from_hf(dict(hf_config))
+  config_cls = family.get("config")
+  if dtype is None:
+    config = config_cls.from_hf(dict(hf_config))
+  else:  # the model builds its parameters in this dtype
+    config = config_cls.from_hf(dict(hf_config), dtype=np.dtype(dtype).name)
   model_cls = family.get("model")
   model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
   if dtype is None:
@@ -218,8 +222,14 @@ def convert_hf(
 
   Example:
     >>> import tempfile
-    >>> from jax_residency.models import convert_hf, load  # doctest: +SKIP
-    >>> info = convert_hf("path/to/Llama-3.2-1B", tempfile.mkdtemp() + "/store")  # doctest: +SKIP
+    >>> from pathlib import Path
+    >>> import jax_residency as jr
+    >>> from jax_residency.models import convert_hf
+    >>> # A tiny Llama saved by transformers, from the repository's test fixtures.
+    >>> src = Path(jr.__file__).parents[1] / "tests" / "fixtures" / "llama_tiny_untied"
+    >>> info = convert_hf(src, tempfile.mkdtemp() + "/store", progress=False)
+    >>> [(s.prefix, s.count) for s in info.stacks]
+    [(('layers',), 3)]
   """
   src = Path(src_dir)
   config_file = src / "config.json"
@@ -294,6 +304,21 @@ def load(path: str | os.PathLike[str]) -> Any:
   Raises:
     FileNotFoundError: neither a converted store nor a checkpoint directory.
     ModelConfigError: an unsupported architecture or config field.
+
+  Example:
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> import jax.numpy as jnp, jax_residency as jr
+    >>> from jax_residency import models
+    >>> src = Path(jr.__file__).parents[1] / "tests" / "fixtures" / "qwen2_tiny"
+    >>> store = tempfile.mkdtemp() + "/store"
+    >>> _ = models.convert_hf(src, store, progress=False)
+    >>> model = models.load(store)  # abstract: the weights stay in the store
+    >>> tokens = jnp.asarray([[1, 5, 9, 12]])
+    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes=0), store=store) as placed:
+    ...   streamed = placed(tokens)
+    >>> bool(jnp.allclose(streamed, models.load(src)(tokens), atol=1e-5))
+    True
   """
   p = Path(path)
   recorded = p / HF_CONFIG_FILE

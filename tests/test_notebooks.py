@@ -76,7 +76,7 @@ def _outputs(nb: nbformat.NotebookNode) -> tuple[str, set[str]]:
 
 
 def test_notebooks_found() -> None:
-  assert NAMES == ["01_policies", "02_minilm_streaming", "03_generation"]
+  assert NAMES == ["01_policies", "02_minilm_streaming", "03_generation", "04_llm_bigger_than_gpu"]
 
 
 @pytest.mark.parametrize("name", NAMES)

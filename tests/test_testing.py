@@ -1,0 +1,109 @@
+"""``jax_residency.testing``: its checks pass on what is right and fail, saying why, on
+what is not; the example test file under ``examples/`` passes with the plugin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_residency as jr
+from jax_residency import testing
+from jax_residency.toy import ToyConfig, ToyTransformer
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=3)
+TOKENS = jnp.zeros((1, 5), jnp.int32)
+
+
+def test_parity_holds_bit_for_bit_for_nnx_and_linen(linen_toy, tokens):
+  model = ToyTransformer(CFG, rngs=nnx.Rngs(0))
+  assert set(testing.assert_policy_parity(model, TOKENS).values()) == {0.0}
+  linen, variables = linen_toy
+  diffs = testing.assert_policy_parity(linen, tokens, params=variables)
+  assert set(diffs.values()) == {0.0}
+
+
+def test_parity_fails_naming_the_policy_whose_outputs_differ(tmp_path):
+  model = ToyTransformer(CFG, rngs=nnx.Rngs(0))
+  other = str(tmp_path / "other")  # a store of another model of the same shape
+  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(1)), other, progress=False)
+  policies = {"resident": jr.FullyResident(), "streamed": jr.DenseDiskStream(host_budget_bytes=0)}
+  with pytest.raises(AssertionError, match=r"atol=0\.0 under streamed:") as e:
+    testing.assert_policy_parity(model, TOKENS, policies=policies, store=other)
+  assert "resident: max |difference| 0" in str(e.value)
+
+
+def test_memory_kinds_pass_per_policy_and_fail_on_a_misplaced_array():
+  model = ToyTransformer(CFG, rngs=nnx.Rngs(0))
+  with jr.place(model, jr.FullyResident()) as placed:
+    assert set(testing.assert_memory_kinds(placed)) == {"device"}
+  with jr.place(model, jr.LayerwiseHost()) as placed:
+    arrays = placed.arrays()
+    kinds = testing.assert_memory_kinds(placed)
+    assert kinds["pinned_host"] == sum(1 for k in arrays if k.startswith("layers."))
+    embed = arrays["embed.embedding"]
+    host = jax.device_put(embed, embed.sharding.with_memory_kind("pinned_host"))
+    fake = types.SimpleNamespace(
+      policy=placed.policy, _split=placed._split, arrays=lambda: {**arrays, "embed.embedding": host}
+    )
+    with pytest.raises(AssertionError, match=r"embed\.embedding: in 'pinned_host' memory"):
+      testing.assert_memory_kinds(fake)
+
+
+def test_within_budgets_passes_and_fails_on_a_pass_over_the_plan():
+  model = ToyTransformer(CFG, rngs=nnx.Rngs(0))
+  with jr.place(model, jr.LayerwiseHost(prefetch_depth=2)) as placed:
+    placed(TOKENS)
+    testing.assert_within_budgets(placed)
+    report = placed.report()
+    meta = placed.metadata
+  over = types.SimpleNamespace(
+    index=0, peak_device_bytes=meta.device_window_bytes + 1, peak_host_bytes=0
+  )
+  fake = types.SimpleNamespace(
+    metadata=meta, report=lambda: types.SimpleNamespace(passes=[*report.passes, over])
+  )
+  with pytest.raises(AssertionError, match="unit bytes on a device, planned window"):
+    testing.assert_within_budgets(fake)
+
+
+def test_the_example_user_test_file_passes_with_the_plugin():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the plugin sets 8 devices
+  done = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pytest",
+      "-q",
+      "-p",
+      "no:cacheprovider",
+      "-p",
+      "jax_residency.testing.plugin",
+      "examples/test_user_model.py",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=280,
+    check=False,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "4 passed" in done.stdout and "skipped" not in done.stdout
+
+
+def test_the_plugin_mesh_has_eight_devices():
+  from jax_residency.testing import plugin
+
+  devices = jax.devices("cpu")
+  mesh = plugin.cpu_mesh8.__wrapped__(devices)  # type: ignore[attr-defined]
+  assert mesh.devices.shape == (2, 4) and np.all(mesh.devices.ravel() == np.array(devices[:8]))

@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -106,24 +105,12 @@ def abstract_model(hf_config: Mapping[str, Any], *, dtype: Any = None, where: st
   """The model a Hugging Face ``config.json`` describes, abstract (no weights), with
   its floating parameters in ``dtype`` when given."""
   family = _family(hf_config, where or "config.json")
-  config_cls = family.get("config")
-  if dtype is None:
-    config = config_cls.from_hf(dict(hf_config))
-  else:  # the model builds its parameters in this dtype
-    config = config_cls.from_hf(dict(hf_config), dtype=np.dtype(dtype).name)
+  # The family's config builds every parameter in its dtype (default float32).
+  config = family.get("config").from_hf(
+    dict(hf_config), **({} if dtype is None else {"dtype": np.dtype(dtype).name})
+  )
   model_cls = family.get("model")
-  model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
-  if dtype is None:
-    return model
-  graphdef, state = nnx.split(model)
-  want = np.dtype(dtype)
-
-  def cast(x: Any) -> Any:
-    if isinstance(x, jax.ShapeDtypeStruct) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
-      return jax.ShapeDtypeStruct(x.shape, want)
-    return x
-
-  return nnx.merge(graphdef, jax.tree.map(cast, state))
+  return nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
 
 
 class _Tensor:

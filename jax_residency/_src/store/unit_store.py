@@ -94,6 +94,7 @@ class UnitStore:
     self._drivers = {path_str(p): a.driver for p, a in arrays.items()}
     self._handles = handles.HandleCache(max_cached_shards, self._open_handle)
     self._pool = BufferPool(spare_unit_buffers)
+    self._mappers = [s.mapper for s in self._stacks if s.mapper is not None]
     self._map = False
     self._closed = False
     # A placement serves the store it opened: reads check it was not replaced since.
@@ -276,26 +277,23 @@ class UnitStore:
     tensor can be mapped (False for remote or compressed stores, or where
     `mapped.MAPPED_READS_ENV` is "0").
     """
-    if not self._mappers() or not mapped.mapped_reads_enabled():
+    if not self._mappers or not mapped.mapped_reads_enabled():
       return False
     self._map = True
     # Mapped units count against the same limit as read buffers (`limit_buffers`).
-    self._pool.count_external(lambda: sum(m.mapped_bytes for m in self._mappers()))
+    self._pool.count_external(lambda: sum(m.mapped_bytes for m in self._mappers))
     return True
-
-  def _mappers(self) -> list[mapped.UnitMapper]:
-    return [s.mapper for s in self._stacks if s.mapper is not None]
 
   @property
   def mapped_bytes_total(self) -> int:
     """Tensor bytes that reads have mapped instead of copied, since the store opened."""
-    return sum(m.total_bytes for m in self._mappers())
+    return sum(m.total_bytes for m in self._mappers)
 
   @property
   def buffer_bytes(self) -> int:
     """Bytes of unit buffers alive now (arrays returned by reads and not yet freed),
     mapped chunk ranges included."""
-    return self._pool.leased_bytes + sum(m.mapped_bytes for m in self._mappers())
+    return self._pool.leased_bytes + sum(m.mapped_bytes for m in self._mappers)
 
   @property
   def buffer_peak_bytes(self) -> int:

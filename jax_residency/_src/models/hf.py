@@ -15,6 +15,12 @@ import numpy as np
 from flax import nnx
 
 from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.policy.errors import (
+  CheckpointShapeMismatchError,
+  MissingCheckpointParametersError,
+  UnexpectedCheckpointParametersError,
+  format_paths,
+)
 from jax_residency._src.typing import ParamPath
 
 
@@ -72,3 +78,40 @@ def expected_shapes(abstract: nnx.Module) -> dict[ParamPath, tuple[int, ...]]:
   """Parameter path (as in ``nnx.state(model)``) → shape, of an abstract model."""
   flat = jax.tree_util.tree_flatten_with_path(nnx.state(abstract))[0]
   return {normalise_path(p): tuple(v.shape) for p, v in flat}
+
+
+def raise_checkpoint_problems(
+  *,
+  unexpected: list[str],
+  missing: list[str],
+  bad: list[str],
+  unused_note: str,
+  missing_note: str,
+  config: Any,
+) -> None:
+  """Raises the typed error for what a loader found wrong with a checkpoint, if anything.
+
+  In this order: tensors the model does not use (``unexpected``: pass ``[]``
+  when not strict), tensors it needs and the checkpoint lacks (``missing``),
+  and tensors that do not fit their parameter (``bad``). Each message lists
+  every name; ``unused_note`` and ``missing_note`` say which model, and what to
+  check.
+
+  Raises:
+    UnexpectedCheckpointParametersError, MissingCheckpointParametersError,
+    CheckpointShapeMismatchError.
+  """
+  if unexpected:
+    raise UnexpectedCheckpointParametersError(
+      f"the checkpoint has {len(unexpected)} tensors {unused_note}; pass strict=False to "
+      "ignore them:\n" + format_paths(sorted(unexpected))
+    )
+  if missing:
+    raise MissingCheckpointParametersError(
+      f"the checkpoint lacks {len(missing)} tensors {missing_note}\n"
+      + format_paths(sorted(missing))
+    )
+  if bad:
+    raise CheckpointShapeMismatchError(
+      f"checkpoint tensors do not fit {config}; check the config's sizes:\n" + format_paths(bad)
+    )

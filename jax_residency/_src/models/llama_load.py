@@ -24,17 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_residency._src.models.hf import expected_shapes, read_config, read_safetensors
+from jax_residency._src.models.hf import (
+  expected_shapes,
+  raise_checkpoint_problems,
+  read_config,
+  read_safetensors,
+)
 from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.models.llama import Llama
 from jax_residency._src.models.llama_config import LlamaConfig
 from jax_residency._src.placement.split import normalise_path
-from jax_residency._src.policy.errors import (
-  CheckpointShapeMismatchError,
-  MissingCheckpointParametersError,
-  UnexpectedCheckpointParametersError,
-  format_paths,
-)
 from jax_residency._src.typing import ParamPath, path_str
 
 #: The model's layer stack (its parameters' paths start with it).
@@ -194,21 +193,14 @@ def _params(
     if all(r is not None for r in rows):
       out[path] = np.stack(rows)  # type: ignore[arg-type]
     del rows
-  if unexpected and strict:
-    raise UnexpectedCheckpointParametersError(
-      f"the checkpoint has {len(unexpected)} tensors a {cfg.architecture} of this config does "
-      f"not use ({n} layers); pass strict=False to ignore them:\n"
-      + format_paths(sorted(unexpected))
-    )
-  if missing:
-    raise MissingCheckpointParametersError(
-      f"the checkpoint lacks {len(missing)} tensors a {cfg.architecture} of this config needs; "
-      "is it a checkpoint of this config?\n" + format_paths(sorted(missing))
-    )
-  if bad:
-    raise CheckpointShapeMismatchError(
-      f"checkpoint tensors do not fit {cfg}; check the config's sizes:\n" + format_paths(bad)
-    )
+  raise_checkpoint_problems(
+    unexpected=unexpected if strict else [],
+    missing=missing,
+    bad=bad,
+    unused_note=f"a {cfg.architecture} of this config does not use ({n} layers)",
+    missing_note=f"a {cfg.architecture} of this config needs; is it a checkpoint of this config?",
+    config=cfg,
+  )
   return out
 
 

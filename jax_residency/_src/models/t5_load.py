@@ -26,17 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_residency._src.models.hf import expected_shapes, read_config, read_safetensors
+from jax_residency._src.models.hf import (
+  expected_shapes,
+  raise_checkpoint_problems,
+  read_config,
+  read_safetensors,
+)
 from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.models.t5 import T5
 from jax_residency._src.models.t5_config import T5Config
 from jax_residency._src.placement.split import normalise_path
-from jax_residency._src.policy.errors import (
-  CheckpointShapeMismatchError,
-  MissingCheckpointParametersError,
-  UnexpectedCheckpointParametersError,
-  format_paths,
-)
 from jax_residency._src.typing import ParamPath, path_str
 
 #: Our static parameter path → Hugging Face tensor name (``lm_head`` only when untied).
@@ -176,22 +175,19 @@ def t5_params_from_hf(
           rows.append(found.T if transpose else found)
       if len(rows) == count:
         out[path] = np.stack(rows).astype(dtype)
-  if unexpected and strict:
-    raise UnexpectedCheckpointParametersError(
-      f"the checkpoint has {len(unexpected)} tensors a T5 of this config does not use "
-      f"({cfg.num_layers} encoder / {cfg.num_decoder_layers} decoder layers, "
-      f"feed_forward_proj={cfg.feed_forward_proj!r}); pass strict=False to ignore them:\n"
-      + format_paths(sorted(unexpected))
-    )
-  if missing:
-    raise MissingCheckpointParametersError(
-      f"the checkpoint lacks {len(missing)} tensors a T5 of this config needs; is it a "
-      "T5ForConditionalGeneration checkpoint of this config?\n" + format_paths(sorted(missing))
-    )
-  if bad:
-    raise CheckpointShapeMismatchError(
-      f"checkpoint tensors do not fit {cfg}; check the config's sizes:\n" + format_paths(bad)
-    )
+  raise_checkpoint_problems(
+    unexpected=unexpected if strict else [],
+    missing=missing,
+    bad=bad,
+    unused_note=(
+      f"a T5 of this config does not use ({cfg.num_layers} encoder / "
+      f"{cfg.num_decoder_layers} decoder layers, feed_forward_proj={cfg.feed_forward_proj!r})"
+    ),
+    missing_note=(
+      "a T5 of this config needs; is it a T5ForConditionalGeneration checkpoint of this config?"
+    ),
+    config=cfg,
+  )
   return out
 
 

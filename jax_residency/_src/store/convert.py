@@ -22,11 +22,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jax_residency._src.models.bert import BertConfig, BertEncoder
-from jax_residency._src.models.hf import expected_shapes, read_config, read_safetensors
+from jax_residency._src.models.hf import (
+  expected_shapes,
+  raise_checkpoint_problems,
+  read_config,
+  read_safetensors,
+)
 from jax_residency._src.placement.split import normalise_path
 from jax_residency._src.policy.errors import (
-  CheckpointShapeMismatchError,
-  MissingCheckpointParametersError,
   UnexpectedCheckpointParametersError,
   format_paths,
 )
@@ -161,15 +164,14 @@ def bert_params_from_hf(
         rows.append(row)
     if len(rows) == cfg.num_layers:
       out[path] = np.stack(rows).astype(dtype)
-  if missing:
-    raise MissingCheckpointParametersError(
-      f"the checkpoint lacks {len(missing)} tensors a BertEncoder needs; is it a BERT "
-      "checkpoint with this many layers?\n" + format_paths(sorted(missing))
-    )
-  if bad:
-    raise CheckpointShapeMismatchError(
-      f"checkpoint tensors do not fit {cfg}; check the config's sizes:\n" + format_paths(bad)
-    )
+  raise_checkpoint_problems(
+    unexpected=[],  # checked above, before any tensor is taken
+    missing=missing,
+    bad=bad,
+    unused_note="",
+    missing_note="a BertEncoder needs; is it a BERT checkpoint with this many layers?",
+    config=cfg,
+  )
   return out
 
 

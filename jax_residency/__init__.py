@@ -13,6 +13,7 @@ The public surface (``__all__``):
   `DenseDiskStream`, `LayerWeightResidency`, `OrdinaryWeightResidency`,
   `ExecutionResidency`, `LayerwiseLoadOptions`, `DenseDiskStreamLoadOptions`,
   `OffloadConfig`, `CacheEvictionPolicy`, `parse_bytes`, `format_bytes`;
+* reading stores: `ReadOptions` (retries and time-outs, for remote stores);
 * what you get back: `ModelMetadata` with its `MemoryItem` s and
   `StackMetadata` s, `StoreInfo` (from `save`) with its `StackInfo` s, and
   `Report` (``placed.report()``) with its `PassReport` s (each with a
@@ -44,6 +45,7 @@ from ._src.policy.options import CacheEvictionPolicy as CacheEvictionPolicy
 from ._src.policy.options import DenseDiskStreamLoadOptions as DenseDiskStreamLoadOptions
 from ._src.policy.options import LayerwiseLoadOptions as LayerwiseLoadOptions
 from ._src.policy.options import OffloadConfig as OffloadConfig
+from ._src.policy.reads import ReadOptions as ReadOptions
 from ._src.policy.sizes import format_bytes as format_bytes
 from ._src.policy.sizes import parse_bytes as parse_bytes
 from ._src.policy.types import DENSE_TRANSFER_WINDOW as DENSE_TRANSFER_WINDOW
@@ -84,6 +86,8 @@ from .errors import StoreError as StoreError
 from .errors import StoreLayoutError as StoreLayoutError
 from .errors import StoreNotFoundError as StoreNotFoundError
 from .errors import StoreReplacedError as StoreReplacedError
+from .errors import StoreTimeoutError as StoreTimeoutError
+from .errors import StoreUnavailableError as StoreUnavailableError
 from .errors import (
   UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
 )
@@ -117,6 +121,8 @@ __all__ = [
   "OrdinaryWeightResidency",
   "format_bytes",
   "parse_bytes",
+  # reading stores
+  "ReadOptions",
   # what you get back
   "MemoryItem",
   "ModelMetadata",

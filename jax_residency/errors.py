@@ -27,6 +27,8 @@ The hierarchy (a builtin in parentheses is a second base class)::
           StoreLayoutError
           StoreCorruptionError
           StoreReplacedError
+          StoreUnavailableError
+              StoreTimeoutError
           CheckpointMismatchError
               MissingCheckpointParametersError
               CheckpointShapeMismatchError
@@ -80,6 +82,8 @@ from jax_residency._src.policy.errors import StoreError as StoreError
 from jax_residency._src.policy.errors import StoreLayoutError as StoreLayoutError
 from jax_residency._src.policy.errors import StoreNotFoundError as StoreNotFoundError
 from jax_residency._src.policy.errors import StoreReplacedError as StoreReplacedError
+from jax_residency._src.policy.errors import StoreTimeoutError as StoreTimeoutError
+from jax_residency._src.policy.errors import StoreUnavailableError as StoreUnavailableError
 from jax_residency._src.policy.errors import (
   UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
 )
@@ -114,6 +118,8 @@ __all__ = [
   "StoreLayoutError",
   "StoreCorruptionError",
   "StoreReplacedError",
+  "StoreTimeoutError",
+  "StoreUnavailableError",
   "StoreNotFoundError",
   "UnexpectedCheckpointParametersError",
   "UnitSelectionError",

@@ -73,11 +73,16 @@ def _store_for(
     yield path
 
 
-def _max_diff(got: Any, want: Any) -> float:
-  diffs = [
-    float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-  ]
+def _max_diff(name: str, got: Any, want: Any) -> float:
+  diffs = []
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    if np.shape(a) != np.shape(b):  # never compared by broadcasting
+      raise AssertionError(
+        f"under {name} an output has shape {np.shape(a)}, the plain model's {np.shape(b)}"
+      )
+    diffs.append(
+      float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
+    )
   return max(diffs, default=0.0)
 
 
@@ -113,8 +118,9 @@ def assert_policy_parity(
     The largest absolute difference under each policy, by name.
 
   Raises:
-    AssertionError: some policy's outputs differ by more than ``atol``; the
-      message lists every policy with its difference.
+    AssertionError: some policy's outputs differ by more than ``atol`` (the
+      message lists every policy with its difference), or an output's shape
+      differs from the plain model's.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -148,7 +154,7 @@ def assert_policy_parity(
         model, policy, params=params, units=units, mesh=mesh, store=path if dense else None
       ) as placed:
         got = placed(*args, **kwargs)
-      diffs[name] = _max_diff(got, reference[not dense])
+      diffs[name] = _max_diff(name, got, reference[not dense])
   bad = {k: v for k, v in diffs.items() if not v <= atol}
   if bad:
     lines = "\n".join(
@@ -209,7 +215,9 @@ def assert_within_budgets(placed: PlacedModel) -> None:
   Checks each pass report's peaks against ``placed.metadata``: device unit
   bytes within the device window, host unit bytes within the host cache (a
   dense stream) or the host units (``LayerwiseHost``), and static plus window
-  within the device budget, where there is one.
+  within the device budget, where there is one. The report's totals are checked
+  too, so a pass older than the report's history (``report().passes`` keeps the
+  most recent 256) is covered as well.
 
   Example:
     >>> import jax.numpy as jnp
@@ -226,17 +234,18 @@ def assert_within_budgets(placed: PlacedModel) -> None:
   meta = placed.metadata
   host_plan = meta.item_bytes("host cache") + meta.item_bytes("host units")
   budget = meta.policy.offload().device_budget_bytes
+  report = placed.report()
+  limits = (
+    ("peak_device_bytes", "unit bytes on a device, planned window", meta.device_window_bytes),
+    ("peak_host_bytes", "unit bytes in host memory, planned", host_plan),
+  )
   problems = []
-  for p in placed.report().passes:
-    if p.peak_device_bytes > meta.device_window_bytes:
-      problems.append(
-        f"pass {p.index}: {p.peak_device_bytes} unit bytes on a device, planned window "
-        f"{meta.device_window_bytes}"
-      )
-    if p.peak_host_bytes > host_plan:
-      problems.append(
-        f"pass {p.index}: {p.peak_host_bytes} unit bytes in host memory, planned {host_plan}"
-      )
+  for field, what, planned in limits:
+    over = [p for p in report.passes if getattr(p, field) > planned]
+    problems += [f"pass {p.index}: {getattr(p, field)} {what} {planned}" for p in over]
+    peak = getattr(report.total, field)
+    if not over and peak > planned:  # the peak of a pass the history no longer keeps
+      problems.append(f"a pass before the report's history: {peak} {what} {planned}")
   if budget is not None and meta.static_device_bytes + meta.device_window_bytes > budget:
     problems.append(
       f"planned static + window {meta.static_device_bytes + meta.device_window_bytes} exceeds "

@@ -5,6 +5,9 @@
   written for the test); returns the largest difference per policy.
 * `assert_memory_kinds(placed)`: every array in the memory its policy says.
 * `assert_within_budgets(placed)`: every pass within what the placement planned.
+* `serve_store(path, latency_s=..., fail=...)`: a store served read-only over
+  loopback HTTP, counting bytes served, to test remote reads (slow or failing
+  servers too) without a network.
 * ``pytest_plugins = ["jax_residency.testing.plugin"]`` in a ``conftest.py``
   gives eight CPU devices and the ``cpu_mesh8`` fixture (see `plugin`).
 
@@ -27,11 +30,15 @@ Example:
 from jax_residency._src.testing import assert_memory_kinds as assert_memory_kinds
 from jax_residency._src.testing import assert_policy_parity as assert_policy_parity
 from jax_residency._src.testing import assert_within_budgets as assert_within_budgets
+from jax_residency._src.store_server import ServedStore as ServedStore
+from jax_residency._src.store_server import serve_store as serve_store
 from jax_residency._src.testing import default_policies as default_policies
 
 __all__ = [
   "assert_memory_kinds",
   "assert_policy_parity",
   "assert_within_budgets",
+  "ServedStore",
   "default_policies",
+  "serve_store",
 ]

@@ -27,7 +27,7 @@ from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResid
 from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.telemetry import PassCounters, Telemetry
-from jax_residency._src.store.loading import open_for, read_all
+from jax_residency._src.store.loading import StoreSource, open_for, read_all
 from jax_residency._src.typing import path_str
 
 
@@ -42,7 +42,7 @@ class JittedExecutor:
     mesh: Mesh,
     rules: pl.Rules | None,
     sequence_axis: int = 1,
-    store: str | None = None,
+    store: StoreSource | None = None,
   ) -> None:
     self._layerwise = policy.execution_residency is ExecutionResidency.LAYERWISE_HOST
     if self._layerwise:
@@ -53,7 +53,7 @@ class JittedExecutor:
     self.metadata: ModelMetadata = metadata_for(
       split, policy, placed_at.static, placed_at.unit_slices
     )
-    values = _weights(split, policy, store)
+    values, own_reads = _weights(split, policy, store)
     split.values = []  # the placement holds its own copies, not the caller's arrays
     self._static = pl.put([values[i] for i in split.static_index], placed_at.static)
     self._units = pl.put([values[i] for i in split.unit_index], placed_at.units)
@@ -81,6 +81,8 @@ class JittedExecutor:
     self.telemetry = Telemetry.for_policy(
       policy=policy, metadata=self.metadata, sequence_axis=sequence_axis
     )
+    if store is not None:  # every weight was read at placement; passes read nothing
+      self.telemetry.fetched = lambda: store.fetched.total() + own_reads
     # One program per input signature: its temporaries and each stack's share of a pass.
     self._compiled: dict[Any, tuple[Any, int, dict[str, StackPass]]] = {}
 
@@ -153,13 +155,16 @@ class JittedExecutor:
     self._compiled.clear()
 
 
-def _weights(split: SplitModel, policy: LayerWeightResidency, store: str | None) -> list[Any]:
-  """The model's own weights, or (with ``store``) the weights read from the store."""
+def _weights(
+  split: SplitModel, policy: LayerWeightResidency, store: StoreSource | None
+) -> tuple[list[Any], int]:
+  """The model's own weights, or (with ``store``) the weights read from the store; and
+  the bytes read from the store's files without TensorStore (mapped or direct reads)."""
   if store is not None:
     with open_for(
       split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
     ) as opened:
-      return read_all(split, opened)
+      return read_all(split, opened), opened.own_read_bytes
   abstract = [
     path_str(leaf.path)
     for leaf, v in zip(split.leaves, split.values, strict=True)
@@ -170,4 +175,4 @@ def _weights(split: SplitModel, policy: LayerWeightResidency, store: str | None)
       f"the model is abstract ({len(abstract)} parameters have no values, e.g. "
       f"{abstract[0]!r}); pass store=<path> written by jax_residency.save to read its weights"
     )
-  return split.values
+  return split.values, 0

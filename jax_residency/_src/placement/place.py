@@ -27,6 +27,7 @@ from jax_residency._src.placement.jitted import JittedExecutor
 from jax_residency._src.placement.split import SplitModel, split_model
 from jax_residency._src.placement.stacks import find_stacks
 from jax_residency._src.policy.errors import ClosedError, PlacementError
+from jax_residency._src.policy.reads import ReadOptions
 from jax_residency._src.policy.types import (
   DenseDiskStream,
   FullyResident,
@@ -34,7 +35,7 @@ from jax_residency._src.policy.types import (
   LayerwiseHost,
 )
 from jax_residency._src.report.telemetry import Report
-from jax_residency._src.store.loading import stacks_in
+from jax_residency._src.store.loading import StoreSource, stacks_in
 from jax_residency._src.stream.dense import DenseExecutor
 
 
@@ -203,8 +204,9 @@ def place(
   mesh: Mesh | None = None,
   units: str | tuple[str, ...] | None = None,
   rules: pl.Rules | None = None,
-  store: str | None = None,
+  store: str | os.PathLike[str] | None = None,
   sequence_axis: int = 1,
+  read_options: ReadOptions | None = None,
 ) -> PlacedModel:
   """Places a Flax model's weights as ``policy`` says.
 
@@ -234,6 +236,9 @@ def place(
       may be abstract (``nnx.eval_shape``) under every policy.
     sequence_axis: the axis of the first array argument that counts tokens; a
       pass with more than one token along it is reported as prefill, else decode.
+    read_options: how reads from ``store`` retry and time out
+      (:class:`ReadOptions`; default ``ReadOptions()``); they matter for remote
+      stores (``http(s)://``, ``gs://``, ``s3://``).
 
   Returns:
     A :class:`PlacedModel`, called like ``model``.
@@ -268,8 +273,9 @@ def place(
   )
   enable_default_cache()  # JAX's persistent compilation cache; JAX_RESIDENCY_COMPILATION_CACHE=0
   split = split_model(model, params=params, units=units)
-  if store is not None and units is None:
-    recorded = stacks_in(os.fspath(store))
+  source = None if store is None else StoreSource.of(store, read_options)
+  if source is not None and units is None:
+    recorded = stacks_in(source.path, source.reads)
     if recorded:  # the store's stacks, as model paths
       split = split.with_stacks([p[len(split.root) :] for p in recorded])
   mesh = pl.default_mesh(split.values) if mesh is None else mesh
@@ -283,12 +289,12 @@ def place(
 
   def build(split: SplitModel) -> Executor:
     if isinstance(policy, DenseDiskStream):
-      assert store is not None
+      assert source is not None
       return DenseExecutor(
-        split, policy, mesh=mesh, rules=rules, store=store, sequence_axis=sequence_axis
+        split, policy, mesh=mesh, rules=rules, store=source, sequence_axis=sequence_axis
       )
     return JittedExecutor(
-      split, policy, mesh=mesh, rules=rules, sequence_axis=sequence_axis, store=store
+      split, policy, mesh=mesh, rules=rules, sequence_axis=sequence_axis, store=source
     )
 
   return PlacedModel(split, policy, mesh, build)

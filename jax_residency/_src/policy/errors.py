@@ -29,6 +29,10 @@ from jax_residency._src.policy.store_errors import StoreError as StoreError
 from jax_residency._src.policy.store_errors import StoreLayoutError as StoreLayoutError
 from jax_residency._src.policy.store_errors import StoreNotFoundError as StoreNotFoundError
 from jax_residency._src.policy.store_errors import StoreReplacedError as StoreReplacedError
+from jax_residency._src.policy.store_errors import StoreTimeoutError as StoreTimeoutError
+from jax_residency._src.policy.store_errors import (
+  StoreUnavailableError as StoreUnavailableError,
+)
 from jax_residency._src.policy.store_errors import (
   UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
 )

@@ -132,6 +132,61 @@ class StoreReplacedError(StoreError):
     self.store = store
 
 
+class StoreUnavailableError(StoreError):
+  """A store's server failed a read every time it was tried.
+
+  Raised for a remote store (``http(s)://``, ``gs://``, ``s3://``) when a
+  request still fails after ``jr.ReadOptions.retries`` retries: the server is
+  down, refuses the connection, or keeps answering with an error. Carries
+  ``store`` and ``attempts`` (tries made; None where unknown). The store and
+  the placement stay usable: a later call reads again.
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> try:  # nothing listens on port 9 of this machine
+    ...   jr.place(net, store="http://127.0.0.1:9/net", units="layers",
+    ...            read_options=jr.ReadOptions(retries=1, retry_delay_s=0.01))
+    ... except jr.errors.StoreUnavailableError as e:
+    ...   print(e.store, e.attempts)
+    http://127.0.0.1:9/net 2
+  """
+
+  def __init__(self, message: str, *, store: str | None = None, attempts: int | None = None):
+    super().__init__(message)
+    self.store = store
+    self.attempts = attempts
+
+
+class StoreTimeoutError(StoreUnavailableError):
+  """A read from a store took longer than ``jr.ReadOptions.timeout_s``.
+
+  The read (a unit, a static tensor or a metadata file, with its retries) is
+  cancelled. Carries ``store``, ``timeout_s`` and ``what`` (the read, e.g.
+  ``"unit 3"``). Raise ``timeout_s`` for a slow link, or check the server.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> from jax_residency.testing import serve_store
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> path = tempfile.mkdtemp() + "/net"
+    >>> _ = jr.save(net, path, units="layers", progress=False)
+    >>> with serve_store(path, latency_s=0.5) as server:  # every answer takes 0.5 s
+    ...   try:
+    ...     jr.place(net, store=server.url, read_options=jr.ReadOptions(timeout_s=0.1))
+    ...   except jr.errors.StoreTimeoutError as e:
+    ...     print(e.timeout_s, e.what)
+    0.1 metadata
+  """
+
+  def __init__(
+    self, message: str, *, store: str | None = None, timeout_s: float = 0.0, what: str = ""
+  ):
+    super().__init__(message, store=store)
+    self.timeout_s = timeout_s
+    self.what = what
+
+
 class CheckpointMismatchError(StoreError):
   """Base of the errors that compare a stored tree with the model's tree.
 

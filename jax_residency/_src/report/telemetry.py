@@ -47,6 +47,7 @@ class PassCounters:
   stall_seconds: float = 0.0
   peak_buffer_bytes: int = 0
   mapped_bytes: int = 0
+  fetched_bytes: int = 0
   step_temp_bytes: int = 0
   timeline: list[TimelinePoint] = dataclasses.field(default_factory=list)
   stacks: dict[str, StackPass] = dataclasses.field(default_factory=dict)
@@ -126,6 +127,9 @@ class PassReport(_Moved):
     mapped_bytes: of the bytes moved from the store, those a dense stream on a
       CPU backend mapped from the store's files instead of copying (the arrays
       view the page cache; see ``jax_residency/_src/mapped.py``).
+    fetched_bytes: for a dense stream, bytes fetched from the store's storage
+      during the pass (see ``Report.fetched_bytes``); more than ``bytes_read``
+      where a chunk holds several units or is compressed. 0 for other policies.
     step_temp_bytes: the temporaries XLA allocates while the pass's compiled
       program runs (its ``memory_analysis``): for a dense stream, its largest
       unit step; for ``FullyResident`` / ``LayerwiseHost``, the whole jitted
@@ -176,6 +180,7 @@ class PassReport(_Moved):
   peak_host_bytes: int
   peak_buffer_bytes: int = 0
   mapped_bytes: int = 0
+  fetched_bytes: int = 0
   step_temp_bytes: int = 0
   worker: WorkerMetrics | None = None
   process: Mapping[str, int] | None = None
@@ -226,6 +231,7 @@ class Totals(_Moved, Metrics):
   peak_host_bytes: int = peak()
   peak_buffer_bytes: int = peak()
   mapped_bytes: int = total()
+  fetched_bytes: int = total()
   step_temp_bytes: int = peak()
   worker: WorkerMetrics | None = total(None)
   peak_rss_bytes: int | None = peak(None)
@@ -258,6 +264,12 @@ class Report:
     metadata: the placed model's metadata ``to_dict()``.
     passes: the most recent passes (up to the history length), oldest first.
     prefill, decode, total: cumulative totals over every committed pass.
+    fetched_bytes: bytes fetched from the store's storage since ``place`` was
+      called (0 without ``store=``): store metadata, chunks, index nodes, and
+      for a dense stream every pass's reads and read-ahead. TensorStore's
+      per-kind counters (file, HTTP, GCS, S3; none for ``memory://``) count
+      them process-wide, so other stores of the same kind read at the same
+      time count too; mapped and direct reads of local files are added.
 
   Example:
     >>> import jax.numpy as jnp
@@ -281,6 +293,7 @@ class Report:
   prefill: Totals
   decode: Totals
   total: Totals
+  fetched_bytes: int = 0
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "policy", freeze(self.policy))
@@ -300,6 +313,7 @@ class Report:
       "prefill": self.prefill.to_dict(),
       "decode": self.decode.to_dict(),
       "total": self.total.to_dict(),
+      "fetched_bytes": self.fetched_bytes,
     }
 
   def __str__(self) -> str:
@@ -349,6 +363,8 @@ class Telemetry:
     self._totals = {PREFILL: Totals(), DECODE: Totals()}
     self._lock = threading.Lock()
     self._samplers = dict(samplers or {})
+    #: Bytes fetched from the placement's store since `place` (None: no store).
+    self.fetched: Callable[[], int] | None = None
     compile_time.install()  # before the first pass compiles anything
 
   @classmethod
@@ -477,4 +493,5 @@ class Telemetry:
         prefill=prefill,
         decode=decode,
         total=prefill + decode,
+        fetched_bytes=self.fetched() if self.fetched else 0,
       )

@@ -201,6 +201,31 @@ def check_against(
     )
 
 
+def check_stacks(
+  path: str,
+  stored_stacks: Sequence[tuple[ParamPath, Mapping[ParamPath, TensorSpec]]],
+  stored_static: Mapping[ParamPath, TensorSpec],
+  expected_stacks: Sequence[Mapping[ParamPath, tuple[Sequence[int], DTypeLike]]],
+  expected_static: Mapping[ParamPath, tuple[Sequence[int], DTypeLike]],
+  strict: bool,
+) -> None:
+  """`check_against` for stacks given as (prefix, unit specs keyed relative to it)."""
+  stored: dict[ParamPath, TensorSpec] = {}
+  expected: dict[ParamPath, tuple[Sequence[int], DTypeLike]] = {}
+  for (prefix, specs), want in zip(stored_stacks, expected_stacks, strict=False):
+    stored.update({prefix + rel: spec for rel, spec in specs.items()})
+    expected.update({prefix + tuple(rel): spec for rel, spec in want.items()})
+  check_against(
+    path,
+    tuple(p for p, _ in stored_stacks),
+    stored,
+    stored_static,
+    expected,
+    expected_static,
+    strict=strict,
+  )
+
+
 def _fmt(spec: tuple[Sequence[int], Any]) -> str:
   return f"{tuple(spec[0])} {np.dtype(spec[1]).name}"
 

@@ -22,7 +22,8 @@ import numpy as np
 import tensorstore as ts
 
 from jax_residency._src.policy import errors
-from jax_residency._src.store import mapped
+from jax_residency._src.policy.reads import ReadOptions
+from jax_residency._src.store import mapped, remote
 from jax_residency._src.typing import ParamPath, path_str
 
 #: The sidecar's ``format`` field.
@@ -61,11 +62,19 @@ class Location:
   path: str  # as the caller gave it, for messages
   base: Any  # TensorStore kvstore spec of the directory (ends with "/")
   local: str | None  # absolute directory for local paths, else None
+  reads: ReadOptions = ReadOptions()  # retries and time-out of its reads
 
 
-def locate(path: str | os.PathLike[str]) -> Location:
+def locate(path: str | os.PathLike[str], reads: ReadOptions | None = None) -> Location:
   """Resolves a local path (a `str` or `os.PathLike`), `file://` URL or other
-  kvstore URL (`memory://`, `gs://`...)."""
+  kvstore URL (`memory://`, `gs://`...), to be read with ``reads`` (default
+  `ReadOptions()`)."""
+  reads = ReadOptions() if reads is None else reads
+  if not isinstance(reads, ReadOptions):
+    raise errors.StoreError(
+      f"read_options must be a jax_residency.ReadOptions; got {reprlib.repr(reads)} "
+      f"({type(reads).__name__}). Pass e.g. read_options=jr.ReadOptions(retries=4)."
+    )
   if isinstance(path, os.PathLike):
     path = os.fspath(path)
   if not isinstance(path, str) or not path:
@@ -74,10 +83,10 @@ def locate(path: str | os.PathLike[str]) -> Location:
       f"({type(path).__name__}). Pass a directory or a kvstore URL such as 'memory://name'."
     )
   if "://" in path and not path.startswith("file://"):
-    return Location(path, path if path.endswith("/") else path + "/", None)
+    return Location(path, path if path.endswith("/") else path + "/", None, reads)
   local = urllib.parse.unquote(path[len("file://") :]) if path.startswith("file://") else path
   local = os.path.abspath(os.path.expanduser(local))
-  return Location(path, {"driver": "file", "path": local + "/"}, local)
+  return Location(path, {"driver": "file", "path": local + "/"}, local, reads)
 
 
 def ocdbt_spec(loc: Location, *, write: bool = False) -> dict[str, Any]:
@@ -239,9 +248,14 @@ def _file(loc: Location, key: str) -> str:
   return f"{loc.path.rstrip('/')}/{key}"
 
 
+def _wait(future: Any, loc: Location) -> Any:
+  """A metadata read's result, within the store's time-out."""
+  return remote.wait(future, loc.reads, loc.path, "metadata")
+
+
 def _read_json(kv: ts.KvStore, keys: Sequence[str], loc: Location) -> list[dict[str, Any] | None]:
   """The JSON objects stored under ``keys``; None where a key is absent."""
-  results = [r.result() for r in [kv.read(k) for k in keys]]
+  results = [_wait(r, loc) for r in [kv.read(k) for k in keys]]
   return [
     _decode(r.value, _file(loc, k)) if r.state == "value" else None
     for k, r in zip(keys, results, strict=True)
@@ -311,9 +325,9 @@ def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discove
   arrays are found by listing the OCDBT keys."""
   if loc.local is not None and not os.path.isdir(loc.local):
     raise errors.StoreNotFoundError(f"No unit store at {loc.path}: not a directory.")
-  base = ts.KvStore.open(loc.base, context=context).result()
+  base = _wait(ts.KvStore.open(loc.base, context=context), loc)
   metadata, sidecar = _read_json(base, ["_METADATA", sidecar_key], loc)
-  has_manifest = base.read("manifest.ocdbt").result().state == "value"
+  has_manifest = _wait(base.read("manifest.ocdbt"), loc).state == "value"
   if metadata is None and not has_manifest:
     raise errors.StoreNotFoundError(
       f"No unit store at {loc.path}: found neither Orbax's _METADATA nor an OCDBT "
@@ -327,9 +341,9 @@ def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discove
     paths = _tree_paths(metadata, file)
   if sidecar is not None:
     sidecar = _checked_sidecar(sidecar, _file(loc, sidecar_key))
-  kv = ts.KvStore.open(ocdbt_spec(loc), context=context).result() if use_ocdbt else base
+  kv = _wait(ts.KvStore.open(ocdbt_spec(loc), context=context), loc) if use_ocdbt else base
   if paths is None:
-    keys = [k.decode() for k in kv.list().result()]
+    keys = [k.decode() for k in _wait(kv.list(), loc)]
     names = {k.rsplit("/", 1)[0] for k in keys if k.endswith(("/zarr.json", "/.zarray"))}
     paths = [tuple(n.split(".")) for n in sorted(names)]
   keys = [f"{path_str(p)}/zarr.json" for p in paths]

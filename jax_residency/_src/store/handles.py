@@ -20,7 +20,8 @@ import tensorstore as ts
 
 from jax_residency._src.placement.memory import STORE_INDEX_CACHE_BYTES
 from jax_residency._src.policy import errors
-from jax_residency._src.store import buffers, discovery
+from jax_residency._src.policy.reads import ReadOptions
+from jax_residency._src.store import buffers, discovery, remote
 
 #: Bytes of decoded OCDBT b-tree nodes cached per open store (metadata only); the
 #: plan names it as an overhead.
@@ -30,7 +31,7 @@ _root_lock = threading.Lock()
 _root_context: ts.Context | None = None
 
 
-def store_context(*, cache_bytes: int = 0) -> ts.Context:
+def store_context(*, cache_bytes: int = 0, reads: ReadOptions | None = None) -> ts.Context:
   """Returns a fresh TensorStore context for one open store.
 
   Each store gets its own caches, so a store replaced on disk is never read
@@ -40,6 +41,7 @@ def store_context(*, cache_bytes: int = 0) -> ts.Context:
 
   Args:
     cache_bytes: Chunk cache limit. 0 (the default) caches nothing.
+    reads: how remote requests retry (default `ReadOptions()`).
   """
   global _root_context
   buffers.tune_malloc()
@@ -51,6 +53,7 @@ def store_context(*, cache_bytes: int = 0) -> ts.Context:
     "cache_pool": {"total_bytes_limit": cache_bytes},
     "cache_pool#ocdbt": {"total_bytes_limit": OCDBT_NODE_CACHE_BYTES},
     "file_io_mode": {"mode": "memmap"},
+    **(reads or ReadOptions()).context_spec(),
   }
   return ts.Context(ts.Context.Spec(spec), parent=root)
 
@@ -145,17 +148,20 @@ def open_array(
     "recheck_cached_data": False,
     "recheck_cached_metadata": False,
   }
-  return Opening(ts.open(spec, context=context, read=True, open=True), name, loc.path)
+  return Opening(ts.open(spec, context=context, read=True, open=True), name, loc)
 
 
 class Opening:
-  """A handle being opened; `result()` names the array and store on failure."""
+  """A handle being opened; `result()` names the array and store on failure, and
+  waits at most the store's time-out."""
 
-  def __init__(self, future: Any, name: str, path: str):
-    self._future, self._name, self._path = future, name, path
+  def __init__(self, future: Any, name: str, loc: discovery.Location):
+    self._future, self._name, self._loc = future, name, loc
 
   def result(self) -> ts.TensorStore:
-    try:
-      return self._future.result()
-    except ValueError as e:
-      raise errors.StoreError(f"Cannot open array {self._name!r} in {self._path}: {e}") from e
+    def failed(e: BaseException) -> errors.StoreError:
+      return errors.StoreError(f"Cannot open array {self._name!r} in {self._loc.path}: {e}")
+
+    return remote.wait(
+      self._future, self._loc.reads, self._loc.path, f"array {self._name!r}", other=failed
+    )

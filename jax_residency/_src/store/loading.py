@@ -8,6 +8,8 @@ policies read every weight once at placement, so a model saved with
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -15,14 +17,34 @@ import tqdm
 
 from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.policy.errors import StoreError
+from jax_residency._src.policy.reads import ReadOptions
 from jax_residency._src.store import checks, commit, discovery, handles
 from jax_residency._src.store.discovery import SIDECAR_KEY
+from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.typing import ParamPath
 
 
-def open_for(split: SplitModel, path: str, *, strict: bool, max_cached_shards: int) -> UnitStore:
-  """Opens ``path`` with ``split``'s stacks and checks it holds exactly what ``split`` expects.
+@dataclasses.dataclass(frozen=True)
+class StoreSource:
+  """The store a placement reads: its path, how its reads retry and time out, and a
+  count of the bytes fetched from it since the placement began."""
+
+  path: str
+  reads: ReadOptions
+  fetched: FetchCounter
+
+  @classmethod
+  def of(cls, path: str | os.PathLike[str], reads: ReadOptions | None = None) -> StoreSource:
+    """Raises `StoreError` for a path or ``reads`` of the wrong type."""
+    loc = discovery.locate(path, reads)
+    return cls(loc.path, loc.reads, FetchCounter(loc.path, local=loc.local is not None))
+
+
+def open_for(
+  split: SplitModel, source: StoreSource, *, strict: bool, max_cached_shards: int
+) -> UnitStore:
+  """Opens ``source`` with ``split``'s stacks and checks it holds exactly what ``split`` expects.
 
   Raises:
     StoreNotFoundError: nothing at ``path``.
@@ -32,7 +54,10 @@ def open_for(split: SplitModel, path: str, *, strict: bool, max_cached_shards: i
     UnexpectedCheckpointParametersError: one error listing every bad path.
   """
   store = UnitStore.open(
-    path, stacks=[s.path_prefix for s in split.stacks], max_cached_shards=max_cached_shards
+    source.path,
+    stacks=[s.path_prefix for s in split.stacks],
+    max_cached_shards=max_cached_shards,
+    read_options=source.reads,
   )
   try:
     check_for(split, store, strict=strict)
@@ -42,17 +67,18 @@ def open_for(split: SplitModel, path: str, *, strict: bool, max_cached_shards: i
   return store
 
 
-def stacks_in(path: str) -> list[ParamPath]:
+def stacks_in(path: str, reads: ReadOptions | None = None) -> list[ParamPath]:
   """The stacks a store records (leaf-path prefixes, in order; only its metadata is
   read); empty for a plain Orbax checkpoint.
 
   Raises:
     StoreNotFoundError, StoreError: as `UnitStore.open`.
   """
-  loc = discovery.locate(path)
+  loc = discovery.locate(path, reads)
   if loc.local is not None:  # a save that died between its two renames
     commit.recover_local(loc.local)
-  found = discovery.discover(loc, handles.store_context(), sidecar_key=SIDECAR_KEY)
+  context = handles.store_context(reads=loc.reads)
+  found = discovery.discover(loc, context, sidecar_key=SIDECAR_KEY)
   return checks.recorded_stacks(found)
 
 

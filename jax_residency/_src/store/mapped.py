@@ -174,6 +174,7 @@ class UnitMapper:
     # Sizes of mappings whose arrays died (appended by finalizers, see `_unmapped`).
     self._unmapped_sizes: collections.deque[int] = collections.deque()
     self.total_bytes = 0  # tensor bytes mapped so far
+    self.direct_bytes = 0  # bytes read straight from the data files so far
 
   @property
   def mapped_bytes(self) -> int:
@@ -252,6 +253,8 @@ class UnitMapper:
     if not nbytes or trailer not in (0, CHECKSUM_BYTES) or out.nbytes != nbytes:
       return None
     assert extent is not None
+    with self._count_lock:  # the checksum too: it is read with the data
+      self.direct_bytes += extent.length
     return _pool().submit(_read_extent, extent, out, trailer, self._root, name, unit)
 
   def _map(self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:

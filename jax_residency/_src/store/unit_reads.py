@@ -6,14 +6,16 @@ All tensors of a unit are read concurrently into one pooled slab (see
 
 from __future__ import annotations
 
+import collections
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
 from jax_residency._src.policy import errors
+from jax_residency._src.store import remote
 from jax_residency._src.store.buffers import BufferPool, buffer_layout
 from jax_residency._src.typing import path_str
 
@@ -35,6 +37,7 @@ class UnitRead:
     futures: Sequence[tuple[Any, Any]],
     where: str,
     prefix: tuple[str, ...] = (),
+    timeout_s: float | None = None,
   ):
     self.unit = unit
     #: The unit's id in the store (`unit` is its index in its stack).
@@ -43,6 +46,8 @@ class UnitRead:
     self._arrays = dict(arrays)
     self._futures = list(futures)
     self._where = where
+    self._timeout_s = timeout_s
+    self._issued = time.monotonic()
     self.nbytes = sum(a.nbytes for a in self._arrays.values())
 
   def done(self) -> bool:
@@ -54,13 +59,27 @@ class UnitRead:
       future.cancel()
 
   def result(self, timeout: float | None = None) -> dict[Any, np.ndarray]:
+    """The unit's tensors, once every copy finished.
+
+    Raises:
+      TimeoutError: not done within ``timeout`` seconds (the read goes on).
+      StoreTimeoutError: without ``timeout``, not done within the store's
+        ``ReadOptions.timeout_s`` from when the read was issued (it is cancelled).
+      StoreError: a copy failed (`read_error`).
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
+    own = timeout is None and self._timeout_s is not None
+    if own:
+      deadline = self._issued + (self._timeout_s or 0.0)
     for key, future in self._futures:
       left = None if deadline is None else max(0.0, deadline - time.monotonic())
       try:
         future.result(timeout=left)
       except TimeoutError:
-        raise
+        if not own:
+          raise
+        self.cancel()  # the buffer stays alive while a cancelled copy still holds it
+        raise remote.timed_out(self._where, f"unit {self.id}", self._timeout_s or 0.0) from None
       except errors.StoreError:  # a direct read's or a mapped check's: typed already
         self._settle()
         raise
@@ -89,6 +108,9 @@ def read_error(error: Exception, where: str, tensor: str, unit: int | None) -> e
   """
   what = f"tensor {tensor!r}" if unit is None else f"unit {unit} of tensor {tensor!r}"
   text = str(error)
+  down = remote.unavailable(error, where, what)
+  if down is not None:
+    return down
   if "DATA_LOSS" in text and "igest mismatch" in text:
     return errors.StoreCorruptionError(
       f"{what[0].upper()}{what[1:]} in the store {where} is corrupt: its data does not match "
@@ -120,6 +142,7 @@ def issue_unit_read(
   whole: Collection[Any] = (),
   direct: Callable[[Any, np.ndarray], Any] | None = None,
   pending: Sequence[tuple[Any, Any]] = (),
+  timeout_s: float | None = None,
 ) -> UnitRead:
   """Starts copying each `(key, source)` view into one pooled slab; `ready` arrays
   (mapped, not read) join the result as they are. Errors name a tensor by its full
@@ -127,7 +150,8 @@ def issue_unit_read(
   must be decoded or checked whole, so pieces would each read all of it).
   ``direct(key, out)``, where given, may start a read of the whole tensor into
   ``out`` itself and return its future (None: TensorStore reads it). ``pending``
-  futures (the checks of mapped chunks) must succeed too before `result` returns."""
+  futures (the checks of mapped chunks) must succeed too before `result` returns;
+  ``timeout_s`` bounds the whole read (see `UnitRead.result`)."""
   specs = [(str(i), tuple(src.shape), src.dtype.numpy_dtype) for i, (_, src) in enumerate(sources)]
   layout, nbytes = buffer_layout(specs)
   buffers = pool.lease(layout, nbytes)
@@ -155,4 +179,25 @@ def issue_unit_read(
       stop = min(start + step, rows)
       piece = (out, src) if step >= rows else (out[start:stop], src[start:stop].translate_to[0])
       futures.append((key, ts.array(piece[0], copy=False, write=True).write(piece[1])))
-  return UnitRead(unit, arrays, futures, where, prefix)
+  return UnitRead(unit, arrays, futures, where, prefix, timeout_s)
+
+
+def in_order(
+  read_async: Callable[[int], UnitRead], indices: Iterable[int], in_flight: int
+) -> Iterator[tuple[int, dict[Any, np.ndarray]]]:
+  """Yields ``(id, tensors)`` for each unit of ``indices`` in order, keeping ``in_flight``
+  reads (started by ``read_async(i)``) ahead."""
+  if in_flight < 1:
+    raise errors.StoreError(f"read_units needs in_flight >= 1; got {in_flight=}.")
+  pending: collections.deque[UnitRead] = collections.deque()
+  todo = iter(indices)
+  for i in todo:
+    pending.append(read_async(i))
+    if len(pending) >= in_flight:
+      break
+  while pending:
+    head = pending.popleft()
+    nxt = next(todo, None)
+    if nxt is not None:
+      pending.append(read_async(nxt))
+    yield head.id, head.result()

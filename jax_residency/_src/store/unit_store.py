@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -42,13 +41,21 @@ import tensorstore as ts
 
 from jax_residency._src.policy import errors
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
-from jax_residency._src.store import checks, commit, discovery, generation, handles, mapped
+from jax_residency._src.policy.reads import ReadOptions
+from jax_residency._src.store import checks, commit, discovery, generation, handles, mapped, remote
 from jax_residency._src.store.buffers import BufferPool
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.info import StackInfo
 from jax_residency._src.store.info import StoreInfo as StoreInfo
+from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.stored_stack import locate, split_stacks
-from jax_residency._src.store.unit_reads import UnitRead, issue_unit_read, read_advice, read_error
+from jax_residency._src.store.unit_reads import (
+  UnitRead,
+  in_order,
+  issue_unit_read,
+  read_advice,
+  read_error,
+)
 from jax_residency._src.typing import ParamPath, TensorSpec, path_str, tensor_nbytes
 
 if TYPE_CHECKING:
@@ -99,6 +106,7 @@ class UnitStore:
     self._closed = False
     # A placement serves the store it opened: reads check it was not replaced since.
     self._watch = generation.Watch(location.local, location.path) if location.local else None
+    self._fetched = FetchCounter(location.path, local=location.local is not None)
 
   @classmethod
   def open(
@@ -111,6 +119,7 @@ class UnitStore:
     require_unit_chunks: bool = True,
     spare_unit_buffers: int = DEFAULT_SPARE_UNIT_BUFFERS,
     cache_largest_chunk: bool = False,
+    read_options: ReadOptions | None = None,
   ) -> UnitStore:
     """Opens a store, reading only metadata.
 
@@ -130,6 +139,7 @@ class UnitStore:
       cache_largest_chunk: Size a chunk cache for the store's largest chunk, so
         reading a chunk of several units one unit at a time decodes it once (for
         copying it, as `rechunk_store` does; reads otherwise cache nothing).
+      read_options: retries and time-out of every read (default `ReadOptions()`).
 
     Raises:
       StoreNotFoundError: No checkpoint at `path`.
@@ -142,10 +152,11 @@ class UnitStore:
         f"max_cached_shards must be an int >= 1 (open TensorStore handles); got "
         f"{max_cached_shards=}. Use the default, {DEFAULT_MAX_CACHED_SHARDS}."
       )
-    loc = discovery.locate(path)
+    loc = discovery.locate(path, read_options)
+    fetched = FetchCounter(loc.path, local=loc.local is not None)
     if loc.local is not None:  # a save that died between its two renames
       commit.recover_local(loc.local)
-    context = handles.store_context()
+    context = handles.store_context(reads=loc.reads)
     try:
       found = discovery.discover(loc, context, sidecar_key=SIDECAR_KEY)
     except errors.StoreError:
@@ -162,8 +173,10 @@ class UnitStore:
     )
     if cache_largest_chunk:
       largest = max(tensor_nbytes(a.read_chunk, a.dtype) for a in found.arrays.values())
-      context = handles.store_context(cache_bytes=largest + largest // 4 + (1 << 20))
-    return cls(
+      context = handles.store_context(
+        cache_bytes=largest + largest // 4 + (1 << 20), reads=loc.reads
+      )
+    store = cls(
       location=loc,
       context=context,
       arrays=found.arrays,
@@ -172,6 +185,8 @@ class UnitStore:
       max_cached_shards=max_cached_shards,
       spare_unit_buffers=spare_unit_buffers,
     )
+    store._fetched = fetched
+    return store
 
   # -- description
 
@@ -290,6 +305,18 @@ class UnitStore:
     return sum(m.total_bytes for m in self._mappers)
 
   @property
+  def own_read_bytes(self) -> int:
+    """Bytes mapped and direct reads took from the store's files (not via TensorStore)."""
+    return sum(m.total_bytes + m.direct_bytes for m in self._mappers)
+
+  @property
+  def fetched_bytes_total(self) -> int:
+    """Bytes fetched from the store's storage since it was opened (metadata included):
+    what TensorStore's counter for its kind of storage counted (process-wide, see
+    `remote.FetchCounter`) plus `own_read_bytes`."""
+    return self._fetched.total() + self.own_read_bytes
+
+  @property
   def buffer_bytes(self) -> int:
     """Bytes of unit buffers alive now (arrays returned by reads and not yet freed),
     mapped chunk ranges included."""
@@ -355,6 +382,7 @@ class UnitStore:
       whole=[rel for rel in requests if not units[rel].partial_reads],
       direct=None if direct is None else functools.partial(direct.read_into, j),
       pending=checks,
+      timeout_s=self._loc.reads.timeout_s,
     )
     read.id = int(i)
     return read
@@ -385,20 +413,7 @@ class UnitStore:
     in_flight: int = 2,
   ) -> Iterator[tuple[int, dict[ParamPath, np.ndarray]]]:
     """Yields `(i, tensors)` in order, keeping `in_flight` unit reads ahead."""
-    if in_flight < 1:
-      raise errors.StoreError(f"read_units needs in_flight >= 1; got {in_flight=}.")
-    pending: collections.deque[UnitRead] = collections.deque()
-    todo = iter(indices)
-    for i in todo:
-      pending.append(self.read_unit_async(i, index=index))
-      if len(pending) >= in_flight:
-        break
-    while pending:
-      head = pending.popleft()
-      nxt = next(todo, None)
-      if nxt is not None:
-        pending.append(self.read_unit_async(nxt, index=index))
-      yield head.id, head.result()
+    return in_order(functools.partial(self.read_unit_async, index=index), indices, in_flight)
 
   def read_static(self) -> dict[ParamPath, np.ndarray]:
     """Reads every static tensor, keyed by full path."""
@@ -423,10 +438,9 @@ class UnitStore:
     return self._handles.get(name)
 
   def _static_result(self, path: ParamPath, future: Any) -> np.ndarray:
-    try:
-      return future.result()
-    except ValueError as e:
-      raise read_error(e, self.path, path_str(path), None) from e
+    name = path_str(path)
+    fail = functools.partial(read_error, where=self.path, tensor=name, unit=None)
+    return remote.wait(future, self._loc.reads, self.path, f"tensor {name!r}", other=fail)
 
   def check_against(
     self,
@@ -441,18 +455,9 @@ class UnitStore:
     relative to `unit_prefix`; ``expected_stacks`` each stack's, in order."""
     if expected_units is not None:
       expected_stacks = [expected_units, *expected_stacks[1:]]
-    stored, expected = {}, {}
-    for stack, want in zip(self._stacks, expected_stacks, strict=False):
-      stored.update({stack.prefix + rel: spec for rel, spec in stack.specs.items()})
-      expected.update({stack.prefix + tuple(rel): spec for rel, spec in want.items()})
-    checks.check_against(
-      self.path,
-      tuple(s.prefix for s in self._stacks),
-      stored,
-      self.static_specs,
-      expected,
-      expected_static,
-      strict=strict,
+    stored = [(s.prefix, s.specs) for s in self._stacks]
+    checks.check_stacks(
+      self.path, stored, self.static_specs, expected_stacks, expected_static, strict
     )
 
   # -- lifetime

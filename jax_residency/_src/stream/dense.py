@@ -20,7 +20,7 @@ from jax_residency._src.placement.stacks import note_unplaced
 from jax_residency._src.policy.errors import PlacementError
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.telemetry import Telemetry
-from jax_residency._src.store.loading import open_for
+from jax_residency._src.store.loading import StoreSource, open_for
 from jax_residency._src.stream.engine import DenseStreamEngine
 from jax_residency._src.typing import path_str
 
@@ -35,7 +35,7 @@ class DenseExecutor:
     *,
     mesh: Mesh,
     rules: pl.Rules | None,
-    store: str,
+    store: StoreSource,
     sequence_axis: int = 1,
   ) -> None:
     placed_at = pl.layout(split, mesh, rules, unit_kind=pl.DEVICE)
@@ -56,6 +56,8 @@ class DenseExecutor:
       self.telemetry = Telemetry.for_policy(
         policy=policy, metadata=self.metadata, sequence_axis=sequence_axis
       )
+      opened = self._store
+      self.telemetry.fetched = lambda: store.fetched.total() + opened.own_read_bytes
       self._engine = DenseStreamEngine(
         split=split,
         policy=policy,

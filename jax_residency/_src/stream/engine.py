@@ -146,7 +146,7 @@ class DenseStreamEngine:
     self._ahead_lock = threading.Lock()
     self._staged: dict[Any, StagedForward] = {}
     self._pass_start = time.perf_counter()
-    self._mapped_at_start = 0
+    self._at_start = (0, 0)
     self._run_lock = threading.Lock()
 
   # --- a pass ----------------------------------------------------------------
@@ -214,7 +214,12 @@ class DenseStreamEngine:
     reset = getattr(self._source, "reset_buffer_peak", None)
     if reset is not None:
       reset()
-    self._mapped_at_start = int(getattr(self._source, "mapped_bytes_total", 0))
+    self._at_start = self._source_totals()
+
+  def _source_totals(self) -> tuple[int, int]:
+    """The source's bytes mapped and bytes fetched so far (0 where it does not count)."""
+    names = ("mapped_bytes_total", "fetched_bytes_total")
+    return tuple(int(getattr(self._source, n, 0)) for n in names)  # type: ignore[return-value]
 
   def _end_pass(self, ok: bool, args: tuple[Any, ...], seconds: float) -> None:
     if not ok and self.worker is not None:
@@ -228,8 +233,8 @@ class DenseStreamEngine:
     with self._counters_lock:
       counters = self._counters
     counters.peak_buffer_bytes = int(getattr(self._source, "buffer_peak_bytes", 0))
-    mapped_total = int(getattr(self._source, "mapped_bytes_total", 0))
-    counters.mapped_bytes = mapped_total - self._mapped_at_start
+    (mapped, fetched), (mapped0, fetched0) = self._source_totals(), self._at_start
+    counters.mapped_bytes, counters.fetched_bytes = mapped - mapped0, fetched - fetched0
     if ok:
       self._telemetry.commit_pass(
         args=args,

@@ -1,0 +1,121 @@
+"""Reads that may fail or stall, and what a store fetched.
+
+* `wait`: the result of one TensorStore future within the store's
+  ``ReadOptions.timeout_s``; past it, the read is cancelled and raises
+  `StoreTimeoutError`, and a request that failed on every try raises
+  `StoreUnavailableError` (TensorStore retries HTTP / GCS / S3 requests itself,
+  as the context from `handles.store_context` tells it).
+* `FetchCounter`: bytes fetched from a store's storage, from TensorStore's
+  per-driver ``/tensorstore/kvstore/<driver>/bytes_read`` counters, which
+  count every byte a key-value read returned (chunks, index nodes, metadata).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import tensorstore as ts
+
+from jax_residency._src.policy import errors
+from jax_residency._src.policy.reads import ReadOptions
+
+#: TensorStore's key-value driver (the name in its metrics) per URL scheme.
+_DRIVERS = {"http": "http", "https": "http", "gs": "gcs", "s3": "s3", "file": "file"}
+_ATTEMPTS = re.compile(r"All (\d+) retry attempts failed")
+_UNAVAILABLE = ("retry attempts failed", "UNAVAILABLE", "CURL error", "Could not connect")
+
+
+def driver_of(path: str, *, local: bool) -> str | None:
+  """The TensorStore key-value driver a store's path uses (None: one without byte
+  counters, such as ``memory://``)."""
+  if local:
+    return "file"
+  return _DRIVERS.get(path.split("://", 1)[0].lower()) if "://" in path else None
+
+
+def is_remote(path: str) -> bool:
+  """Whether a store path is a URL read over a network (HTTP, GCS, S3)."""
+  return driver_of(path, local=False) in ("http", "gcs", "s3")
+
+
+def unavailable(error: BaseException, where: str, what: str) -> errors.StoreError | None:
+  """`StoreUnavailableError` if TensorStore's ``error`` says the store's server could
+  not be reached or kept failing (None: some other failure)."""
+  text = str(error)
+  if not any(marker in text for marker in _UNAVAILABLE):
+    return None
+  match = _ATTEMPTS.search(text)
+  attempts = int(match.group(1)) if match else None
+  tries = f" on all {attempts} tries" if attempts else ""
+  return errors.StoreUnavailableError(
+    f"Reading {what} from {where} failed{tries}: {text}. The server is down or keeps "
+    "failing. Check the URL and the server; for a flaky link pass "
+    "read_options=jr.ReadOptions(retries=...) with more retries.",
+    store=where,
+    attempts=attempts,
+  )
+
+
+def timed_out(where: str, what: str, timeout_s: float) -> errors.StoreTimeoutError:
+  """The error for a read of ``what`` from ``where`` still running after ``timeout_s``."""
+  return errors.StoreTimeoutError(
+    f"Reading {what} from {where} took more than {timeout_s:g} s "
+    "(ReadOptions.timeout_s) and was cancelled. For a slow link pass "
+    "read_options=jr.ReadOptions(timeout_s=...) with more seconds, or check the server.",
+    store=where,
+    timeout_s=timeout_s,
+    what=what,
+  )
+
+
+def wait(
+  future: Any,
+  reads: ReadOptions,
+  where: str,
+  what: str,
+  *,
+  other: Callable[[BaseException], BaseException] | None = None,
+) -> Any:
+  """``future.result()`` within ``reads.timeout_s``.
+
+  Raises:
+    StoreTimeoutError: still running then (the future is cancelled).
+    StoreUnavailableError: the server could not be reached or kept failing.
+    whatever ``other(error)`` returns for any other failure (default: the error).
+  """
+  try:
+    return future.result(timeout=reads.timeout_s)
+  except TimeoutError:
+    future.cancel()
+    raise timed_out(where, what, reads.timeout_s or 0.0) from None
+  except errors.StoreError:
+    raise
+  except Exception as e:  # TensorStore reports failures as ValueError
+    raise (unavailable(e, where, what) or (other(e) if other else e)) from e
+
+
+def _kvstore_bytes_read(driver: str) -> int:
+  metrics = ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/{driver}/bytes_read")
+  return sum(int(v.get("value", 0)) for m in metrics for v in m.get("values", ()))
+
+
+class FetchCounter:
+  """Bytes TensorStore fetched from a store's storage since the counter was made.
+
+  TensorStore's counters are per driver and process-wide: reads of other stores
+  of the same kind in this process during the same time count too. Reads the
+  store makes from its files without TensorStore (mapped and direct reads) are
+  not counted here; `UnitStore.own_read_bytes` counts them.
+  """
+
+  def __init__(self, path: str, *, local: bool):
+    self._driver = driver_of(path, local=local)
+    self._start = self._now()
+
+  def _now(self) -> int:
+    return _kvstore_bytes_read(self._driver) if self._driver else 0
+
+  def total(self) -> int:
+    return self._now() - self._start

@@ -27,11 +27,11 @@ Example:
   0.0
 """
 
+from jax_residency._src.store_server import ServedStore as ServedStore
+from jax_residency._src.store_server import serve_store as serve_store
 from jax_residency._src.testing import assert_memory_kinds as assert_memory_kinds
 from jax_residency._src.testing import assert_policy_parity as assert_policy_parity
 from jax_residency._src.testing import assert_within_budgets as assert_within_budgets
-from jax_residency._src.store_server import ServedStore as ServedStore
-from jax_residency._src.store_server import serve_store as serve_store
 from jax_residency._src.testing import default_policies as default_policies
 
 __all__ = [

@@ -377,12 +377,9 @@ def cmd_rechunk(args: argparse.Namespace) -> int:
   if "://" not in args.src and not os.path.exists(args.src):
     raise CommandError(f"{args.src}: no such file or directory")
   try:
+    units = [p for u in (args.units or "").split(",") if (p := parse_prefix(u))]
     info = rechunk_store(
-      args.src,
-      args.dst,
-      unit_prefix=parse_prefix(args.units),
-      progress=None,
-      overwrite=args.overwrite,
+      args.src, args.dst, stacks=units or None, progress=None, overwrite=args.overwrite
     )
   except (OSError, ValueError) as e:
     from jax_residency._src.policy.errors import ResidencyError  # noqa: PLC0415
@@ -393,10 +390,13 @@ def cmd_rechunk(args: argparse.Namespace) -> int:
   src_model, dst_model = model_file(args.src), model_file(args.dst)
   if src_model and dst_model and os.path.exists(src_model):
     shutil.copyfile(src_model, dst_model)
+  held = ", ".join(
+    f"{st.count} units x {fmt_bytes(st.unit_nbytes)} under {path_str(st.prefix)!r}"
+    for st in info.stacks
+  )
   emit(
-    f"rechunked {args.src} -> {args.dst}: {info.unit_count} units x "
-    f"{fmt_bytes(info.unit_nbytes)} under {path_str(info.unit_prefix)!r}, static "
-    f"{fmt_bytes(info.static_nbytes)}; one uncompressed chunk per unit"
+    f"rechunked {args.src} -> {args.dst}: {held}, static {fmt_bytes(info.static_nbytes)}; "
+    "one uncompressed chunk per unit"
   )
   return 0
 

@@ -258,7 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
   )
   rechunk.add_argument("src", help="the checkpoint to convert")
   rechunk.add_argument("dst", help="where to write the streamable store")
-  rechunk.add_argument("--units", metavar="PREFIX", help="unit prefix, e.g. params.layers")
+  rechunk.add_argument(
+    "--units",
+    metavar="PREFIX[,PREFIX...]",
+    help="the layer stack(s), e.g. layers or encoder_layers,decoder_layers (default: the\n"
+    "stacks SRC records; needed for a plain Orbax checkpoint)",
+  )
   rechunk.add_argument("--overwrite", action="store_true", help="replace an existing DST")
   rechunk.set_defaults(handler=cmd_rechunk)
 

@@ -103,6 +103,11 @@ class ModelMetadata:
     unplaced_stacks: paths of stacks the forward loops over that this
       placement does not place (their weights are static, on the device);
       filled in as calls find them, each with a warning.
+    bytes_read_per_byte_used: for a dense stream, the bytes its reads decode
+      for each unit byte they use: 1.0 for a store with one unit per chunk;
+      more for a checkpoint whose chunks span several units (Orbax's default),
+      which ``jax-residency rechunk`` rewrites. 1.0 for other policies, which
+      read each stored array whole, once.
 
   Example:
     >>> from flax import nnx
@@ -131,6 +136,7 @@ class ModelMetadata:
   device_is_host: bool = False
   stacks: tuple[StackMetadata, ...] = ()
   unplaced_stacks: tuple[str, ...] = ()
+  bytes_read_per_byte_used: float = 1.0
 
   @property
   def total_unit_bytes(self) -> int:

@@ -111,6 +111,11 @@ class ArrayInfo:
   raw: bool = False  # each chunk stored as plain native-order bytes (mappable)
   # A part of a chunk can be read alone: raw, with no checksum to check over the whole chunk.
   partial_reads: bool = False
+  name: str = ""  # its name in the store; "" means `path_str(path)`
+
+  @property
+  def stored_name(self) -> str:
+    return self.name or path_str(self.path)
 
 
 _REWRITE = "The file is damaged or not one this version reads; write the store again."
@@ -364,4 +369,10 @@ def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discove
     for p, m, k in zip(paths, metas, keys, strict=True)
     if m is not None
   }
+  if sidecar is None and arrays and all(len(p) > 1 and p[-1] == "value" for p in arrays):
+    # Orbax's save of `nnx.state(model)`: each leaf is an NNX Variable, whose array it
+    # stores under `<path>.value`. The model's parameter paths leave that `value` out.
+    arrays = {
+      p[:-1]: dataclasses.replace(a, path=p[:-1], name=path_str(p)) for p, a in arrays.items()
+    }
   return Discovered(arrays=arrays, sidecar=sidecar, use_ocdbt=use_ocdbt)

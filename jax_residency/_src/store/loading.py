@@ -13,16 +13,17 @@ import os
 from typing import Any
 
 import numpy as np
+import tensorstore as ts
 import tqdm
 
 from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.policy.errors import StoreError
 from jax_residency._src.policy.reads import ReadOptions
-from jax_residency._src.store import checks, commit, discovery, handles
+from jax_residency._src.store import checkpoints, checks, commit, discovery, handles, remote
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.unit_store import UnitStore
-from jax_residency._src.typing import ParamPath
+from jax_residency._src.typing import ParamPath, path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +37,9 @@ class StoreSource:
 
   @classmethod
   def of(cls, path: str | os.PathLike[str], reads: ReadOptions | None = None) -> StoreSource:
-    """Raises `StoreError` for a path or ``reads`` of the wrong type."""
-    loc = discovery.locate(path, reads)
+    """Raises `StoreError` for a path or ``reads`` of the wrong type. A
+    ``CheckpointManager`` directory stands for its latest step's checkpoint."""
+    loc = discovery.locate(checkpoints.resolve(discovery.locate(path).path), reads)
     return cls(loc.path, loc.reads, FetchCounter(loc.path, local=loc.local is not None))
 
 
@@ -58,6 +60,7 @@ def open_for(
     stacks=[s.path_prefix for s in split.stacks],
     max_cached_shards=max_cached_shards,
     read_options=source.reads,
+    require_unit_chunks=False,  # chunks of several units are read whole (see `read_all`)
   )
   try:
     check_for(split, store, strict=strict)
@@ -74,7 +77,7 @@ def stacks_in(path: str, reads: ReadOptions | None = None) -> list[ParamPath]:
   Raises:
     StoreNotFoundError, StoreError: as `UnitStore.open`.
   """
-  loc = discovery.locate(path, reads)
+  loc = discovery.locate(checkpoints.resolve(path), reads)
   if loc.local is not None:  # a save that died between its two renames
     commit.recover_local(loc.local)
   context = handles.store_context(reads=loc.reads)
@@ -105,7 +108,9 @@ def read_all(split: SplitModel, store: UnitStore, *, progress: bool | None = Non
   """Every leaf of ``split`` read from ``store``, in leaf order (units stacked).
 
   Units are read one at a time (two in flight) into one stacked buffer per
-  tensor, so host memory peaks at the model's size plus two units.
+  tensor, so host memory peaks at the model's size plus two units. A store whose
+  chunks span several units (an Orbax checkpoint) is read array by array
+  instead, each decoded once: the model's size plus one array's chunk.
   """
   static = store.read_static()
   values: list[Any] = [None] * len(split.leaves)
@@ -114,6 +119,11 @@ def read_all(split: SplitModel, store: UnitStore, *, progress: bool | None = Non
   stacks = {i: np.empty(split.leaves[i].shape, split.leaves[i].dtype) for i in split.unit_index}
   owner = {s.offset + u: s for s in split.stacks for u in range(s.count)}
   rel = {i: split.unit_rel_path(split.leaves[i]) for i in split.unit_index}
+  if not store.chunked_per_unit:
+    for stack in split.stacks:
+      for i in stack.index:
+        values[i] = _read_whole(store, stack.path_prefix + rel[i], stacks.pop(i))
+    return values
   bar = tqdm.tqdm(
     total=split.unit_count,
     desc="reading units",
@@ -130,3 +140,10 @@ def read_all(split: SplitModel, store: UnitStore, *, progress: bool | None = Non
   for i in split.unit_index:
     values[i] = stacks.pop(i)
   return values
+
+
+def _read_whole(store: UnitStore, path: ParamPath, out: np.ndarray) -> np.ndarray:
+  """Reads the stored array at ``path`` (all its units) into ``out``."""
+  write = ts.array(out, copy=False, write=True).write(store.array_handle(path))
+  remote.wait(write, store.read_options, store.path, f"array {path_str(path)!r}")
+  return out

@@ -17,6 +17,7 @@ import numpy as np
 from jax_residency._src.policy import errors
 from jax_residency._src.store import discovery, mapped
 from jax_residency._src.store.buffers import buffer_layout, padded_nbytes
+from jax_residency._src.store.info import StackInfo
 from jax_residency._src.typing import ParamPath, TensorSpec, path_str, tensor_nbytes
 
 
@@ -50,6 +51,31 @@ class StoredStack:
     return sum(tensor_nbytes(a.shape[1:], a.dtype) for a in self.arrays.values())
 
   @property
+  def shared(self) -> frozenset[ParamPath]:
+    """Its tensors whose chunks hold several units: reading one unit decodes them all."""
+    return frozenset(rel for rel, a in self.arrays.items() if min(a.read_chunk[0], self.count) > 1)
+
+  @property
+  def read_nbytes(self) -> int:
+    """Bytes a read of one unit decodes: each tensor's chunks that hold the unit."""
+    return sum(
+      min(a.read_chunk[0], self.count) * tensor_nbytes(a.shape[1:], a.dtype)
+      for a in self.arrays.values()
+    )
+
+  @property
+  def largest_shared_chunk(self) -> int:
+    """Bytes of its largest chunk that holds several units (decoded), 0 if none."""
+    return max(
+      (
+        tensor_nbytes(tuple(min(c, d) for c, d in zip(a.read_chunk, a.shape, strict=True)), a.dtype)
+        for rel, a in self.arrays.items()
+        if rel in self.shared
+      ),
+      default=0,
+    )
+
+  @property
   def slab_nbytes(self) -> int:
     """Bytes of one unit's read buffer (each tensor rounded up to a page)."""
     return buffer_layout([(path_str(p), a.shape[1:], a.dtype) for p, a in self.arrays.items()])[1]
@@ -73,7 +99,7 @@ def split_stacks(
     # Unit chunks stored raw in local files: read straight into the unit's buffer
     # (`mapped.UnitMapper.read_into`), or mapped once mapped reads are on.
     raw = {
-      rel: (path_str(prefix + rel), a.shape[1:], a.dtype)
+      rel: (a.stored_name, a.shape[1:], a.dtype)
       for rel, a in units.items()
       if a.raw and a.read_chunk == (1, *a.shape[1:])
     }
@@ -101,3 +127,74 @@ def locate(stacks: Sequence[StoredStack], i: Any, path: str) -> tuple[StoredStac
   raise errors.StoreError(
     f"Unit index {i!r} is out of range for {path}, which holds {total} units; use 0 <= i < {total}."
   )
+
+
+class StackLayout:
+  """What a store's stacks and static arrays are, from its metadata: the
+  description half of `UnitStore`, which sets ``_stacks``, ``_static`` and
+  ``_unit_count``."""
+
+  _stacks: list[StoredStack]
+  _static: dict[ParamPath, discovery.ArrayInfo]
+  _unit_count: int
+
+  @property
+  def stacks(self) -> tuple[StackInfo, ...]:
+    """Every stack opened, in order; unit ids run through them one after another."""
+    return tuple(StackInfo(s.prefix, s.count, s.unit_nbytes) for s in self._stacks)
+
+  @property
+  def unit_count(self) -> int:
+    """Units over all stacks."""
+    return self._unit_count
+
+  @property
+  def unit_specs(self) -> dict[ParamPath, TensorSpec]:
+    """The (first) stack's unit tensors, keyed by path relative to `unit_prefix`:
+    (per-unit shape, dtype). See `stack_specs` for the others."""
+    return self._stacks[0].specs
+
+  def stack_specs(self, k: int) -> dict[ParamPath, TensorSpec]:
+    """Stack ``k``'s unit tensors, keyed by path relative to its prefix."""
+    return self._stacks[k].specs
+
+  @property
+  def static_specs(self) -> dict[ParamPath, TensorSpec]:
+    """Static tensors, keyed by full path: (shape, dtype)."""
+    return {p: (a.shape, a.dtype) for p, a in self._static.items()}
+
+  @property
+  def unit_nbytes(self) -> int:
+    """Bytes of one unit (of the largest, with several stacks)."""
+    return max(s.unit_nbytes for s in self._stacks)
+
+  @property
+  def total_unit_bytes(self) -> int:
+    return sum(s.unit_nbytes * s.count for s in self._stacks)
+
+  @property
+  def static_nbytes(self) -> int:
+    return sum(tensor_nbytes(a.shape, a.dtype) for a in self._static.values())
+
+  @property
+  def chunked_per_unit(self) -> bool:
+    """Whether every unit array holds at most one unit per chunk (streamable)."""
+    return all(a.read_chunk[:1] == (1,) for s in self._stacks for a in s.arrays.values())
+
+  @property
+  def bytes_read_per_byte_used(self) -> float:
+    """Bytes a pass over every unit decodes for each unit byte it uses: 1.0 when each
+    chunk holds one unit, more when chunks span several (`jax-residency rechunk`)."""
+    used = sum(s.unit_nbytes * s.count for s in self._stacks)
+    return sum(s.read_nbytes * s.count for s in self._stacks) / used if used else 1.0
+
+  @property
+  def largest_shared_chunk(self) -> int:
+    """Bytes of the largest chunk that holds several units (decoded whole to read one
+    of them; one such decode runs at a time); 0 when every chunk holds one unit."""
+    return max(s.largest_shared_chunk for s in self._stacks)
+
+  @property
+  def compressed(self) -> bool:
+    """Whether any unit array is compressed (slower reads; `rechunk_store` drops it)."""
+    return any(a.compressed for s in self._stacks for a in s.arrays.values())

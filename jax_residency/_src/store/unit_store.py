@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,13 +43,21 @@ import tensorstore as ts
 from jax_residency._src.policy import errors
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
 from jax_residency._src.policy.reads import ReadOptions
-from jax_residency._src.store import checks, commit, discovery, generation, handles, mapped, remote
+from jax_residency._src.store import (
+  checkpoints,
+  checks,
+  commit,
+  discovery,
+  generation,
+  handles,
+  mapped,
+  remote,
+)
 from jax_residency._src.store.buffers import BufferPool
 from jax_residency._src.store.discovery import SIDECAR_KEY
-from jax_residency._src.store.info import StackInfo
 from jax_residency._src.store.info import StoreInfo as StoreInfo
 from jax_residency._src.store.remote import FetchCounter
-from jax_residency._src.store.stored_stack import locate, split_stacks
+from jax_residency._src.store.stored_stack import StackLayout, locate, split_stacks
 from jax_residency._src.store.unit_reads import (
   UnitRead,
   in_order,
@@ -56,7 +65,7 @@ from jax_residency._src.store.unit_reads import (
   read_advice,
   read_error,
 )
-from jax_residency._src.typing import ParamPath, TensorSpec, path_str, tensor_nbytes
+from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 if TYPE_CHECKING:
   from jax.typing import DTypeLike
@@ -65,7 +74,7 @@ if TYPE_CHECKING:
 DEFAULT_SPARE_UNIT_BUFFERS = 3
 
 
-class UnitStore:
+class UnitStore(StackLayout):
   """A store opened for reading: metadata up front, tensor data on demand.
 
   Open with `UnitStore.open`. Thread-safe: the engine's main thread and its
@@ -98,10 +107,14 @@ class UnitStore:
     self._prefix = self._stacks[0].prefix
     self._units = self._stacks[0].arrays
     self._unit_count = sum(s.count for s in self._stacks)
-    self._drivers = {path_str(p): a.driver for p, a in arrays.items()}
+    self._names = {p: a.stored_name for p, a in arrays.items()}  # by path: Orbax's name
+    self._drivers = {a.stored_name: a.driver for a in arrays.values()}
     self._handles = handles.HandleCache(max_cached_shards, self._open_handle)
     self._pool = BufferPool(spare_unit_buffers)
     self._mappers = [s.mapper for s in self._stacks if s.mapper is not None]
+    # Chunks of several units are decoded one at a time, on one thread (`issue_unit_read`).
+    shared = any(s.shared for s in self._stacks)
+    self._decoder = ThreadPoolExecutor(1, "jax_residency-decode") if shared else None
     self._map = False
     self._closed = False
     # A placement serves the store it opened: reads check it was not replaced since.
@@ -152,7 +165,7 @@ class UnitStore:
         f"max_cached_shards must be an int >= 1 (open TensorStore handles); got "
         f"{max_cached_shards=}. Use the default, {DEFAULT_MAX_CACHED_SHARDS}."
       )
-    loc = discovery.locate(path, read_options)
+    loc = discovery.locate(checkpoints.resolve(discovery.locate(path).path), read_options)
     fetched = FetchCounter(loc.path, local=loc.local is not None)
     if loc.local is not None:  # a save that died between its two renames
       commit.recover_local(loc.local)
@@ -198,54 +211,6 @@ class UnitStore:
   def unit_prefix(self) -> ParamPath:
     """The (first) stack's path."""
     return self._prefix
-
-  @property
-  def stacks(self) -> tuple[StackInfo, ...]:
-    """Every stack opened, in order; unit ids run through them one after another."""
-    return tuple(StackInfo(s.prefix, s.count, s.unit_nbytes) for s in self._stacks)
-
-  @property
-  def unit_count(self) -> int:
-    """Units over all stacks."""
-    return self._unit_count
-
-  @property
-  def unit_specs(self) -> dict[ParamPath, TensorSpec]:
-    """The (first) stack's unit tensors, keyed by path relative to `unit_prefix`:
-    (per-unit shape, dtype). See `stack_specs` for the others."""
-    return self._stacks[0].specs
-
-  def stack_specs(self, k: int) -> dict[ParamPath, TensorSpec]:
-    """Stack ``k``'s unit tensors, keyed by path relative to its prefix."""
-    return self._stacks[k].specs
-
-  @property
-  def static_specs(self) -> dict[ParamPath, TensorSpec]:
-    """Static tensors, keyed by full path: (shape, dtype)."""
-    return {p: (a.shape, a.dtype) for p, a in self._static.items()}
-
-  @property
-  def unit_nbytes(self) -> int:
-    """Bytes of one unit (of the largest, with several stacks)."""
-    return max(s.unit_nbytes for s in self._stacks)
-
-  @property
-  def total_unit_bytes(self) -> int:
-    return sum(s.unit_nbytes * s.count for s in self._stacks)
-
-  @property
-  def static_nbytes(self) -> int:
-    return sum(tensor_nbytes(a.shape, a.dtype) for a in self._static.values())
-
-  @property
-  def chunked_per_unit(self) -> bool:
-    """Whether every unit array holds at most one unit per chunk (streamable)."""
-    return all(a.read_chunk[:1] == (1,) for s in self._stacks for a in s.arrays.values())
-
-  @property
-  def compressed(self) -> bool:
-    """Whether any unit array is compressed (slower reads; `rechunk_store` drops it)."""
-    return any(a.compressed for s in self._stacks for a in s.arrays.values())
 
   @property
   def open_handles(self) -> int:
@@ -305,6 +270,10 @@ class UnitStore:
     return sum(m.total_bytes for m in self._mappers)
 
   @property
+  def read_options(self) -> ReadOptions:
+    return self._loc.reads
+
+  @property
   def own_read_bytes(self) -> int:
     """Bytes mapped and direct reads took from the store's files (not via TensorStore)."""
     return sum(m.total_bytes + m.direct_bytes for m in self._mappers)
@@ -361,7 +330,7 @@ class UnitStore:
       requests = {tuple(p): tuple(s) if isinstance(s, tuple) else (s,) for p, s in index.items()}
     sources = []
     handles = self._handles.get_many(
-      [path_str(prefix + rel) for rel in requests], self._open_handle_async
+      [self._names[prefix + rel] for rel in requests], self._open_handle_async
     )
     for (rel, idx), handle in zip(requests.items(), handles, strict=True):
       try:
@@ -383,6 +352,8 @@ class UnitStore:
       direct=None if direct is None else functools.partial(direct.read_into, j),
       pending=checks,
       timeout_s=self._loc.reads.timeout_s,
+      serial=stack.shared,
+      decoder=self._decoder,
     )
     read.id = int(i)
     return read
@@ -418,7 +389,7 @@ class UnitStore:
   def read_static(self) -> dict[ParamPath, np.ndarray]:
     """Reads every static tensor, keyed by full path."""
     self._check_usable()
-    futures = [(p, self._handles.get(path_str(p)).read()) for p in self._static]
+    futures = [(p, self._handles.get(self._names[p]).read()) for p in self._static]
     return {path: self._static_result(path, future) for path, future in futures}
 
   def read_static_tensor(self, path: ParamPath) -> np.ndarray:
@@ -426,16 +397,15 @@ class UnitStore:
     self._check_usable()
     if tuple(path) not in self._static:
       raise errors.StoreError(f"{path_str(path)!r} is not a static tensor of {self.path}.")
-    return self._static_result(path, self._handles.get(path_str(path)).read())
+    return self._static_result(path, self._handles.get(self._names[tuple(path)]).read())
 
   def array_handle(self, path: ParamPath) -> ts.TensorStore:
     """The open TensorStore array at full ``path``: a static tensor, or a unit array
     whole (all units stacked), for copying a store array by array (`rechunk_store`)."""
     self._check_usable()
-    name = path_str(tuple(path))
-    if name not in self._drivers:
-      raise errors.StoreError(f"{name!r} is not an array of {self.path}.")
-    return self._handles.get(name)
+    if tuple(path) not in self._names:
+      raise errors.StoreError(f"{path_str(tuple(path))!r} is not an array of {self.path}.")
+    return self._handles.get(self._names[tuple(path)])
 
   def _static_result(self, path: ParamPath, future: Any) -> np.ndarray:
     name = path_str(path)
@@ -467,6 +437,8 @@ class UnitStore:
     self._closed = True
     self._handles.clear()
     self._pool.clear()
+    if self._decoder is not None:
+      self._decoder.shutdown(wait=False)
 
   def __enter__(self) -> UnitStore:
     return self

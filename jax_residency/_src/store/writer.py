@@ -421,6 +421,7 @@ def rechunk_store(
   unit_prefix: tuple[str, ...] | None = None,
   progress: bool | None = None,
   overwrite: bool = False,
+  stacks: Sequence[tuple[str, ...]] | None = None,
 ) -> StoreInfo:
   """Copies a checkpoint into a streamable store: one uncompressed chunk per unit.
 
@@ -436,18 +437,20 @@ def rechunk_store(
     unit_prefix: The unit subtree; defaults to the one in `src`'s sidecar.
     progress: As for `save_store`.
     overwrite: Replace an existing store at `dst`.
+    stacks: Several unit subtrees (instead of ``unit_prefix``); both None take
+      the stacks `src` records.
   """
   if locate(src) == locate(dst):
     raise errors.StoreError(f"rechunk_store needs a destination other than the source {src}.")
   source = UnitStore.open(
     src,
     unit_prefix=unit_prefix,
+    stacks=stacks,
     max_cached_shards=1,
     require_unit_chunks=False,
     spare_unit_buffers=0,
     cache_largest_chunk=True,
   )
-  prefix = source.unit_prefix
   info = source.info
   writer = _StoreWriter(
     dst,
@@ -460,13 +463,13 @@ def rechunk_store(
     for p, (shape, dtype) in source.static_specs.items():
       handle = writer.create(p, shape, dtype, shape)
       writer.write(handle, (), source.array_handle(p).read().result())
-    for rel, (shape, dtype) in source.unit_specs.items():
-      stacked = (source.unit_count, *shape)
-      handle = writer.create(prefix + rel, stacked, dtype, (1, *shape))
-      src_handle = source.array_handle(prefix + rel)
-      for i in range(source.unit_count):
-        writer.write(handle, i, _read_unit_slice(src_handle, i))
-    writer.commit(stacks=[(prefix, source.unit_count)])
+    for k, stack in enumerate(source.stacks):
+      for rel, (shape, dtype) in source.stack_specs(k).items():
+        handle = writer.create(stack.prefix + rel, (stack.count, *shape), dtype, (1, *shape))
+        src_handle = source.array_handle(stack.prefix + rel)
+        for i in range(stack.count):
+          writer.write(handle, i, _read_unit_slice(src_handle, i))
+    writer.commit(stacks=[(st.prefix, st.count) for st in source.stacks])
   except BaseException as e:
     if (disk_full := writer.fail(e)) is not None:
       raise disk_full from e

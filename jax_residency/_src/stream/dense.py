@@ -8,6 +8,8 @@ host and device tiers. It implements ``placement/executor.py``'s `Executor`.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -15,12 +17,15 @@ from jax.sharding import Mesh
 
 from jax_residency._src.placement import shardings as pl
 from jax_residency._src.placement.budget import ModelMetadata, metadata_for
+from jax_residency._src.placement.memory import OVERHEAD, MemoryItem
 from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.placement.stacks import note_unplaced
 from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.telemetry import Telemetry
 from jax_residency._src.store.loading import StoreSource, open_for
+from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.stream.engine import DenseStreamEngine
 from jax_residency._src.typing import path_str
 
@@ -47,6 +52,7 @@ class DenseExecutor:
       split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
     )
     try:
+      self.metadata = _with_chunk_layout(self.metadata, self._store)
       # One tensor at a time: host memory holds the placed static weights plus one
       # tensor in transit, never a second copy of all of them.
       self._static = [
@@ -102,3 +108,30 @@ class DenseExecutor:
       self._engine.close()
     finally:
       self._store.close()
+
+
+def _with_chunk_layout(meta: ModelMetadata, store: UnitStore) -> ModelMetadata:
+  """``meta`` with what a store whose chunks span several units costs: its bytes read
+  per byte used, and the memory a chunk's decode takes (a warning says how to fix it)."""
+  ratio = store.bytes_read_per_byte_used
+  if ratio <= 1.0:
+    return meta
+  chunk = store.largest_shared_chunk
+  warnings.warn(
+    f"The checkpoint at {store.path} stores several units per chunk (Orbax's default "
+    f"chunking), so streaming it decodes {ratio:.1f} bytes for each byte it uses, each "
+    f"chunk once per unit in it (the largest chunk is {format_bytes(chunk)}). Rewrite it "
+    f"once with one unit per chunk: `jax-residency rechunk {store.path} DST --units "
+    f"{','.join('.'.join(s.prefix) for s in store.stacks)}`, then place from DST.",
+    UserWarning,
+    stacklevel=4,
+  )
+  decode = MemoryItem(
+    name="chunk decode",
+    memory="host",
+    nbytes=2 * chunk,
+    counted_in=OVERHEAD,
+    note="one chunk of several units read and decoded whole (stored and decoded bytes), "
+    "one at a time",
+  )
+  return dataclasses.replace(meta, memory=(*meta.memory, decode), bytes_read_per_byte_used=ratio)

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 import jax_residency as jr
-from jax_residency import models
+from jax_residency import models, testing
 from jax_residency._src.store.convert import EMBEDDING_NAMES, LAYER_NAMES
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "minilm_reference.json").read_text())
@@ -171,12 +171,11 @@ def test_policies_are_bit_identical_to_the_plain_model(checkpoint, store, inputs
   """
   ids, mask = inputs
   model = models.load_bert_from_safetensors(checkpoint)
-  jitted = np.asarray(nnx.jit(lambda m, i, a: m(i, a))(model, ids, mask))
-  eager = np.asarray(model(ids, mask))
-  for name, policy in policies().items():
-    dense = name.startswith("dense")
-    with jr.place(model, policy, mesh=mesh1, store=store if dense else None) as placed:
-      np.testing.assert_array_equal(placed(ids, mask), eager if dense else jitted, err_msg=name)
+  # atol=0: bit for bit (the dense streams compared with the eager model, the others jitted)
+  diffs = testing.assert_policy_parity(
+    model, ids, mask, policies=policies(), store=store, mesh=mesh1
+  )
+  assert set(diffs) == set(policies())
 
 
 # --- the converter on a tiny synthetic checkpoint ----------------------------------

@@ -42,6 +42,14 @@ def test_parity_fails_naming_the_policy_whose_outputs_differ(tmp_path):
   assert "resident: max |difference| 0" in str(e.value)
 
 
+def test_parity_never_compares_outputs_of_different_shapes_by_broadcasting():
+  from jax_residency._src.testing import _max_diff
+
+  assert _max_diff("lh", jnp.ones((2, 3)), jnp.zeros((2, 3))) == 1.0
+  with pytest.raises(AssertionError, match=r"under lh an output has shape \(2, 3\), the plain"):
+    _max_diff("lh", jnp.zeros((2, 3)), jnp.zeros(3))
+
+
 def test_memory_kinds_pass_per_policy_and_fail_on_a_misplaced_array():
   model = ToyTransformer(CFG, rngs=nnx.Rngs(0))
   with jr.place(model, jr.FullyResident()) as placed:
@@ -70,10 +78,20 @@ def test_within_budgets_passes_and_fails_on_a_pass_over_the_plan():
     index=0, peak_device_bytes=meta.device_window_bytes + 1, peak_host_bytes=0
   )
   fake = types.SimpleNamespace(
-    metadata=meta, report=lambda: types.SimpleNamespace(passes=[*report.passes, over])
+    metadata=meta,
+    report=lambda: types.SimpleNamespace(passes=[*report.passes, over], total=report.total),
   )
-  with pytest.raises(AssertionError, match="unit bytes on a device, planned window"):
+  with pytest.raises(AssertionError, match="pass 0: .* unit bytes on a device, planned window"):
     testing.assert_within_budgets(fake)
+  # A pass the history no longer keeps still counts: its peak is in the totals.
+  total = types.SimpleNamespace(
+    peak_device_bytes=0, peak_host_bytes=meta.item_bytes("host units") + 1
+  )
+  forgot = types.SimpleNamespace(
+    metadata=meta, report=lambda: types.SimpleNamespace(passes=report.passes, total=total)
+  )
+  with pytest.raises(AssertionError, match="a pass before the report's history: .* host memory"):
+    testing.assert_within_budgets(forgot)
 
 
 def test_the_example_user_test_file_passes_with_the_plugin():

@@ -50,6 +50,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
   with open_store(args.path, units=args.units, streamable=False) as store:
     streamable = bool(store.chunked_per_unit)
+    ratio = float(store.bytes_read_per_byte_used)
     checksum_kind = checksums(store)
     compressed = bool(getattr(store, "compressed", False))
     specs = store.unit_specs
@@ -76,6 +77,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for st in store.stacks
       ],
       "chunked_per_unit": streamable,
+      "bytes_read_per_byte_used": ratio,
       "compressed": compressed,
       "checksums": checksum_kind,
       "streamable": streamable,
@@ -127,7 +129,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if compressed:
       verdict += " (compressed: slower; `rechunk` writes it uncompressed)"
   else:
-    verdict = f"no: run `{PROG} rechunk {args.path} DST` and stream DST"
+    units = f" --units {args.units}" if args.units else ""
+    verdict = (
+      f"slowly: DenseDiskStream decodes {ratio:.1f} bytes for each byte it uses; run "
+      f"`{PROG} rechunk {args.path} DST{units}` once and stream DST"
+    )
   rows.append(("streamable", verdict))
   if record is not None:
     rows.append(("model", f"toy {record.get('config')} (`{PROG} run` works)"))

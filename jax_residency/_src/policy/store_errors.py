@@ -43,22 +43,27 @@ class StoreNotFoundError(StoreError, FileNotFoundError):
 
 
 class StoreLayoutError(StoreError):
-  """A store exists but cannot be streamed (e.g. one chunk holds many units).
+  """A store exists but its arrays are not laid out as a layer stack.
 
-  Raised by `place` with ``store=`` when a unit array is chunked over several
-  units (a plain Orbax checkpoint: rechunk it) or unit counts disagree.
+  Raised by `place` with ``store=`` when the arrays under a stack disagree on
+  their unit count (the stack's path names more than the stacked layers), and
+  by ``UnitStore.open(require_unit_chunks=True)`` for a unit array chunked over
+  several units (placing such a checkpoint works, with a warning; ``jax-residency
+  rechunk`` rewrites it).
 
   Example:
     >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, orbax.checkpoint as ocp
     >>> import jax_residency as jr
-    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> state = {"layers": {"w": jnp.zeros((2, 4, 4)), "b": jnp.zeros((3, 4))}}
     >>> path = tempfile.mkdtemp() + "/ckpt"
-    >>> with ocp.StandardCheckpointer() as ckptr:  # one chunk of both units
-    ...   ckptr.save(path, nnx.to_pure_dict(nnx.state(net)))
+    >>> with ocp.StandardCheckpointer() as ckptr:  # 2 units of w, but 3 of b
+    ...   ckptr.save(path, state)
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))),
+    ...                                b=nnx.Param(jnp.zeros((2, 4)))))
     >>> try:
     ...   jr.place(net, store=path, units="layers")
     ... except jr.errors.StoreLayoutError as e:
-    ...   print(type(e).__name__, "layers.w: chunk shape (2, 4, 4)" in str(e))
+    ...   print(type(e).__name__, "layers.b: leading dim 3" in str(e))
     StoreLayoutError True
   """
 

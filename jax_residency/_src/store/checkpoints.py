@@ -73,8 +73,8 @@ def resolve(path: str) -> str:
     >>> for step in (3, 12):
     ...   item = pathlib.Path(root, str(step), "default")
     ...   item.mkdir(parents=True)
-    ...   (item / "_METADATA").write_text("{}")
-    ...   (item.parent / "commit_success.txt").write_text("")
+    ...   _ = (item / "_METADATA").write_text("{}")
+    ...   _ = (item.parent / "commit_success.txt").write_text("")
     >>> os.path.relpath(resolve(root), root), os.path.relpath(resolve(root + "/3"), root)
     ('12/default', '3/default')
   """

@@ -93,7 +93,10 @@ def wait(
   except errors.StoreError:
     raise
   except Exception as e:  # TensorStore reports failures as ValueError
-    raise (unavailable(e, where, what) or (other(e) if other else e)) from e
+    typed = unavailable(e, where, what) or (other(e) if other else None)
+    if typed is None:
+      raise
+    raise typed from e
 
 
 def _kvstore_bytes_read(driver: str) -> int:

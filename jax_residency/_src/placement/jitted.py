@@ -15,10 +15,12 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jax_residency._src.placement import shardings as pl
 from jax_residency._src.placement.budget import ModelMetadata, metadata_for
+from jax_residency._src.placement.memory import OVERHEAD, MemoryItem
 from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.placement.stacks import note_unplaced
 from jax_residency._src.placement.unit_loop import LoopContext, StackLoop, run_in_loop
@@ -27,7 +29,7 @@ from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResid
 from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.telemetry import PassCounters, Telemetry
-from jax_residency._src.store.loading import StoreSource, open_for, read_all
+from jax_residency._src.store.loading import StoreSource, open_for, read_all, transit_bytes
 from jax_residency._src.typing import path_str
 
 
@@ -53,7 +55,9 @@ class JittedExecutor:
     self.metadata: ModelMetadata = metadata_for(
       split, policy, placed_at.static, placed_at.unit_slices
     )
-    values, own_reads = _weights(split, policy, store)
+    shardings = dict(zip(split.static_index, placed_at.static, strict=True))
+    shardings.update(zip(split.unit_index, placed_at.units, strict=True))
+    values, own_reads = self._weights(split, policy, store, shardings)
     split.values = []  # the placement holds its own copies, not the caller's arrays
     self._static = pl.put([values[i] for i in split.static_index], placed_at.static)
     self._units = pl.put([values[i] for i in split.unit_index], placed_at.units)
@@ -154,17 +158,39 @@ class JittedExecutor:
     self._static, self._units = [], []
     self._compiled.clear()
 
+  def _weights(
+    self,
+    split: SplitModel,
+    policy: LayerWeightResidency,
+    store: StoreSource | None,
+    shardings: dict[int, Any],
+  ) -> tuple[list[Any], int]:
+    """The model's own weights, or (with ``store``) the weights read from the store,
+    each placed before the next is read; and the bytes the store counted itself."""
+    if store is None:
+      return _own_weights(split), 0
 
-def _weights(
-  split: SplitModel, policy: LayerWeightResidency, store: StoreSource | None
-) -> tuple[list[Any], int]:
-  """The model's own weights, or (with ``store``) the weights read from the store; and
-  the bytes read from the store's files without TensorStore (mapped or direct reads)."""
-  if store is not None:
+    def place(i: int, value: np.ndarray) -> jax.Array:
+      return jax.block_until_ready(jax.device_put(value, shardings[i]))
+
     with open_for(
       split, store, strict=policy.strict_loading, max_cached_shards=policy.max_cached_shards
     ) as opened:
-      return read_all(split, opened), opened.own_read_bytes
+      values = read_all(split, opened, place=place)
+      loading = MemoryItem(
+        name="loading",
+        memory="host",
+        nbytes=transit_bytes(split, opened),
+        counted_in=OVERHEAD,
+        note="at placement only: one stored array read and on its way to its memory "
+        "(and the decode of a chunk of several units)",
+      )
+      self.metadata = dataclasses.replace(self.metadata, memory=(*self.metadata.memory, loading))
+      return values, opened.own_read_bytes
+
+
+def _own_weights(split: SplitModel) -> list[Any]:
+  """The model's own weights; an abstract model (no values) raises `PlacementError`."""
   abstract = [
     path_str(leaf.path)
     for leaf, v in zip(split.leaves, split.values, strict=True)
@@ -175,4 +201,4 @@ def _weights(
       f"the model is abstract ({len(abstract)} parameters have no values, e.g. "
       f"{abstract[0]!r}); pass store=<path> written by jax_residency.save to read its weights"
     )
-  return split.values, 0
+  return split.values

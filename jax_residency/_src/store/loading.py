@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 import tqdm
 
 from jax_residency._src.placement.split import SplitModel
 from jax_residency._src.policy.errors import StoreError
 from jax_residency._src.policy.reads import ReadOptions
-from jax_residency._src.store import checkpoints, checks, commit, discovery, handles, remote
+from jax_residency._src.store import checkpoints, checks, commit, discovery, handles
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.unit_store import UnitStore
-from jax_residency._src.typing import ParamPath, path_str
+from jax_residency._src.typing import ParamPath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ def open_for(
     stacks=[s.path_prefix for s in split.stacks],
     max_cached_shards=max_cached_shards,
     read_options=source.reads,
-    require_unit_chunks=False,  # chunks of several units are read whole (see `read_all`)
+    require_unit_chunks=False,  # a chunk of several units is decoded whole to read one
   )
   try:
     check_for(split, store, strict=strict)
@@ -104,46 +104,41 @@ def check_for(split: SplitModel, store: UnitStore, *, strict: bool) -> None:
       )
 
 
-def read_all(split: SplitModel, store: UnitStore, *, progress: bool | None = None) -> list[Any]:
-  """Every leaf of ``split`` read from ``store``, in leaf order (units stacked).
+def read_all(
+  split: SplitModel,
+  store: UnitStore,
+  *,
+  place: Callable[[int, np.ndarray], Any] = lambda i, value: value,
+  progress: bool | None = None,
+) -> list[Any]:
+  """Every leaf of ``split`` read from ``store``, in leaf order (units stacked), each
+  passed through ``place(leaf_index, array)`` as soon as it is read.
 
-  Units are read one at a time (two in flight) into one stacked buffer per
-  tensor, so host memory peaks at the model's size plus two units. A store whose
-  chunks span several units (an Orbax checkpoint) is read array by array
-  instead, each decoded once: the model's size plus one array's chunk.
+  One stored array at a time: it is read whole (each chunk decoded once, also
+  where a chunk holds several units) and handed to ``place``, which should
+  return once the array is where it belongs (e.g. ``jax.device_put`` waited
+  on), so that host memory holds the placed leaves plus one array in transit
+  (plus, for a chunk of several units, its decode): `transit_bytes`.
   """
-  static = store.read_static()
   values: list[Any] = [None] * len(split.leaves)
-  for i in split.static_index:
-    values[i] = static[split.leaves[i].path]
-  stacks = {i: np.empty(split.leaves[i].shape, split.leaves[i].dtype) for i in split.unit_index}
-  owner = {s.offset + u: s for s in split.stacks for u in range(s.count)}
-  rel = {i: split.unit_rel_path(split.leaves[i]) for i in split.unit_index}
-  if not store.chunked_per_unit:
-    for stack in split.stacks:
-      for i in stack.index:
-        values[i] = _read_whole(store, stack.path_prefix + rel[i], stacks.pop(i))
-    return values
   bar = tqdm.tqdm(
-    total=split.unit_count,
-    desc="reading units",
-    unit="unit",
+    total=sum(leaf.nbytes for leaf in split.leaves),
+    desc="reading weights",
+    unit="B",
+    unit_scale=True,
     disable=None if progress is None else not progress,  # None: only on a terminal
     leave=False,
   )
   with bar:
-    for u, tensors in store.read_units(range(split.unit_count)):
-      stack = owner[u]
-      for i in stack.index:
-        stacks[i][u - stack.offset] = tensors[rel[i]]
-      bar.update(1)
-  for i in split.unit_index:
-    values[i] = stacks.pop(i)
+    for i, leaf in enumerate(split.leaves):
+      values[i] = place(i, store.read_array(leaf.path, np.empty(leaf.shape, leaf.dtype)))
+      bar.update(leaf.nbytes)
   return values
 
 
-def _read_whole(store: UnitStore, path: ParamPath, out: np.ndarray) -> np.ndarray:
-  """Reads the stored array at ``path`` (all its units) into ``out``."""
-  write = ts.array(out, copy=False, write=True).write(store.array_handle(path))
-  remote.wait(write, store.read_options, store.path, f"array {path_str(path)!r}")
-  return out
+def transit_bytes(split: SplitModel, store: UnitStore) -> int:
+  """Host bytes `read_all` holds besides what it has placed: the largest array in
+  transit, and the decode of a chunk of several units (TensorStore decodes it into
+  its own buffer, then copies it)."""
+  largest = max((leaf.nbytes for leaf in split.leaves), default=0)
+  return largest + store.largest_shared_chunk

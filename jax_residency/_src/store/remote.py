@@ -28,10 +28,11 @@ _UNAVAILABLE = ("retry attempts failed", "UNAVAILABLE", "CURL error", "Could not
 
 
 def driver_of(path: str, *, local: bool) -> str | None:
-  """The TensorStore key-value driver a store's path uses (None: one without byte
-  counters, such as ``memory://``)."""
+  """The TensorStore key-value driver whose byte counter counts a store's fetches
+  (None: a local store, which counts its reads itself, or one with no counter,
+  such as ``memory://``)."""
   if local:
-    return "file"
+    return None
   return _DRIVERS.get(path.split("://", 1)[0].lower()) if "://" in path else None
 
 
@@ -108,9 +109,9 @@ class FetchCounter:
   """Bytes TensorStore fetched from a store's storage since the counter was made.
 
   TensorStore's counters are per driver and process-wide: reads of other stores
-  of the same kind in this process during the same time count too. Reads the
-  store makes from its files without TensorStore (mapped and direct reads) are
-  not counted here; `UnitStore.own_read_bytes` counts them.
+  of the same kind in this process during the same time count too. A local
+  store counts its own reads (`UnitStore.own_read_bytes`): TensorStore's file
+  counter misses memory-mapped reads, and mapped and direct reads bypass it.
   """
 
   def __init__(self, path: str, *, local: bool):

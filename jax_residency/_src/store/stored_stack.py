@@ -9,6 +9,8 @@ so a stream addresses any unit of any stack with one int (`locate`).
 from __future__ import annotations
 
 import dataclasses
+import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -198,3 +200,49 @@ class StackLayout:
   def compressed(self) -> bool:
     """Whether any unit array is compressed (slower reads; `rechunk_store` drops it)."""
     return any(a.compressed for s in self._stacks for a in s.arrays.values())
+
+
+class LocalFetches:
+  """Bytes reads through TensorStore fetch from a local store's files, counted here
+  from the OCDBT index: TensorStore's own file counter misses memory-mapped reads.
+
+  Each read counts the stored (possibly compressed) bytes of the chunks it must
+  fetch; a chunk the index keeps inline, or a store without OCDBT, counts its
+  decoded bytes. Thread-safe; the index is read on the first count.
+  """
+
+  def __init__(self, root: str, *, use_ocdbt: bool):
+    self._root, self._use_ocdbt = root, use_ocdbt
+    self._sizes: dict[str, dict[int, int]] | None = None
+    self._lock = threading.Lock()
+    self.total = 0
+
+  def _table(self) -> dict[str, dict[int, int]]:
+    """Stored bytes per array name, per chunk index along axis 0."""
+    if self._sizes is None:
+      sizes: dict[str, dict[int, int]] = {}
+      extents = mapped.ocdbt_extents(self._root) if self._use_ocdbt else {}
+      for key, extent in extents.items():
+        name, _, rest = key.partition("/")
+        first = re.split(r"[./]", rest.removeprefix("c/"), maxsplit=1)[0]
+        if first.isdigit():
+          row = sizes.setdefault(name, {})
+          row[int(first)] = row.get(int(first), 0) + extent.length
+      self._sizes = sizes
+    return self._sizes
+
+  def count(self, info: discovery.ArrayInfo, unit: int | None) -> None:
+    """Counts a read of unit ``unit`` of the array ``info`` (None: all of it)."""
+    with self._lock:
+      row = self._table().get(info.stored_name)
+      if row:
+        if unit is None:
+          self.total += sum(row.values())
+        else:
+          self.total += row.get(unit // info.read_chunk[0], 0)
+      elif unit is None or not info.shape:
+        self.total += tensor_nbytes(info.shape, info.dtype)
+      else:
+        self.total += min(info.read_chunk[0], info.shape[0]) * tensor_nbytes(
+          info.shape[1:], info.dtype
+        )

@@ -50,6 +50,8 @@ class UnitRead:
     self._timeout_s = timeout_s
     self._issued = time.monotonic()
     self.nbytes = sum(a.nbytes for a in self._arrays.values())
+    #: The tensors read through TensorStore (not mapped, not read directly).
+    self.tensorstore_keys: list[Any] = []
 
   def done(self) -> bool:
     return all(f.done() for _, f in self._futures)
@@ -163,6 +165,7 @@ def issue_unit_read(
   buffers = pool.lease(layout, nbytes)
   arrays: dict[Any, np.ndarray] = dict(ready or {})
   futures = list(pending)
+  through_ts = []
   for i, (key, src) in enumerate(sources):
     out = buffers[str(i)]
     arrays[key] = out
@@ -173,6 +176,7 @@ def issue_unit_read(
       futures.append((key, future))
       continue
     src = src.translate_to[0]
+    through_ts.append(key)
     if key in serial and decoder is not None:
       futures.append((key, decoder.submit(_copy, out, src)))
       continue
@@ -188,7 +192,9 @@ def issue_unit_read(
       stop = min(start + step, rows)
       piece = (out, src) if step >= rows else (out[start:stop], src[start:stop].translate_to[0])
       futures.append((key, ts.array(piece[0], copy=False, write=True).write(piece[1])))
-  return UnitRead(unit, arrays, futures, where, prefix, timeout_s)
+  read = UnitRead(unit, arrays, futures, where, prefix, timeout_s)
+  read.tensorstore_keys = through_ts
+  return read
 
 
 def _copy(out: np.ndarray, src: ts.TensorStore) -> None:

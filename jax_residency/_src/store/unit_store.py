@@ -57,7 +57,12 @@ from jax_residency._src.store.buffers import BufferPool
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.info import StoreInfo as StoreInfo
 from jax_residency._src.store.remote import FetchCounter
-from jax_residency._src.store.stored_stack import StackLayout, locate, split_stacks
+from jax_residency._src.store.stored_stack import (
+  LocalFetches,
+  StackLayout,
+  locate,
+  split_stacks,
+)
 from jax_residency._src.store.unit_reads import (
   UnitRead,
   in_order,
@@ -119,6 +124,9 @@ class UnitStore(StackLayout):
     self._closed = False
     # A placement serves the store it opened: reads check it was not replaced since.
     self._watch = generation.Watch(location.local, location.path) if location.local else None
+    local = location.local
+    self._local = LocalFetches(local, use_ocdbt=use_ocdbt) if local else None
+    self._infos = dict(arrays)
     self._fetched = FetchCounter(location.path, local=location.local is not None)
 
   @classmethod
@@ -275,8 +283,15 @@ class UnitStore(StackLayout):
 
   @property
   def own_read_bytes(self) -> int:
-    """Bytes mapped and direct reads took from the store's files (not via TensorStore)."""
-    return sum(m.total_bytes + m.direct_bytes for m in self._mappers)
+    """Bytes the store counted itself: what mapped and direct reads took from its
+    files and, for a local store, what reads through TensorStore fetched (whose own
+    counter misses memory-mapped reads; see `LocalFetches`)."""
+    local = self._local.total if self._local is not None else 0
+    return local + sum(m.total_bytes + m.direct_bytes for m in self._mappers)
+
+  def _count(self, path: ParamPath, unit: int | None) -> None:
+    if self._local is not None:
+      self._local.count(self._infos[path], unit)
 
   @property
   def fetched_bytes_total(self) -> int:
@@ -356,6 +371,8 @@ class UnitStore(StackLayout):
       decoder=self._decoder,
     )
     read.id = int(i)
+    for rel in read.tensorstore_keys:
+      self._count(prefix + rel, j)
     return read
 
   def read_unit(
@@ -390,6 +407,8 @@ class UnitStore(StackLayout):
     """Reads every static tensor, keyed by full path."""
     self._check_usable()
     futures = [(p, self._handles.get(self._names[p]).read()) for p in self._static]
+    for p in self._static:
+      self._count(p, None)
     return {path: self._static_result(path, future) for path, future in futures}
 
   def read_static_tensor(self, path: ParamPath) -> np.ndarray:
@@ -397,7 +416,18 @@ class UnitStore(StackLayout):
     self._check_usable()
     if tuple(path) not in self._static:
       raise errors.StoreError(f"{path_str(path)!r} is not a static tensor of {self.path}.")
+    self._count(tuple(path), None)
     return self._static_result(path, self._handles.get(self._names[tuple(path)]).read())
+
+  def read_array(self, path: ParamPath, out: np.ndarray) -> np.ndarray:
+    """Reads the whole array at full ``path`` (a static tensor, or a unit array with
+    every unit) into ``out``, each chunk decoded once; returns ``out``."""
+    write = ts.array(out, copy=False, write=True).write(self.array_handle(path))
+    self._count(tuple(path), None)
+    name = path_str(tuple(path))
+    fail = functools.partial(read_error, where=self.path, tensor=name, unit=None)
+    remote.wait(write, self._loc.reads, self.path, f"array {name!r}", other=fail)
+    return out
 
   def array_handle(self, path: ParamPath) -> ts.TensorStore:
     """The open TensorStore array at full ``path``: a static tensor, or a unit array

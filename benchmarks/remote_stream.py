@@ -1,0 +1,326 @@
+"""DenseDiskStream over HTTP with added latency, against a plain sequential fetch.
+
+Builds (once, under --dir) a seeded toy transformer with --units units of about
+--unit-mib MiB each and its store, serves the store read-only on 127.0.0.1 from
+a child process (`jax_residency.testing.serve_store`, --latency-ms added to
+every request, as a remote server's round trip would be), and measures in this
+process:
+
+* ``direct``: DenseDiskStream with ``host_budget_bytes=0`` (direct reads into
+  the device window, no host cache, no read-ahead thread) over the server's
+  URL: place, a first pass (it compiles the step), then --repeat timed passes,
+  each after ``clear_caches()``, so that each reads every unit over HTTP again;
+* ``stream``: the same with a host cache that holds every unit, for each
+  --lookahead (``host_lookahead``, with a prefetch queue as deep);
+* ``sequential fetch``: exactly the requests the server received during the
+  last direct pass (each unit chunk's byte range), sent again one after another
+  on one keep-alive connection (--repeat times): a plain client fetching the
+  same bytes one request at a time.
+
+For each it prints the median seconds, MB/s (1 MB = 1e6 bytes) of the bytes
+fetched, the sequential fetch's time over the row's, the requests the server
+answered in a pass, and the bytes fetched; then whether every pass's
+``PassReport.fetched_bytes`` equals the bytes the server sent during it and
+every placement's ``Report.fetched_bytes`` the bytes sent since ``place``.
+
+    python benchmarks/remote_stream.py                      # 12 units x 32 MiB, 20 ms
+    python benchmarks/remote_stream.py --latency-ms 50 --lookahead 1 4 16
+    python benchmarks/remote_stream.py --quick              # 6 units x 4 MiB
+    python benchmarks/remote_stream.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+
+MiB = 1 << 20
+HEADS = 12
+
+
+def shape(unit_mib: float) -> tuple[int, int]:
+  """``(d_model, d_ff)`` of a toy whose units are near ``unit_mib`` (12 d^2 float32 params)."""
+  d = max(HEADS, round((unit_mib * MiB / 48) ** 0.5 / HEADS) * HEADS)
+  return d, 4 * d
+
+
+def config(args: argparse.Namespace):
+  from jax_residency.toy import ToyConfig
+
+  d, ff = shape(args.unit_mib)
+  return ToyConfig(vocab=512, d_model=d, n_heads=HEADS, d_ff=ff, n_layers=args.units)
+
+
+def build_store(args: argparse.Namespace) -> str:
+  """The store under ``--dir`` (written once, by a child process, then reused)."""
+  cfg = config(args)
+  path = os.path.join(args.dir, f"remote-{cfg.n_layers}x{cfg.d_model}x{cfg.d_ff}")
+  if not os.path.exists(os.path.join(path, "jax_residency.json")):
+    os.makedirs(args.dir, exist_ok=True)
+    cmd = [sys.executable, __file__, "--save", path, "--units", str(args.units)]
+    subprocess.run([*cmd, "--unit-mib", str(args.unit_mib)], check=True)
+  return path
+
+
+def save(args: argparse.Namespace) -> None:
+  from flax import nnx
+
+  import jax_residency as jr
+  from jax_residency.toy import ToyTransformer
+
+  jr.save(ToyTransformer(config(args), rngs=nnx.Rngs(0)), args.save, overwrite=True)
+
+
+def serve(args: argparse.Namespace) -> None:
+  """The child that serves the store: prints its URL, then answers ``counts``,
+  ``reset`` and ``log`` lines on stdin with a JSON line, until ``quit`` or end of
+  input. ``log``: the requests (path, Range header) since the last ``reset``."""
+  import http.server
+  import threading
+
+  from jax_residency._src import store_server
+  from jax_residency.testing import serve_store
+
+  log: list[tuple[str, str | None]] = []
+  lock = threading.Lock()
+  answer = store_server._Handler._answer
+
+  def logged(self, *, body: bool) -> None:
+    with lock:
+      log.append((self.path, self.headers.get("Range")))
+    answer(self, body=body)
+
+  store_server._Handler._answer = logged
+
+  if not args.stock_server:
+    # Two artefacts of serve_store that a real server does not have (reported):
+    # without TCP_NODELAY a small response's body waits for the client to acknowledge
+    # its headers (Nagle against delayed ACKs, up to 40 ms a request), and with
+    # socketserver's listen backlog of 5 a burst of new connections loses SYNs that
+    # the client resends after 1 s. --stock-server keeps both.
+    store_server._Handler.disable_nagle_algorithm = True
+    http.server.ThreadingHTTPServer.request_queue_size = 128
+  with serve_store(args.serve, latency_s=args.latency_ms / 1e3) as server:
+    print(json.dumps({"url": server.url}), flush=True)
+    for line in sys.stdin:
+      command = line.strip()
+      if command == "quit":
+        break
+      if command == "reset":
+        server.reset_counts()
+        with lock:
+          log.clear()
+      if command == "log":
+        with lock:
+          print(json.dumps({"log": log}), flush=True)
+        continue
+      counts = {"bytes_served": server.bytes_served, "requests": server.requests}
+      print(json.dumps(counts), flush=True)
+
+
+class Server:
+  """The serving child, seen from this process."""
+
+  def __init__(self, store: str, latency_ms: float, *, stock: bool):
+    cmd = [sys.executable, __file__, "--serve", store, "--latency-ms", str(latency_ms)]
+    cmd += ["--stock-server"] if stock else []
+    self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.url = json.loads(self._proc.stdout.readline())["url"]
+
+  def _ask(self, command: str) -> dict:
+    self._proc.stdin.write(command + "\n")
+    self._proc.stdin.flush()
+    return json.loads(self._proc.stdout.readline())
+
+  def counts(self) -> dict:
+    return self._ask("counts")
+
+  def log(self) -> list[tuple[str, str | None]]:
+    return [tuple(r) for r in self._ask("log")["log"]]
+
+  def reset(self) -> None:
+    self._ask("reset")
+
+  def close(self) -> None:
+    self._proc.stdin.write("quit\n")
+    self._proc.stdin.close()
+    self._proc.wait(timeout=30)
+
+
+def sequential_fetch(url: str, requests: list[tuple[str, str | None]]) -> dict:
+  """Sends ``requests`` (path, Range header) again, one after another, on one
+  keep-alive connection, reading each body into one reused buffer."""
+  parts = urllib.parse.urlsplit(url)
+  buf = memoryview(bytearray(16 * MiB))
+  conn = http.client.HTTPConnection(parts.hostname, parts.port)
+  total, start = 0, time.perf_counter()
+  for path, byte_range in requests:
+    conn.request("GET", path, headers={"Range": byte_range} if byte_range else {})
+    response = conn.getresponse()
+    if response.status not in (200, 206):
+      raise SystemExit(f"GET {path} ({byte_range}): HTTP {response.status}")
+    while n := response.readinto(buf):
+      total += n
+  seconds = time.perf_counter() - start
+  conn.close()
+  return {"requests": len(requests), "bytes": total, "seconds": seconds}
+
+
+def stream_passes(server: Server, abstract, x, policy, repeat: int) -> tuple[dict, list]:
+  """Place, a first pass (compiles the step, fills the caches), then ``repeat`` timed
+  passes, each after ``clear_caches()`` so that it reads every unit over HTTP again.
+  Returns the figures (median seconds) and the requests the server saw in the last."""
+  import jax
+
+  import jax_residency as jr
+
+  server.reset()
+  served, seconds, matched = 0, [], True
+  with jr.place(abstract, policy, store=server.url) as placed:
+    jax.block_until_ready(placed(x))
+    for _ in range(repeat):
+      placed.clear_caches()
+      time.sleep(0.2)  # anything clear_caches set off would show in the counts below
+      served += server.counts()["bytes_served"]
+      server.reset()
+      start = time.perf_counter()
+      jax.block_until_ready(placed(x))
+      seconds.append(time.perf_counter() - start)
+      during = server.counts()
+      last = placed.report().last
+      matched &= last.fetched_bytes == during["bytes_served"]
+    requests = server.log()
+  report = placed.report()
+  return {
+    "seconds": statistics.median(seconds),
+    "seconds_all": seconds,
+    "bytes_read": last.bytes_read,
+    "pass_fetched_bytes": last.fetched_bytes,
+    "requests": during["requests"],
+    "pass_fetched_equals_served": matched,
+    "report_fetched_equals_served": report.fetched_bytes
+    == served + server.counts()["bytes_served"],
+  }, requests
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+  )
+  parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "jax_residency_bench"))
+  parser.add_argument("--units", type=int, default=12, help="units (layers); default 12")
+  parser.add_argument("--unit-mib", type=float, default=32.0, help="MiB per unit; default 32")
+  parser.add_argument("--latency-ms", type=float, default=20.0, help="added per request")
+  parser.add_argument("--lookahead", type=int, nargs="+", default=[1, 2, 4, 8])
+  parser.add_argument("--tokens", type=int, default=16)
+  parser.add_argument("--repeat", type=int, default=3, help="timed passes per row (median)")
+  parser.add_argument("--quick", action="store_true", help="6 units of 4 MiB, lookahead 1 4")
+  parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.add_argument(
+    "--stock-server",
+    action="store_true",
+    help="serve_store as it is: Nagle on, listen backlog 5 (see serve())",
+  )
+  parser.add_argument("--save", help=argparse.SUPPRESS)
+  parser.add_argument("--serve", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.save:
+    save(args)
+    return
+  if args.serve:
+    serve(args)
+    return
+  if args.quick:
+    args.units, args.unit_mib, args.lookahead = 6, 4.0, [1, 4]
+
+  import jax
+  from flax import nnx
+
+  import jax_residency as jr
+  from jax_residency.toy import ToyTransformer
+
+  cfg = config(args)
+  store = build_store(args)
+  unit_bytes = cfg.n_layers * cfg.unit_bytes()
+  abstract = nnx.eval_shape(lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0)))
+  x = jax.random.randint(jax.random.key(1), (1, args.tokens), 0, cfg.vocab)
+  every_unit = unit_bytes + 64 * MiB
+  server = Server(store, args.latency_ms, stock=args.stock_server)
+  try:
+    rows, passes = {}, {}
+    direct = "direct (host_budget_bytes=0)"
+    rows[direct], passes[direct] = stream_passes(
+      server, abstract, x, jr.DenseDiskStream(host_budget_bytes=0), args.repeat
+    )
+    for depth in args.lookahead:
+      policy = jr.DenseDiskStream(
+        jr.DenseDiskStreamLoadOptions(
+          host_budget_bytes=every_unit, host_lookahead=depth, background_queue_capacity=depth
+        )
+      )
+      name = f"stream, lookahead {depth}"
+      rows[name], passes[name] = stream_passes(server, abstract, x, policy, args.repeat)
+    server.reset()
+    fetches = [sequential_fetch(server.url, passes[direct]) for _ in range(args.repeat)]
+    seq = fetches[0] | {"seconds": statistics.median(f["seconds"] for f in fetches)}
+    seq["seconds_all"] = [f["seconds"] for f in fetches]
+  finally:
+    server.close()
+
+  for row in rows.values():
+    row["mb_per_s"] = row["pass_fetched_bytes"] / row["seconds"] / 1e6
+    row["speedup_over_sequential"] = seq["seconds"] / row["seconds"]
+  seq["mb_per_s"] = seq["bytes"] / seq["seconds"] / 1e6
+  result = {
+    "units": cfg.n_layers,
+    "unit_bytes": cfg.unit_bytes(),
+    "unit_bytes_total": unit_bytes,
+    "latency_ms": args.latency_ms,
+    "tokens": args.tokens,
+    "stock_server": args.stock_server,
+    "sequential_fetch": seq,
+    "passes": rows,
+  }
+  if args.json:
+    print(json.dumps(result))
+    return
+  print(
+    f"{cfg.n_layers} units x {cfg.unit_bytes() / MiB:.1f} MiB = {unit_bytes / MiB:,.0f} MiB of"
+    f" unit weights, served on 127.0.0.1 with {args.latency_ms:g} ms added per request"
+    + (" (stock server)" if args.stock_server else "")
+  )
+  print(
+    f"{'':<30}{'seconds':>8}{'best':>7}{'MB/s':>7}{'x seq':>7}{'requests':>9}{'fetched MB':>11}"
+  )
+  print(
+    f"{'sequential fetch':<30}{seq['seconds']:>8.2f}{min(seq['seconds_all']):>7.2f}"
+    f"{seq['mb_per_s']:>7.0f}{1.0:>7.2f}{seq['requests']:>9}{seq['bytes'] / 1e6:>11.1f}"
+  )
+  for name, row in rows.items():
+    print(
+      f"{name:<30}{row['seconds']:>8.2f}{min(row['seconds_all']):>7.2f}{row['mb_per_s']:>7.0f}"
+      f"{row['speedup_over_sequential']:>7.2f}{row['requests']:>9}"
+      f"{row['pass_fetched_bytes'] / 1e6:>11.1f}"
+    )
+  print(
+    f"seconds: median of {args.repeat} timed passes (fetches), best: the fastest; MB/s and"
+    " x seq (the sequential fetch's seconds over the row's) from the medians. sequential"
+    " fetch: the direct pass's requests (byte ranges of the unit chunks) sent again one"
+    " after another on one connection."
+  )
+  served = all(r["pass_fetched_equals_served"] for r in rows.values())
+  since = all(r["report_fetched_equals_served"] for r in rows.values())
+  print(f"PassReport.fetched_bytes == bytes served during the pass, every pass: {served}")
+  print(f"Report.fetched_bytes == bytes served since place, every placement: {since}")
+
+
+if __name__ == "__main__":
+  main()

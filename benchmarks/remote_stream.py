@@ -83,7 +83,6 @@ def serve(args: argparse.Namespace) -> None:
   """The child that serves the store: prints its URL, then answers ``counts``,
   ``reset`` and ``log`` lines on stdin with a JSON line, until ``quit`` or end of
   input. ``log``: the requests (path, Range header) since the last ``reset``."""
-  import http.server
   import threading
 
   from jax_residency._src import store_server
@@ -100,14 +99,6 @@ def serve(args: argparse.Namespace) -> None:
 
   store_server._Handler._answer = logged
 
-  if not args.stock_server:
-    # Two artefacts of serve_store that a real server does not have (reported):
-    # without TCP_NODELAY a small response's body waits for the client to acknowledge
-    # its headers (Nagle against delayed ACKs, up to 40 ms a request), and with
-    # socketserver's listen backlog of 5 a burst of new connections loses SYNs that
-    # the client resends after 1 s. --stock-server keeps both.
-    store_server._Handler.disable_nagle_algorithm = True
-    http.server.ThreadingHTTPServer.request_queue_size = 128
   with serve_store(args.serve, latency_s=args.latency_ms / 1e3) as server:
     print(json.dumps({"url": server.url}), flush=True)
     for line in sys.stdin:
@@ -129,9 +120,8 @@ def serve(args: argparse.Namespace) -> None:
 class Server:
   """The serving child, seen from this process."""
 
-  def __init__(self, store: str, latency_ms: float, *, stock: bool):
+  def __init__(self, store: str, latency_ms: float):
     cmd = [sys.executable, __file__, "--serve", store, "--latency-ms", str(latency_ms)]
-    cmd += ["--stock-server"] if stock else []
     self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     self.url = json.loads(self._proc.stdout.readline())["url"]
 
@@ -224,11 +214,6 @@ def main() -> None:
   parser.add_argument("--repeat", type=int, default=3, help="timed passes per row (median)")
   parser.add_argument("--quick", action="store_true", help="6 units of 4 MiB, lookahead 1 4")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
-  parser.add_argument(
-    "--stock-server",
-    action="store_true",
-    help="serve_store as it is: Nagle on, listen backlog 5 (see serve())",
-  )
   parser.add_argument("--save", help=argparse.SUPPRESS)
   parser.add_argument("--serve", help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -253,7 +238,7 @@ def main() -> None:
   abstract = nnx.eval_shape(lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0)))
   x = jax.random.randint(jax.random.key(1), (1, args.tokens), 0, cfg.vocab)
   every_unit = unit_bytes + 64 * MiB
-  server = Server(store, args.latency_ms, stock=args.stock_server)
+  server = Server(store, args.latency_ms)
   try:
     rows, passes = {}, {}
     direct = "direct (host_budget_bytes=0)"
@@ -285,7 +270,6 @@ def main() -> None:
     "unit_bytes_total": unit_bytes,
     "latency_ms": args.latency_ms,
     "tokens": args.tokens,
-    "stock_server": args.stock_server,
     "sequential_fetch": seq,
     "passes": rows,
   }
@@ -295,7 +279,6 @@ def main() -> None:
   print(
     f"{cfg.n_layers} units x {cfg.unit_bytes() / MiB:.1f} MiB = {unit_bytes / MiB:,.0f} MiB of"
     f" unit weights, served on 127.0.0.1 with {args.latency_ms:g} ms added per request"
-    + (" (stock server)" if args.stock_server else "")
   )
   print(
     f"{'':<30}{'seconds':>8}{'best':>7}{'MB/s':>7}{'x seq':>7}{'requests':>9}{'fetched MB':>11}"

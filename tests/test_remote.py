@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import http.server
 import io
 import json
 import os
@@ -52,18 +51,9 @@ def expected(model, tokens):
 
 @pytest.fixture(scope="module")
 def module_server(store):
-  """The store served on 127.0.0.1 for the whole module.
-
-  Two loopback artefacts of `serve_store` are turned off here (reported as library
-  issues): it listens with socketserver's backlog of 5, so a burst of new connections
-  loses SYNs that the client sends again only after 1 s (as long as the time-outs
-  below), and it leaves Nagle's algorithm on, which holds a small response's body until
-  its headers are acknowledged (up to 40 ms a request)."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(http.server.ThreadingHTTPServer, "request_queue_size", 128)
-    patch.setattr(store_server._Handler, "disable_nagle_algorithm", True)
-    with serve_store(store) as server:
-      yield server
+  """The store served on 127.0.0.1 for the whole module."""
+  with serve_store(store) as server:
+    yield server
 
 
 class Traffic:
@@ -183,11 +173,6 @@ def test_flaky_server_keeps_parity_through_retries(tokens, expected, server):
 # --- a server that is down -------------------------------------------------------
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="library bug: ReadOptions.context_spec passes max_retries=attempts, but TensorStore "
-  "0.1.86's max_retries counts retries, so retries=k makes k+2 requests per read",
-)
 @pytest.mark.parametrize("retries", [0, 2])
 def test_failing_server_raises_unavailable_after_retries_plus_one_tries(server, traffic, retries):
   server.fail = lambda n: True
@@ -279,12 +264,6 @@ def test_slow_server_times_out_mid_stream_and_the_pass_is_not_committed(
     assert report.total.passes == 2 and report.last.bytes_read > 0
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="library limitation: a timed-out read is cancelled, but TensorStore keeps the "
-  "chunk's request running and the next read of that chunk joins it, so the call after "
-  "a time-out waits for the slow answer again (and times out) instead of asking anew",
-)
 def test_the_call_after_a_time_out_asks_the_server_anew(tokens, expected, server, traffic):
   reads = jr.ReadOptions(retries=0, timeout_s=1.0)
   policy = POLICIES["dense_direct"]
@@ -355,12 +334,6 @@ def test_file_url_save_and_place(model, tokens, expected, tmp_path):
   assert placed.report().fetched_bytes >= placed.report().total.bytes_read > 0
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="library bug: jr.save to an http(s):// URL raises NotImplementedError from "
-  "TensorStore (a new path) or says a store 'already exists' (the served one), not a "
-  "StoreError saying http(s) stores are read-only",
-)
 @pytest.mark.parametrize("where", ["served", "new"])
 def test_save_to_http_says_read_only(model, server, where):
   url = server.url if where == "served" else server.url + "new/"

@@ -86,8 +86,8 @@ class ReadOptions:
 
   def context_spec(self) -> dict[str, Any]:
     """The TensorStore context resources that make its remote drivers retry as asked."""
-    retries = {
-      "max_retries": self.attempts,
+    retries = {  # TensorStore's max_retries counts the tries after the first
+      "max_retries": self.retries,
       "initial_delay": f"{self.retry_delay_s * 1e3:.0f}ms",
       "max_delay": f"{self.max_retry_delay_s * 1e3:.0f}ms",
     }

@@ -41,14 +41,17 @@ def is_remote(path: str) -> bool:
   return driver_of(path, local=False) in ("http", "gcs", "s3")
 
 
-def unavailable(error: BaseException, where: str, what: str) -> errors.StoreError | None:
+def unavailable(
+  error: BaseException, where: str, what: str, attempts: int | None = None
+) -> errors.StoreError | None:
   """`StoreUnavailableError` if TensorStore's ``error`` says the store's server could
-  not be reached or kept failing (None: some other failure)."""
+  not be reached or kept failing, after ``attempts`` tries (None: some other failure)."""
   text = str(error)
   if not any(marker in text for marker in _UNAVAILABLE):
     return None
-  match = _ATTEMPTS.search(text)
-  attempts = int(match.group(1)) if match else None
+  if attempts is None:  # "All N retry attempts failed": N retries after the first try
+    match = _ATTEMPTS.search(text)
+    attempts = int(match.group(1)) + 1 if match else None
   tries = f" on all {attempts} tries" if attempts else ""
   return errors.StoreUnavailableError(
     f"Reading {what} from {where} failed{tries}: {text}. The server is down or keeps "
@@ -78,11 +81,13 @@ def wait(
   what: str,
   *,
   other: Callable[[BaseException], BaseException] | None = None,
+  on_timeout: Callable[[], None] | None = None,
 ) -> Any:
   """``future.result()`` within ``reads.timeout_s``.
 
   Raises:
-    StoreTimeoutError: still running then (the future is cancelled).
+    StoreTimeoutError: still running then (the future is cancelled, and
+      ``on_timeout()`` called).
     StoreUnavailableError: the server could not be reached or kept failing.
     whatever ``other(error)`` returns for any other failure (default: the error).
   """
@@ -90,11 +95,13 @@ def wait(
     return future.result(timeout=reads.timeout_s)
   except TimeoutError:
     future.cancel()
+    if on_timeout is not None:
+      on_timeout()
     raise timed_out(where, what, reads.timeout_s or 0.0) from None
   except errors.StoreError:
     raise
   except Exception as e:  # TensorStore reports failures as ValueError
-    typed = unavailable(e, where, what) or (other(e) if other else None)
+    typed = unavailable(e, where, what, reads.attempts) or (other(e) if other else None)
     if typed is None:
       raise
     raise typed from e

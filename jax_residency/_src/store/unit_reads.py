@@ -39,6 +39,8 @@ class UnitRead:
     where: str,
     prefix: tuple[str, ...] = (),
     timeout_s: float | None = None,
+    attempts: int | None = None,
+    on_timeout: Callable[[], None] | None = None,
   ):
     self.unit = unit
     #: The unit's id in the store (`unit` is its index in its stack).
@@ -48,6 +50,8 @@ class UnitRead:
     self._futures = list(futures)
     self._where = where
     self._timeout_s = timeout_s
+    self._attempts = attempts
+    self._on_timeout = on_timeout
     self._issued = time.monotonic()
     self.nbytes = sum(a.nbytes for a in self._arrays.values())
     #: The tensors read through TensorStore (not mapped, not read directly).
@@ -82,13 +86,16 @@ class UnitRead:
         if not own:
           raise
         self.cancel()  # the buffer stays alive while a cancelled copy still holds it
+        if self._on_timeout is not None:
+          self._on_timeout()
         raise remote.timed_out(self._where, f"unit {self.id}", self._timeout_s or 0.0) from None
       except errors.StoreError:  # a direct read's or a mapped check's: typed already
         self._settle()
         raise
       except Exception as e:  # TensorStore reports IO errors as ValueError.
         self._settle()
-        raise read_error(e, self._where, path_str(self._prefix + tuple(key)), self.unit) from e
+        tensor = path_str(self._prefix + tuple(key))
+        raise read_error(e, self._where, tensor, self.unit, attempts=self._attempts) from e
     self._futures.clear()
     return dict(self._arrays)
 
@@ -102,7 +109,9 @@ class UnitRead:
         pass
 
 
-def read_error(error: Exception, where: str, tensor: str, unit: int | None) -> errors.StoreError:
+def read_error(
+  error: Exception, where: str, tensor: str, unit: int | None, *, attempts: int | None = None
+) -> errors.StoreError:
   """The typed error for a failed TensorStore read of ``tensor`` (of unit ``unit``,
   or a static tensor when None) from the store ``where``.
 
@@ -111,7 +120,7 @@ def read_error(error: Exception, where: str, tensor: str, unit: int | None) -> e
   """
   what = f"tensor {tensor!r}" if unit is None else f"unit {unit} of tensor {tensor!r}"
   text = str(error)
-  down = remote.unavailable(error, where, what)
+  down = remote.unavailable(error, where, what, attempts)
   if down is not None:
     return down
   if "DATA_LOSS" in text and "igest mismatch" in text:
@@ -146,6 +155,8 @@ def issue_unit_read(
   direct: Callable[[Any, np.ndarray], Any] | None = None,
   pending: Sequence[tuple[Any, Any]] = (),
   timeout_s: float | None = None,
+  attempts: int | None = None,
+  on_timeout: Callable[[], None] | None = None,
   serial: Collection[Any] = (),
   decoder: concurrent.futures.Executor | None = None,
 ) -> UnitRead:
@@ -156,7 +167,9 @@ def issue_unit_read(
   ``direct(key, out)``, where given, may start a read of the whole tensor into
   ``out`` itself and return its future (None: TensorStore reads it). ``pending``
   futures (the checks of mapped chunks) must succeed too before `result` returns;
-  ``timeout_s`` bounds the whole read (see `UnitRead.result`). Tensors in ``serial``
+  ``timeout_s`` bounds the whole read (see `UnitRead.result`; ``on_timeout`` is
+  called when it runs out); ``attempts`` is how many tries a failed request had.
+  Tensors in ``serial``
   (whose chunk holds several units, so a read decodes all of it) are read one
   after another on ``decoder``, a one-thread pool the store shares between its
   reads: at most one such chunk is decoded at a time."""
@@ -192,7 +205,7 @@ def issue_unit_read(
       stop = min(start + step, rows)
       piece = (out, src) if step >= rows else (out[start:stop], src[start:stop].translate_to[0])
       futures.append((key, ts.array(piece[0], copy=False, write=True).write(piece[1])))
-  read = UnitRead(unit, arrays, futures, where, prefix, timeout_s)
+  read = UnitRead(unit, arrays, futures, where, prefix, timeout_s, attempts, on_timeout)
   read.tensorstore_keys = through_ts
   return read
 

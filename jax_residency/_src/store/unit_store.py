@@ -126,6 +126,7 @@ class UnitStore(StackLayout):
     self._watch = generation.Watch(location.local, location.path) if location.local else None
     local = location.local
     self._local = LocalFetches(local, use_ocdbt=use_ocdbt) if local else None
+    self._cache_bytes = 0  # of the chunk cache (see `open`'s cache_largest_chunk)
     self._infos = dict(arrays)
     self._fetched = FetchCounter(location.path, local=location.local is not None)
 
@@ -192,11 +193,11 @@ class UnitStore(StackLayout):
     layout = checks.check_layout(
       path, found, unit_prefix, require_unit_chunks=require_unit_chunks, stacks=stacks
     )
+    cache_bytes = 0
     if cache_largest_chunk:
       largest = max(tensor_nbytes(a.read_chunk, a.dtype) for a in found.arrays.values())
-      context = handles.store_context(
-        cache_bytes=largest + largest // 4 + (1 << 20), reads=loc.reads
-      )
+      cache_bytes = largest + largest // 4 + (1 << 20)
+      context = handles.store_context(cache_bytes=cache_bytes, reads=loc.reads)
     store = cls(
       location=loc,
       context=context,
@@ -206,7 +207,7 @@ class UnitStore(StackLayout):
       max_cached_shards=max_cached_shards,
       spare_unit_buffers=spare_unit_buffers,
     )
-    store._fetched = fetched
+    store._fetched, store._cache_bytes = fetched, cache_bytes
     return store
 
   # -- description
@@ -289,6 +290,13 @@ class UnitStore(StackLayout):
     local = self._local.total if self._local is not None else 0
     return local + sum(m.total_bytes + m.direct_bytes for m in self._mappers)
 
+  def _renew_context(self) -> None:
+    """After a read timed out, later reads open their arrays in a fresh TensorStore
+    context: in the old one a new read of the chunk joins the cancelled one, which
+    may still be waiting on the server."""
+    self._context = handles.store_context(cache_bytes=self._cache_bytes, reads=self._loc.reads)
+    self._handles.clear()
+
   def _count(self, path: ParamPath, unit: int | None) -> None:
     if self._local is not None:
       self._local.count(self._infos[path], unit)
@@ -367,6 +375,8 @@ class UnitStore(StackLayout):
       direct=None if direct is None else functools.partial(direct.read_into, j),
       pending=checks,
       timeout_s=self._loc.reads.timeout_s,
+      attempts=self._loc.reads.attempts,
+      on_timeout=self._renew_context,
       serial=stack.shared,
       decoder=self._decoder,
     )
@@ -405,29 +415,27 @@ class UnitStore(StackLayout):
 
   def read_static(self) -> dict[ParamPath, np.ndarray]:
     """Reads every static tensor, keyed by full path."""
-    self._check_usable()
-    futures = [(p, self._handles.get(self._names[p]).read()) for p in self._static]
-    for p in self._static:
-      self._count(p, None)
-    return {path: self._static_result(path, future) for path, future in futures}
+    return {p: self.read_static_tensor(p) for p in self._static}
 
   def read_static_tensor(self, path: ParamPath) -> np.ndarray:
     """Reads one static tensor (to place static weights one at a time)."""
-    self._check_usable()
     if tuple(path) not in self._static:
       raise errors.StoreError(f"{path_str(path)!r} is not a static tensor of {self.path}.")
-    self._count(tuple(path), None)
-    return self._static_result(path, self._handles.get(self._names[tuple(path)]).read())
+    return self.read_array(path)
 
-  def read_array(self, path: ParamPath, out: np.ndarray) -> np.ndarray:
+  def read_array(self, path: ParamPath, out: np.ndarray | None = None) -> np.ndarray:
     """Reads the whole array at full ``path`` (a static tensor, or a unit array with
-    every unit) into ``out``, each chunk decoded once; returns ``out``."""
-    write = ts.array(out, copy=False, write=True).write(self.array_handle(path))
+    every unit), each chunk decoded once, into ``out`` if given; returns it."""
+    handle = self.array_handle(path)
+    future = handle.read() if out is None else ts.array(out, copy=False, write=True).write(handle)
     self._count(tuple(path), None)
     name = path_str(tuple(path))
     fail = functools.partial(read_error, where=self.path, tensor=name, unit=None)
-    remote.wait(write, self._loc.reads, self.path, f"array {name!r}", other=fail)
-    return out
+    what = f"tensor {name!r}"
+    got = remote.wait(
+      future, self._loc.reads, self.path, what, other=fail, on_timeout=self._renew_context
+    )
+    return got if out is None else out
 
   def array_handle(self, path: ParamPath) -> ts.TensorStore:
     """The open TensorStore array at full ``path``: a static tensor, or a unit array
@@ -436,11 +444,6 @@ class UnitStore(StackLayout):
     if tuple(path) not in self._names:
       raise errors.StoreError(f"{path_str(tuple(path))!r} is not an array of {self.path}.")
     return self._handles.get(self._names[tuple(path)])
-
-  def _static_result(self, path: ParamPath, future: Any) -> np.ndarray:
-    name = path_str(path)
-    fail = functools.partial(read_error, where=self.path, tensor=name, unit=None)
-    return remote.wait(future, self._loc.reads, self.path, f"tensor {name!r}", other=fail)
 
   def check_against(
     self,

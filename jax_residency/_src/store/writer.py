@@ -92,6 +92,11 @@ class _StoreWriter:
     in_flight: int = WRITE_IN_FLIGHT_BYTES,
   ):
     self.dest = locate(path)
+    if self.dest.path.split("://", 1)[0].lower() in ("http", "https"):
+      raise errors.StoreError(
+        f"Cannot write a store to {self.dest.path}: http(s) stores are read-only. Save "
+        "to a local directory (or gs://, s3://) and serve that directory over HTTP."
+      )
     self._limit = in_flight
     self._overwrite = overwrite
     self._total = total

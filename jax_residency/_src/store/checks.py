@@ -38,6 +38,7 @@ def check_layout(
   *,
   require_unit_chunks: bool,
   stacks: Sequence[ParamPath] | None = None,
+  require_recorded: bool | None = None,
 ) -> list[tuple[ParamPath, int]]:
   """Checks that a discovered store holds stacked units; returns each stack's
   (prefix, unit count), in order.
@@ -48,6 +49,8 @@ def check_layout(
     unit_prefix: Path of the stacked unit subtree; None takes the sidecar's.
     require_unit_chunks: Also reject unit arrays chunked over several units.
     stacks: Several stack prefixes (instead of ``unit_prefix``).
+    require_recorded: Reject stacks the store's sidecar does not record (default:
+      as ``require_unit_chunks``).
 
   Raises:
     StoreError: A newer format, no known unit prefix, nothing under one, or
@@ -75,7 +78,9 @@ def check_layout(
     stacks = recorded
   chosen = [as_path(p) for p in stacks]
   held = [p for p in chosen if any(a[: len(p)] == p and len(a) > len(p) for a in arrays)]
-  if recorded and require_unit_chunks and any(p not in recorded for p in held):
+  if require_recorded is None:
+    require_recorded = require_unit_chunks
+  if recorded and require_recorded and any(p not in recorded for p in held):
     raise errors.StoreError(
       f"{path} holds the layer stack(s) {', '.join(repr(path_str(p)) for p in recorded)}, "
       f"but {', '.join(repr(path_str(p)) for p in chosen)} were chosen. Place with "

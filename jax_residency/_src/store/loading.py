@@ -61,6 +61,7 @@ def open_for(
     max_cached_shards=max_cached_shards,
     read_options=source.reads,
     require_unit_chunks=False,  # a chunk of several units is decoded whole to read one
+    require_recorded=True,
   )
   try:
     check_for(split, store, strict=strict)

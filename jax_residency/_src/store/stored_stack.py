@@ -19,7 +19,7 @@ import numpy as np
 from jax_residency._src.policy import errors
 from jax_residency._src.store import discovery, mapped
 from jax_residency._src.store.buffers import buffer_layout, padded_nbytes
-from jax_residency._src.store.info import StackInfo
+from jax_residency._src.store.info import StackInfo, StoreInfo
 from jax_residency._src.typing import ParamPath, TensorSpec, path_str, tensor_nbytes
 
 
@@ -139,6 +139,23 @@ class StackLayout:
   _stacks: list[StoredStack]
   _static: dict[ParamPath, discovery.ArrayInfo]
   _unit_count: int
+  path: Any  # the store's path (a property of `UnitStore`)
+
+  @property
+  def unit_prefix(self) -> ParamPath:
+    """The (first) stack's path."""
+    return self._stacks[0].prefix
+
+  @property
+  def info(self) -> StoreInfo:
+    return StoreInfo(
+      path=self.path,
+      unit_prefix=self.unit_prefix,
+      unit_count=self._unit_count,
+      unit_nbytes=self.unit_nbytes,
+      static_nbytes=self.static_nbytes,
+      stacks=self.stacks,
+    )
 
   @property
   def stacks(self) -> tuple[StackInfo, ...]:
@@ -246,3 +263,14 @@ class LocalFetches:
         self.total += min(info.read_chunk[0], info.shape[0]) * tensor_nbytes(
           info.shape[1:], info.dtype
         )
+
+
+def failed_unit(text: str, info: discovery.ArrayInfo, stacks: Sequence[StoredStack]) -> int | None:
+  """The unit whose chunk a failed read of the whole array ``info`` names in
+  TensorStore's ``text`` (``Error reading "<array>/c/2/0/0"``): the chunk's first
+  unit, as a store-wide id; None for a static array, or if no chunk is named."""
+  stack = next((s for s in stacks if info.path[: len(s.prefix)] == s.prefix), None)
+  match = re.search(re.escape(info.stored_name) + r"/(?:c/)?(\d+)", text)
+  if stack is None or match is None:
+    return None
+  return stack.offset + int(match.group(1)) * info.read_chunk[0]

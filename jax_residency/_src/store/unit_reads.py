@@ -110,7 +110,7 @@ class UnitRead:
 
 
 def read_error(
-  error: Exception, where: str, tensor: str, unit: int | None, *, attempts: int | None = None
+  error: BaseException, where: str, tensor: str, unit: int | None, *, attempts: int | None = None
 ) -> errors.StoreError:
   """The typed error for a failed TensorStore read of ``tensor`` (of unit ``unit``,
   or a static tensor when None) from the store ``where``.

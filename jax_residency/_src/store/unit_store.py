@@ -1,20 +1,13 @@
 """The unit store: a model's weights on disk, read one unit (layer) at a time.
 
-A store is an Orbax-compatible checkpoint: an OCDBT key-value database holding
-one zarr3 array per parameter, named the way Orbax names them
-(`'.'.join(path)`), plus Orbax's `_METADATA`, so `orbax.checkpoint` restores it
-as a nested dict of numpy arrays. Unit ("layer") parameters are stacked on axis
-0 with one uncompressed chunk per unit, so reading unit `i` reads exactly that
-unit's bytes; static parameters are one chunk each. A small sidecar,
-`jax_residency.json`, records the format version, the unit prefix and the unit
-count; plain Orbax checkpoints without it open too, given `unit_prefix`.
-
-This module opens and reads stores; `writer.py` writes them (`save_store`,
-`rechunk_store`). Both work on flat mappings keyed by parameter-path tuples and
-know nothing of Flax. Opening uses `discovery.py` (what a store holds) and
-`checks.py` (whether it can stream); reads use `handles.py` (open arrays),
-`unit_reads.py` (one unit's concurrent copies) and `buffers.py` (the reused host
-buffers they land in), or `mapped.py` (mapped reads).
+A store is an Orbax-compatible checkpoint: an OCDBT database of one zarr3 array
+per parameter, named as Orbax names them (`'.'.join(path)`), plus Orbax's
+`_METADATA`. Unit parameters are stacked on axis 0, one uncompressed chunk per
+unit, so reading unit `i` reads exactly its bytes; the `jax_residency.json`
+sidecar records the format version and the stacks. Plain Orbax checkpoints
+open too (see ``docs/design.md`` 5.5). `writer.py` writes stores; opening uses
+`discovery.py` and `checks.py`, reads `handles.py`, `unit_reads.py`,
+`buffers.py` and `mapped.py`.
 
 Example:
   >>> import numpy as np
@@ -60,6 +53,7 @@ from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.stored_stack import (
   LocalFetches,
   StackLayout,
+  failed_unit,
   locate,
   split_stacks,
 )
@@ -142,6 +136,7 @@ class UnitStore(StackLayout):
     spare_unit_buffers: int = DEFAULT_SPARE_UNIT_BUFFERS,
     cache_largest_chunk: bool = False,
     read_options: ReadOptions | None = None,
+    require_recorded: bool | None = None,
   ) -> UnitStore:
     """Opens a store, reading only metadata.
 
@@ -162,6 +157,7 @@ class UnitStore(StackLayout):
         reading a chunk of several units one unit at a time decodes it once (for
         copying it, as `rechunk_store` does; reads otherwise cache nothing).
       read_options: retries and time-out of every read (default `ReadOptions()`).
+      require_recorded: see `checks.check_layout`.
 
     Raises:
       StoreNotFoundError: No checkpoint at `path`.
@@ -191,7 +187,12 @@ class UnitStore(StackLayout):
         f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). {advice}"
       ) from e
     layout = checks.check_layout(
-      path, found, unit_prefix, require_unit_chunks=require_unit_chunks, stacks=stacks
+      path,
+      found,
+      unit_prefix,
+      require_unit_chunks=require_unit_chunks,
+      stacks=stacks,
+      require_recorded=require_recorded,
     )
     cache_bytes = 0
     if cache_largest_chunk:
@@ -217,25 +218,9 @@ class UnitStore(StackLayout):
     return self._loc.path
 
   @property
-  def unit_prefix(self) -> ParamPath:
-    """The (first) stack's path."""
-    return self._prefix
-
-  @property
   def open_handles(self) -> int:
     """TensorStore array handles currently open (at most `max_cached_shards`)."""
     return self._handles.open_count
-
-  @property
-  def info(self) -> StoreInfo:
-    return StoreInfo(
-      path=self.path,
-      unit_prefix=self._prefix,
-      unit_count=self._unit_count,
-      unit_nbytes=self.unit_nbytes,
-      static_nbytes=self.static_nbytes,
-      stacks=self.stacks,
-    )
 
   def __repr__(self) -> str:
     return (
@@ -291,9 +276,8 @@ class UnitStore(StackLayout):
     return local + sum(m.total_bytes + m.direct_bytes for m in self._mappers)
 
   def _renew_context(self) -> None:
-    """After a read timed out, later reads open their arrays in a fresh TensorStore
-    context: in the old one a new read of the chunk joins the cancelled one, which
-    may still be waiting on the server."""
+    """After a time-out, arrays reopen in a fresh context: in the old one a new read of a
+    chunk joins the cancelled one, which may still be waiting on the server."""
     self._context = handles.store_context(cache_bytes=self._cache_bytes, reads=self._loc.reads)
     self._handles.clear()
 
@@ -430,7 +414,11 @@ class UnitStore(StackLayout):
     future = handle.read() if out is None else ts.array(out, copy=False, write=True).write(handle)
     self._count(tuple(path), None)
     name = path_str(tuple(path))
-    fail = functools.partial(read_error, where=self.path, tensor=name, unit=None)
+
+    def fail(e: BaseException) -> errors.StoreError:  # naming the unit whose chunk failed
+      unit = failed_unit(str(e), self._infos[tuple(path)], self._stacks)
+      return read_error(e, self.path, name, unit)
+
     what = f"tensor {name!r}"
     got = remote.wait(
       future, self._loc.reads, self.path, what, other=fail, on_timeout=self._renew_context

@@ -210,6 +210,7 @@ def test_live_arrays_counted_per_memory_kind():
       grew = grew and after["pinned_host"] - before.get("pinned_host", 0) >= host.nbytes
     if grew or attempt == 2:
       break
+    on_device = host = None  # freed before the next count starts
   assert after["device"] - before.get("device", 0) >= on_device.nbytes
   if host is not None:
     assert after["pinned_host"] - before.get("pinned_host", 0) >= host.nbytes

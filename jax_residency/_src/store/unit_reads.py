@@ -169,10 +169,9 @@ def issue_unit_read(
   futures (the checks of mapped chunks) must succeed too before `result` returns;
   ``timeout_s`` bounds the whole read (see `UnitRead.result`; ``on_timeout`` is
   called when it runs out); ``attempts`` is how many tries a failed request had.
-  Tensors in ``serial``
-  (whose chunk holds several units, so a read decodes all of it) are read one
-  after another on ``decoder``, a one-thread pool the store shares between its
-  reads: at most one such chunk is decoded at a time."""
+  Tensors in ``serial`` (whose chunk holds several units, so a read decodes all of
+  it) are read one after another on ``decoder``, a one-thread pool the store
+  shares between its reads: at most one such chunk is decoded at a time."""
   specs = [(str(i), tuple(src.shape), src.dtype.numpy_dtype) for i, (_, src) in enumerate(sources)]
   layout, nbytes = buffer_layout(specs)
   buffers = pool.lease(layout, nbytes)

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: the toy model's sizes, RSS readings, the page cache.
 
-Imported by ``dense_stream.py`` and ``peers.py`` (run as scripts, so this
+Imported by the scripts here (run as scripts, so this
 directory is on ``sys.path``); Linux only (``/proc``, ``posix_fadvise``).
 """
 
@@ -28,6 +28,23 @@ def config(args: argparse.Namespace):
   return ToyConfig(
     vocab=512, d_model=args.d_model, n_heads=12, d_ff=args.d_ff, n_layers=args.layers
   )
+
+
+def toy_model(cfg, *, abstract: bool):
+  """The toy transformer of ``cfg`` (seed 0); ``abstract``: its shapes only, no arrays."""
+  from flax import nnx
+
+  from jax_residency.toy import ToyTransformer
+
+  make = lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+  return nnx.eval_shape(make) if abstract else make()
+
+
+def toy_tokens(n: int):
+  """A (1, ``n``) batch of token ids below the benchmarks' vocabulary (512)."""
+  import jax
+
+  return jax.random.randint(jax.random.key(1), (1, n), 0, 512)
 
 
 def dense_policy(host_budget: int):

@@ -52,6 +52,8 @@ from _measure import (  # benchmarks/ is on sys.path when a script here runs
   peak_rss_bytes,
   reset_peak_rss,
   rss_bytes,
+  toy_model,
+  toy_tokens,
 )
 
 RSS_SLACK = 128 * MiB
@@ -80,22 +82,6 @@ def _parallel_read(files: list[str], *, threads: int) -> int:
     return sum(pool.map(read, ranges))
 
 
-def model(args: argparse.Namespace, *, abstract: bool):
-  from flax import nnx
-
-  from jax_residency.toy import ToyTransformer
-
-  cfg = config(args)
-  make = lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0))  # noqa: E731
-  return nnx.eval_shape(make) if abstract else make()
-
-
-def tokens(args: argparse.Namespace):
-  import jax
-
-  return jax.random.randint(jax.random.key(1), (1, args.tokens), 0, 512)
-
-
 def child(args: argparse.Namespace) -> dict:
   import jax
   import numpy as np
@@ -103,9 +89,9 @@ def child(args: argparse.Namespace) -> dict:
   import jax_residency as jr
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
-  x = tokens(args)
+  x = toy_tokens(args.tokens)
   if args.child == "save":
-    jr.save(model(args, abstract=False), args.store, progress=True, overwrite=True)
+    jr.save(toy_model(config(args), abstract=False), args.store, progress=True, overwrite=True)
     return {}
   if args.child == "raw":
     drop_page_cache(args.store)
@@ -124,13 +110,13 @@ def child(args: argparse.Namespace) -> dict:
     raw["raw_parallel_read_s"] = time.perf_counter() - start
     return raw
   if args.child == "resident":
-    m = model(args, abstract=False)
+    m = toy_model(config(args), abstract=False)
     with jr.place(m, jr.FullyResident(), mesh=mesh) as placed:
       placed(x)
       start = time.perf_counter()
       jax.block_until_ready(placed(x))
       return {"resident_pass_s": time.perf_counter() - start}
-  abstract = model(args, abstract=True)
+  abstract = toy_model(config(args), abstract=True)
   if args.child == "cold":
     jnp_ready = jax.numpy.zeros(()).block_until_ready()  # backend initialised
     del jnp_ready
@@ -187,8 +173,8 @@ def sweep_child(args: argparse.Namespace) -> dict:
   import jax_residency as jr
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
-  x = tokens(args)
-  abstract = model(args, abstract=True)
+  x = toy_tokens(args.tokens)
+  abstract = toy_model(config(args), abstract=True)
   unit = config(args).unit_bytes()
   jax.numpy.zeros(()).block_until_ready()  # backend initialised
   baseline = _status_kib("VmRSS", "RssAnon", "RssFile")

@@ -50,7 +50,15 @@ import sys
 import tempfile
 import time
 
-from _measure import MiB, files_under, peak_rss_bytes, reset_peak_rss, rss_bytes
+from _measure import (
+  MiB,
+  files_under,
+  peak_rss_bytes,
+  reset_peak_rss,
+  rss_bytes,
+  toy_model,
+  toy_tokens,
+)
 
 #: The Orbax checkpoint's and the rechunked store's names under the run's directory.
 CKPT, DST = "orbax_state", "rechunked"
@@ -68,28 +76,12 @@ def config(args: argparse.Namespace):
   )
 
 
-def make_model(args: argparse.Namespace, *, abstract: bool):
-  from flax import nnx
-
-  from jax_residency.toy import ToyTransformer
-
-  cfg = config(args)
-  make = lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0))  # noqa: E731
-  return nnx.eval_shape(make) if abstract else make()
-
-
-def tokens(args: argparse.Namespace):
-  import jax
-
-  return jax.random.randint(jax.random.key(1), (1, args.tokens), 0, 512)
-
-
 def child_save(args: argparse.Namespace) -> dict:
   """Builds the model once (its arrays are the only copy) and saves its state with Orbax."""
   import orbax.checkpoint as ocp
   from flax import nnx
 
-  model = make_model(args, abstract=False)
+  model = toy_model(config(args), abstract=False)
   state = nnx.state(model)
   start = time.perf_counter()
   with ocp.StandardCheckpointer() as checkpointer:
@@ -126,8 +118,8 @@ def child_place(args: argparse.Namespace) -> dict:
 
   import jax_residency as jr
 
-  x = tokens(args)
-  abstract = make_model(args, abstract=True)
+  x = toy_tokens(args.tokens)
+  abstract = toy_model(config(args), abstract=True)
   unit = config(args).unit_bytes()
   if args.child == "resident":
     policy = jr.FullyResident()  # no sampling fields: VmHWM only

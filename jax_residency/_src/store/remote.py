@@ -36,11 +36,6 @@ def driver_of(path: str, *, local: bool) -> str | None:
   return _DRIVERS.get(path.split("://", 1)[0].lower()) if "://" in path else None
 
 
-def is_remote(path: str) -> bool:
-  """Whether a store path is a URL read over a network (HTTP, GCS, S3)."""
-  return driver_of(path, local=False) in ("http", "gcs", "s3")
-
-
 def unavailable(
   error: BaseException, where: str, what: str, attempts: int | None = None
 ) -> errors.StoreError | None:

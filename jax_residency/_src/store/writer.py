@@ -22,7 +22,7 @@ import tensorstore as ts
 import tqdm
 
 from jax_residency._src.policy import errors
-from jax_residency._src.store import checks, commit, mapped, space
+from jax_residency._src.store import checks, commit, mapped, remote, space
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
   FORMAT_VERSION,
@@ -92,7 +92,7 @@ class _StoreWriter:
     in_flight: int = WRITE_IN_FLIGHT_BYTES,
   ):
     self.dest = locate(path)
-    if self.dest.path.split("://", 1)[0].lower() in ("http", "https"):
+    if remote.driver_of(self.dest.path, local=self.dest.local is not None) == "http":
       raise errors.StoreError(
         f"Cannot write a store to {self.dest.path}: http(s) stores are read-only. Save "
         "to a local directory (or gs://, s3://) and serve that directory over HTTP."

@@ -34,18 +34,15 @@ The public surface (``__all__``):
 
 from . import errors as errors
 from . import linen as linen
-from ._src.placement.budget import ModelMetadata as ModelMetadata
-from ._src.placement.budget import StackMetadata as StackMetadata
-from ._src.placement.memory import MemoryItem as MemoryItem
-from ._src.placement.place import PlacedModel as PlacedModel
-from ._src.placement.place import place as place
-from ._src.placement.unit_loop import scan_units as scan_units
+from ._src.loop.unit_loop import scan_units as scan_units
+from ._src.plan.budget import ModelMetadata as ModelMetadata
+from ._src.plan.budget import StackMetadata as StackMetadata
+from ._src.plan.memory import MemoryItem as MemoryItem
 from ._src.policy.options import DEFAULT_MAX_CACHED_SHARDS as DEFAULT_MAX_CACHED_SHARDS
 from ._src.policy.options import CacheEvictionPolicy as CacheEvictionPolicy
 from ._src.policy.options import DenseDiskStreamLoadOptions as DenseDiskStreamLoadOptions
 from ._src.policy.options import LayerwiseLoadOptions as LayerwiseLoadOptions
 from ._src.policy.options import OffloadConfig as OffloadConfig
-from ._src.policy.reads import ReadOptions as ReadOptions
 from ._src.policy.sizes import format_bytes as format_bytes
 from ._src.policy.sizes import parse_bytes as parse_bytes
 from ._src.policy.types import DENSE_TRANSFER_WINDOW as DENSE_TRANSFER_WINDOW
@@ -56,15 +53,19 @@ from ._src.policy.types import LayerWeightResidency as LayerWeightResidency
 from ._src.policy.types import LayerwiseHost as LayerwiseHost
 from ._src.policy.types import OrdinaryWeightResidency as OrdinaryWeightResidency
 from ._src.report.metrics import StackPass as StackPass
+from ._src.report.stream_metrics import TierMetrics as TierMetrics
+from ._src.report.stream_metrics import WorkerMetrics as WorkerMetrics
 from ._src.report.telemetry import PassReport as PassReport
 from ._src.report.telemetry import Report as Report
 from ._src.report.telemetry import TimelinePoint as TimelinePoint
 from ._src.report.telemetry import Totals as Totals
+from ._src.run.place import PlacedModel as PlacedModel
+from ._src.run.place import place as place
 from ._src.store.info import StackInfo as StackInfo
 from ._src.store.info import StoreInfo as StoreInfo
+from ._src.store.read_options import ReadOptions as ReadOptions
 from ._src.store.save import save as save
-from ._src.stream.ledger import TierMetrics as TierMetrics
-from ._src.stream.prefetch import WorkerMetrics as WorkerMetrics
+from ._src.version import __version__ as __version__
 from .errors import AdmissionError as AdmissionError
 from .errors import BudgetTooSmallError as BudgetTooSmallError
 from .errors import CheckpointMismatchError as CheckpointMismatchError
@@ -98,8 +99,6 @@ from .errors import ZeroHostLookaheadError as ZeroHostLookaheadError
 from .errors import ZeroMaxCachedShardsError as ZeroMaxCachedShardsError
 from .errors import ZeroPrefetchDepthError as ZeroPrefetchDepthError
 from .errors import ZeroQueueCapacityError as ZeroQueueCapacityError
-
-__version__ = "0.1.0"
 
 __all__ = [
   # placing

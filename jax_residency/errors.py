@@ -57,45 +57,45 @@ Example:
   True
 """
 
-from jax_residency._src.policy.errors import AdmissionError as AdmissionError
-from jax_residency._src.policy.errors import BudgetTooSmallError as BudgetTooSmallError
-from jax_residency._src.policy.errors import CheckpointMismatchError as CheckpointMismatchError
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import AdmissionError as AdmissionError
+from jax_residency._src.errors import BudgetTooSmallError as BudgetTooSmallError
+from jax_residency._src.errors import CheckpointMismatchError as CheckpointMismatchError
+from jax_residency._src.errors import (
   CheckpointShapeMismatchError as CheckpointShapeMismatchError,
 )
-from jax_residency._src.policy.errors import ClosedError as ClosedError
-from jax_residency._src.policy.errors import DeviceBudgetTooSmallError as DeviceBudgetTooSmallError
-from jax_residency._src.policy.errors import HostBudgetTooSmallError as HostBudgetTooSmallError
-from jax_residency._src.policy.errors import HostDisabledControlsError as HostDisabledControlsError
-from jax_residency._src.policy.errors import InvalidBudgetError as InvalidBudgetError
-from jax_residency._src.policy.errors import InvalidPolicyValueError as InvalidPolicyValueError
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import ClosedError as ClosedError
+from jax_residency._src.errors import DeviceBudgetTooSmallError as DeviceBudgetTooSmallError
+from jax_residency._src.errors import HostBudgetTooSmallError as HostBudgetTooSmallError
+from jax_residency._src.errors import HostDisabledControlsError as HostDisabledControlsError
+from jax_residency._src.errors import InvalidBudgetError as InvalidBudgetError
+from jax_residency._src.errors import InvalidPolicyValueError as InvalidPolicyValueError
+from jax_residency._src.errors import (
   MissingCheckpointParametersError as MissingCheckpointParametersError,
 )
-from jax_residency._src.policy.errors import ModelConfigError as ModelConfigError
-from jax_residency._src.policy.errors import PlacementError as PlacementError
-from jax_residency._src.policy.errors import PrefetchError as PrefetchError
-from jax_residency._src.policy.errors import ResidencyError as ResidencyError
-from jax_residency._src.policy.errors import ResidencyRuntimeError as ResidencyRuntimeError
-from jax_residency._src.policy.errors import StoreCorruptionError as StoreCorruptionError
-from jax_residency._src.policy.errors import StoreError as StoreError
-from jax_residency._src.policy.errors import StoreLayoutError as StoreLayoutError
-from jax_residency._src.policy.errors import StoreNotFoundError as StoreNotFoundError
-from jax_residency._src.policy.errors import StoreReplacedError as StoreReplacedError
-from jax_residency._src.policy.errors import StoreTimeoutError as StoreTimeoutError
-from jax_residency._src.policy.errors import StoreUnavailableError as StoreUnavailableError
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import ModelConfigError as ModelConfigError
+from jax_residency._src.errors import PlacementError as PlacementError
+from jax_residency._src.errors import PrefetchError as PrefetchError
+from jax_residency._src.errors import ResidencyError as ResidencyError
+from jax_residency._src.errors import ResidencyRuntimeError as ResidencyRuntimeError
+from jax_residency._src.errors import StoreCorruptionError as StoreCorruptionError
+from jax_residency._src.errors import StoreError as StoreError
+from jax_residency._src.errors import StoreLayoutError as StoreLayoutError
+from jax_residency._src.errors import StoreNotFoundError as StoreNotFoundError
+from jax_residency._src.errors import StoreReplacedError as StoreReplacedError
+from jax_residency._src.errors import StoreTimeoutError as StoreTimeoutError
+from jax_residency._src.errors import StoreUnavailableError as StoreUnavailableError
+from jax_residency._src.errors import (
   UnexpectedCheckpointParametersError as UnexpectedCheckpointParametersError,
 )
-from jax_residency._src.policy.errors import UnitSelectionError as UnitSelectionError
-from jax_residency._src.policy.errors import UnknownPolicyFieldError as UnknownPolicyFieldError
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import UnitSelectionError as UnitSelectionError
+from jax_residency._src.errors import UnknownPolicyFieldError as UnknownPolicyFieldError
+from jax_residency._src.errors import (
   WeightResidencyPolicyError as WeightResidencyPolicyError,
 )
-from jax_residency._src.policy.errors import ZeroHostLookaheadError as ZeroHostLookaheadError
-from jax_residency._src.policy.errors import ZeroMaxCachedShardsError as ZeroMaxCachedShardsError
-from jax_residency._src.policy.errors import ZeroPrefetchDepthError as ZeroPrefetchDepthError
-from jax_residency._src.policy.errors import ZeroQueueCapacityError as ZeroQueueCapacityError
+from jax_residency._src.errors import ZeroHostLookaheadError as ZeroHostLookaheadError
+from jax_residency._src.errors import ZeroMaxCachedShardsError as ZeroMaxCachedShardsError
+from jax_residency._src.errors import ZeroPrefetchDepthError as ZeroPrefetchDepthError
+from jax_residency._src.errors import ZeroQueueCapacityError as ZeroQueueCapacityError
 
 __all__ = [
   "AdmissionError",

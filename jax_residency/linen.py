@@ -27,6 +27,6 @@ Example:
   (True, 4, ('layers',))
 """
 
-from ._src.placement.linen import scan as scan
+from ._src.loop.linen import scan as scan
 
 __all__ = ["scan"]

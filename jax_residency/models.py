@@ -22,6 +22,12 @@ from ._src.models.bert import BertLayer as BertLayer
 from ._src.models.bert import l2_normalize as l2_normalize
 from ._src.models.bert import mean_pool as mean_pool
 from ._src.models.bert import sentence_embeddings as sentence_embeddings
+from ._src.models.bert_load import bert_params_from_hf as bert_params_from_hf
+from ._src.models.bert_load import convert_bert as convert_bert
+from ._src.models.bert_load import convert_minilm as convert_minilm
+from ._src.models.bert_load import load_bert_from_safetensors as load_bert_from_safetensors
+from ._src.models.bert_load import minilm_checkpoint_dir as minilm_checkpoint_dir
+from ._src.models.bert_load import read_bert_config as read_bert_config
 from ._src.models.gpt import GPT as GPT
 from ._src.models.gpt import GPTBlock as GPTBlock
 from ._src.models.gpt import GPTConfig as GPTConfig
@@ -52,12 +58,6 @@ from ._src.models.t5_load import init_t5 as init_t5
 from ._src.models.t5_load import load_t5 as load_t5
 from ._src.models.t5_load import read_t5_config as read_t5_config
 from ._src.models.t5_load import t5_params_from_hf as t5_params_from_hf
-from ._src.store.convert import bert_params_from_hf as bert_params_from_hf
-from ._src.store.convert import convert_bert as convert_bert
-from ._src.store.convert import convert_minilm as convert_minilm
-from ._src.store.convert import load_bert_from_safetensors as load_bert_from_safetensors
-from ._src.store.convert import minilm_checkpoint_dir as minilm_checkpoint_dir
-from ._src.store.convert import read_bert_config as read_bert_config
 
 __all__ = [
   "GPT",

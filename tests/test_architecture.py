@@ -1,8 +1,12 @@
-"""The package's shape: small modules and no import cycles.
+"""The package's shape: layers that import only downward, small modules, no cycles.
 
 Every module of `jax_residency` (found with `pkgutil.walk_packages`) is parsed
 with `ast`, never run, and checked for:
 
+* layers: each part of `jax_residency._src` sits on one floor of `LAYERS`
+  (docs/design.md, "Layers"), and imports only parts on floors below its own;
+  the public modules (`jax_residency`, `jax_residency.errors`, ...) sit on top,
+  and nothing in `_src` imports them;
 * size: at most `MAX_LINES` lines, except the modules in `PENDING_SPLIT`;
 * imports: the graph of imports between `jax_residency` modules, counting
   imports anywhere in a module (inside functions and methods too, where a lazy
@@ -22,6 +26,22 @@ import pkgutil
 from collections.abc import Iterator, Mapping
 
 import jax_residency
+
+#: The floors of `jax_residency._src`, bottom first (docs/design.md, "Layers"). A part
+#: (a subpackage, or a module directly under `_src`) imports only parts on lower
+#: floors; parts on one floor are independent of each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+  ("errors", "typing", "cache_dir", "version"),  # errors; type aliases; cache folder; version
+  ("policy",),  # what the user asks for (pure Python)
+  ("plan",),  # the model split, budgets, metadata, memory items, shardings, arguments
+  ("loop",),  # the layer loop models call, and finding stacks by tracing
+  ("report",),  # metric types, pass reports, samplers
+  ("store",),  # units at rest: layout, writing, reading, read options
+  ("stream",),  # the dense stream's engine, ledger and reader
+  ("models",),  # real models, their loaders and converters, the toy
+  ("run",),  # place, PlacedModel, the executors: the only code that picks an engine
+  ("cli", "testing", "store_server"),  # entry points: the command line, test helpers
+)
 
 #: The most lines a module may have.
 MAX_LINES = 500
@@ -188,6 +208,83 @@ def a_cycle(graph: Mapping[str, set[str]], component: set[str]) -> list[str]:
           nxt_frontier.append(nxt)
     frontier = nxt_frontier
   raise AssertionError(f"no cycle through {start}")
+
+
+def part_of(module: str) -> str | None:
+  """The part of `_src` a module belongs to (`jax_residency._src.plan.split` -> `plan`),
+  or None for the public modules outside `_src`."""
+  parts = module.split(".")
+  if parts[:2] != ["jax_residency", "_src"]:
+    return None
+  return parts[2] if len(parts) > 2 else ""
+
+
+def floors() -> dict[str, int]:
+  """part -> its floor (0 = bottom)."""
+  return {part: i for i, layer in enumerate(LAYERS) for part in layer}
+
+
+def layer_violations(graph: Mapping[str, set[str]]) -> list[str]:
+  """Every import that does not point down a floor, as 'importer -> imported (why)'."""
+  floor = floors()
+  out = []
+  for importer, imported in sorted((a, b) for a, bs in graph.items() for b in bs):
+    src, dst = part_of(importer), part_of(imported)
+    if src == "" or dst == "":
+      continue  # `jax_residency._src` itself, an empty package
+    if src is None:
+      continue  # a public module: on top, it may import anything
+    if dst is None:
+      out.append(f"{importer} -> {imported} (_src imports a public module)")
+    elif src == dst:
+      continue
+    elif src not in floor or dst not in floor:
+      unknown = src if src not in floor else dst
+      out.append(f"{importer} -> {imported} ({unknown!r} is on no floor of LAYERS)")
+    elif floor[dst] == floor[src]:
+      out.append(f"{importer} -> {imported} ({src} and {dst} share a floor)")
+    elif floor[dst] > floor[src]:
+      out.append(
+        f"{importer} -> {imported} (up from {src}, floor {floor[src]}, to {dst}, "
+        f"floor {floor[dst]})"
+      )
+  return out
+
+
+def test_every_part_is_on_a_floor() -> None:
+  parts = {part_of(name) for name in modules()} - {None, ""}
+  floor = floors()
+  assert len(floor) == sum(map(len, LAYERS)), "a part is on two floors of LAYERS"
+  assert not parts - set(floor), (
+    f"parts of _src on no floor of LAYERS: {sorted(parts - set(floor))}"
+  )
+  assert not set(floor) - parts, (
+    f"LAYERS names parts that do not exist: {sorted(set(floor) - parts)}"
+  )
+
+
+def test_imports_point_down() -> None:
+  bad = layer_violations(import_graph(modules()))
+  assert not bad, (
+    'imports that do not point down a floor of LAYERS (docs/design.md, "Layers"); move '
+    "what both sides need to the lower floor:\n  " + "\n  ".join(bad)
+  )
+
+
+def test_layer_check_catches_upward_and_sideways_imports() -> None:
+  graph = {
+    "jax_residency._src.plan.budget": {"jax_residency._src.run.place"},  # up
+    "jax_residency._src.cli.main": {"jax_residency._src.testing"},  # same floor
+    "jax_residency._src.store.save": {"jax_residency"},  # a public module
+    "jax_residency._src.run.place": {"jax_residency._src.plan.budget"},  # down: fine
+    "jax_residency.errors": {"jax_residency._src.errors"},  # public: fine
+  }
+  bad = layer_violations(graph)
+  assert [line.split(" (")[0] for line in bad] == [
+    "jax_residency._src.cli.main -> jax_residency._src.testing",
+    "jax_residency._src.plan.budget -> jax_residency._src.run.place",
+    "jax_residency._src.store.save -> jax_residency",
+  ], bad
 
 
 def test_modules_are_small() -> None:

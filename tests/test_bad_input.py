@@ -18,11 +18,11 @@ import tensorstore as ts
 from flax import nnx
 
 import jax_residency as jr
+from jax_residency._src import errors
 from jax_residency._src.cli import demo as demo_mod
 from jax_residency._src.cli import main as cli
 from jax_residency._src.cli import stored_models as records
-from jax_residency._src.placement.arguments import check_place_arguments
-from jax_residency._src.policy import errors
+from jax_residency._src.plan.arguments import check_place_arguments
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency.toy import ToyConfig, ToyTransformer

@@ -18,7 +18,7 @@ from jax_residency._src.cli import console
 from jax_residency._src.cli import demo as demo_mod
 from jax_residency._src.cli import main as cli
 from jax_residency._src.cli import stored_models as records
-from jax_residency._src.toy import ToyConfig
+from jax_residency._src.models.toy import ToyConfig
 
 #: A tiny demo model, so the demo runs in seconds.
 TINY = ["--layers", "2", "--d-model", "32", "--d-ff", "64", "--vocab", "64", "--heads", "4"]

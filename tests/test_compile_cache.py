@@ -1,4 +1,4 @@
-"""The default persistent compilation cache (compile_cache.py) and the cache directory.
+"""The default persistent compilation cache (run/compile_cache.py) and the cache directory.
 
 In this process the suite has opted out (tests/conftest.py), so the tests here
 change JAX's configuration only inside the ``jax_config`` fixture, which puts it
@@ -18,8 +18,8 @@ import jax
 import pytest
 from jax._src import compilation_cache
 
-from jax_residency._src import compile_cache
 from jax_residency._src.cache_dir import CACHE_DIR_ENV, library_cache_dir
+from jax_residency._src.run import compile_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = (
@@ -129,7 +129,7 @@ CHILD = textwrap.dedent(
   from jax import monitoring
   from flax import nnx
   import jax_residency as jr
-  from jax_residency._src import compile_cache
+  from jax_residency._src.run import compile_cache
 
   counts = {"requests": 0, "hits": 0}
   def on_event(event, **_):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import (
   AdmissionError,
   ClosedError,
   InvalidBudgetError,
@@ -20,13 +20,8 @@ from jax_residency._src.policy.errors import (
   WeightResidencyPolicyError,
 )
 from jax_residency._src.policy.options import CacheEvictionPolicy
-from jax_residency._src.stream.ledger import (
-  Eviction,
-  LedgerMetrics,
-  ResidencyLedger,
-  Tier,
-  TierMetrics,
-)
+from jax_residency._src.report.stream_metrics import LedgerMetrics, Tier, TierMetrics
+from jax_residency._src.stream.ledger import Eviction, ResidencyLedger
 
 LRU = CacheEvictionPolicy.LEAST_RECENTLY_USED
 LFU = CacheEvictionPolicy.LEAST_FREQUENTLY_USED

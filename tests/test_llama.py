@@ -37,7 +37,7 @@ import jax_residency as jr
 from jax_residency import models
 from jax_residency._src.models.llama import rope_frequencies
 from jax_residency._src.models.llama_generate import _jitted_plain
-from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.plan.split import normalise_path
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -10,7 +10,7 @@ from flax import nnx
 
 import jax_residency as jr
 from jax_residency import testing
-from jax_residency._src.placement import budget as plan
+from jax_residency._src.plan import budget as plan
 from jax_residency._src.store.buffers import BufferPool, buffer_layout
 from jax_residency.toy import ToyConfig, ToyTransformer
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 import jax_residency as jr
 from jax_residency import models, testing
-from jax_residency._src.store.convert import EMBEDDING_NAMES, LAYER_NAMES
+from jax_residency._src.models.bert_load import EMBEDDING_NAMES, LAYER_NAMES
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "minilm_reference.json").read_text())
 #: Bounds asserted for every policy (measured: max abs diff ≈ 2e-7, cosine 1.0 ± 1e-7).

@@ -8,15 +8,16 @@ from collections.abc import Callable
 
 import pytest
 
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import (
   ClosedError,
   PrefetchError,
   StoreCorruptionError,
   ZeroQueueCapacityError,
 )
 from jax_residency._src.policy.options import CacheEvictionPolicy
-from jax_residency._src.stream.ledger import ResidencyLedger, Tier
-from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker, WorkerMetrics
+from jax_residency._src.report.stream_metrics import Tier, WorkerMetrics
+from jax_residency._src.stream.ledger import ResidencyLedger
+from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker
 
 TIMEOUT = 10.0  # generous upper bound for every blocking step; never reached when passing
 

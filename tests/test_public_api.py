@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import jax_residency as jr
-from jax_residency._src.policy import errors as src_errors
+from jax_residency._src import errors as src_errors
 from jax_residency.toy import ToyConfig, ToyTransformer
 
 REPORTS_MD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "reports.md"
@@ -52,13 +52,13 @@ TOP_LEVEL_ERRORS = {
 
 def defined_errors() -> dict[str, type[BaseException]]:
   """Every `ResidencyError` subclass defined in the library's error modules (the
-  hierarchy's module, `policy.errors`, and the modules it draws from)."""
+  `errors` package, which re-exports each of its modules' types)."""
   return {
     name: obj
     for name, obj in vars(src_errors).items()
     if inspect.isclass(obj)
     and issubclass(obj, src_errors.ResidencyError)
-    and obj.__module__.startswith("jax_residency._src.policy.")
+    and obj.__module__.startswith("jax_residency._src.errors.")
   }
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_residency._src.policy.errors import InvalidBudgetError, WeightResidencyPolicyError
+from jax_residency._src.errors import InvalidBudgetError, WeightResidencyPolicyError
 from jax_residency._src.policy.sizes import (
   MAX_BYTES,
   GiB,

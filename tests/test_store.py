@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.store import buffers, handles
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store import writer as wr

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.store import commit, space
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store import writer as wr

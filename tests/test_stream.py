@@ -223,7 +223,7 @@ def test_wrong_model_lists_every_bad_path(tokens, store):
 
 def test_traced_once_per_input_shape(model, tokens, store, monkeypatch):
   """The block's Python code runs only while tracing: once per input shape."""
-  from jax_residency._src import toy
+  from jax_residency._src.models import toy
 
   traces = {"n": 0}
   real_call = toy.Block.__call__

@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 import jax_residency as jr
-from jax_residency._src.placement.budget import check_budgets
+from jax_residency._src.plan.budget import check_budgets
+from jax_residency._src.report.stream_metrics import LedgerMetrics, TierMetrics, WorkerMetrics
 from jax_residency._src.report.telemetry import (
   DECODE,
   PREFILL,
@@ -24,8 +25,6 @@ from jax_residency._src.report.telemetry import (
   Totals,
   count_tokens,
 )
-from jax_residency._src.stream.ledger import LedgerMetrics, TierMetrics
-from jax_residency._src.stream.prefetch import WorkerMetrics
 
 
 def metadata(policy: jr.LayerWeightResidency | None = None) -> jr.ModelMetadata:

@@ -20,14 +20,14 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from jax_residency._src.placement.place import PlacedModel, place
-from jax_residency._src.placement.shardings import DEVICE, PINNED_HOST
+from jax_residency._src.plan.shardings import DEVICE, PINNED_HOST
 from jax_residency._src.policy.types import (
   DenseDiskStream,
   FullyResident,
   LayerWeightResidency,
   LayerwiseHost,
 )
+from jax_residency._src.run.place import PlacedModel, place
 from jax_residency._src.store.save import save
 from jax_residency._src.typing import path_str
 

@@ -213,7 +213,7 @@ def _hf_config_path(path: str) -> str | None:
 def _sizes_from_hf_config(path: str, dtype: str | None) -> tuple[int, int, list[Any]]:
   """(static bytes, largest unit bytes, stacks) of the model a config.json describes."""
   from jax_residency._src.models.hf_convert import abstract_model  # noqa: PLC0415
-  from jax_residency._src.placement.split import split_model  # noqa: PLC0415
+  from jax_residency._src.plan.split import split_model  # noqa: PLC0415
 
   with open(path) as f:
     hf = json.load(f)
@@ -316,7 +316,7 @@ def cmd_run(args: argparse.Namespace) -> int:
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from jax_residency._src.placement.place import place  # noqa: PLC0415
+  from jax_residency._src.run.place import place  # noqa: PLC0415
 
   policy = _policy_from_args(args)
   store = open_store(args.path, streamable=args.policy == "dense_disk_stream")
@@ -388,7 +388,7 @@ def cmd_rechunk(args: argparse.Namespace) -> int:
       args.src, args.dst, stacks=units or None, progress=None, overwrite=args.overwrite
     )
   except (OSError, ValueError) as e:
-    from jax_residency._src.policy.errors import ResidencyError  # noqa: PLC0415
+    from jax_residency._src.errors import ResidencyError  # noqa: PLC0415
 
     if isinstance(e, ResidencyError):
       raise

@@ -70,7 +70,7 @@ def demo_store_path(root: str, config: Any) -> str:
 
 
 def demo_store_ready(path: str, config: Any) -> bool:
-  from jax_residency._src.policy.errors import ResidencyError  # noqa: PLC0415
+  from jax_residency._src.errors import ResidencyError  # noqa: PLC0415
 
   try:
     record = read_model_record(path)
@@ -114,9 +114,9 @@ def write_demo_store(request: str) -> None:
   """
   import numpy as np  # noqa: PLC0415
 
-  from jax_residency._src.placement.split import split_model  # noqa: PLC0415
+  from jax_residency._src.models.toy import ToyConfig  # noqa: PLC0415
+  from jax_residency._src.plan.split import split_model  # noqa: PLC0415
   from jax_residency._src.store.writer import save_store  # noqa: PLC0415
-  from jax_residency._src.toy import ToyConfig  # noqa: PLC0415
 
   spec = json.loads(request)
   config, path, seed = ToyConfig(**spec["config"]), spec["path"], spec["seed"]
@@ -182,7 +182,7 @@ def _run_policy(name: str, model: Any, policy: Any, tokens: Any, **place_kwargs:
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from jax_residency._src.placement.place import place  # noqa: PLC0415
+  from jax_residency._src.run.place import place  # noqa: PLC0415
 
   with _rss_peak() as rss:
     with place(model, policy, mesh=single_device_mesh(), **place_kwargs) as placed:
@@ -217,14 +217,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from jax_residency._src.placement.split import split_model  # noqa: PLC0415
+  from jax_residency._src.models.toy import ToyConfig  # noqa: PLC0415
+  from jax_residency._src.plan.split import split_model  # noqa: PLC0415
   from jax_residency._src.policy.options import (  # noqa: PLC0415
     DenseDiskStreamLoadOptions,
     LayerwiseLoadOptions,
     OffloadConfig,
   )
   from jax_residency._src.policy.types import DenseDiskStream, FullyResident, LayerwiseHost  # noqa: PLC0415
-  from jax_residency._src.toy import ToyConfig  # noqa: PLC0415
 
   started = time.perf_counter()
   if args.d_model % args.n_heads:

@@ -34,6 +34,7 @@ from jax_residency._src.cli.commands import (
 )
 from jax_residency._src.cli.console import PROG, CommandError, one_line
 from jax_residency._src.cli.demo import DEMO_CONFIG, DEMO_TOKENS, POLICY_NAMES, cmd_demo
+from jax_residency._src.version import __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,8 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     epilog="Start with `jax-residency demo`. Exit codes: 0 ok, 1 a check failed, 2 an error.",
     formatter_class=fmt,
   )
-  from jax_residency import __version__  # noqa: PLC0415
-
   parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
   sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
   sub.required = True
@@ -295,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
   except SystemExit as e:  # --help, --version, or a usage error already printed
     return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-  from jax_residency._src.policy.errors import ResidencyError  # noqa: PLC0415
+  from jax_residency._src.errors import ResidencyError  # noqa: PLC0415
 
   where = f"{PROG} {args.command}"
   try:

@@ -1,7 +1,7 @@
 """``jax-residency plan``: which policies, and which depths, fit given byte budgets.
 
 For one store's sizes (one device), every policy is judged the way ``place()``
-judges it before anything moves (:func:`jax_residency._src.placement.budget.check_budgets`),
+judges it before anything moves (:func:`jax_residency._src.plan.budget.check_budgets`),
 and each tier's arithmetic, static + window = required against its budget, is
 shown beside the verdict. ``FullyResident`` has no budget of its own, so its
 verdict is that arithmetic: would every unit fit next to the static parameters.
@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from jax_residency._src.cli.console import PROG, fmt_bytes, table
-from jax_residency._src.placement.budget import (
+from jax_residency._src.errors import BudgetTooSmallError
+from jax_residency._src.plan.budget import (
   ModelMetadata,
   check_budgets,
   largest_window,
   staging_bytes,
 )
-from jax_residency._src.policy.errors import BudgetTooSmallError
 from jax_residency._src.policy.options import (
   DenseDiskStreamLoadOptions,
   LayerwiseLoadOptions,

@@ -30,7 +30,7 @@ def parse_prefix(text: str | None) -> tuple[str, ...] | None:
 
 def open_store(path: str, *, units: str | None = None, streamable: bool = True) -> Any:
   """Opens a store's metadata; any failure to read it is a one-line error."""
-  from jax_residency._src.policy.errors import StoreError  # noqa: PLC0415
+  from jax_residency._src.errors import StoreError  # noqa: PLC0415
   from jax_residency._src.store.unit_store import UnitStore  # noqa: PLC0415
 
   if "://" not in path and not os.path.exists(path):
@@ -93,7 +93,7 @@ def read_model_record(path: str) -> dict[str, Any] | None:
 
 
 def toy_config(record: Mapping[str, Any]) -> Any:
-  from jax_residency._src.toy import ToyConfig  # noqa: PLC0415
+  from jax_residency._src.models.toy import ToyConfig  # noqa: PLC0415
 
   try:
     config = ToyConfig(**record["config"])
@@ -112,7 +112,7 @@ def toy_config(record: Mapping[str, Any]) -> Any:
 def abstract_toy(config: Any, seed: int) -> Any:
   from flax import nnx  # noqa: PLC0415
 
-  from jax_residency._src.toy import ToyTransformer  # noqa: PLC0415
+  from jax_residency._src.models.toy import ToyTransformer  # noqa: PLC0415
 
   return nnx.eval_shape(lambda: ToyTransformer(config, rngs=nnx.Rngs(seed)))
 
@@ -145,7 +145,7 @@ def load_concrete(abstract: Any, store: Any) -> Any:
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from jax_residency._src.placement.split import split_model  # noqa: PLC0415
+  from jax_residency._src.plan.split import split_model  # noqa: PLC0415
   from jax_residency._src.store.loading import check_for, read_all  # noqa: PLC0415
 
   split = split_model(abstract)

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_residency._src.placement.unit_loop import scan_units
-from jax_residency._src.policy.errors import ModelConfigError
+from jax_residency._src.errors import ModelConfigError
+from jax_residency._src.loop.unit_loop import scan_units
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

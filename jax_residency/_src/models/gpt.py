@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jax_residency._src.errors import ModelConfigError
+from jax_residency._src.loop.unit_loop import scan_units
 from jax_residency._src.models.init import seeded_weights
-from jax_residency._src.placement.unit_loop import scan_units
-from jax_residency._src.policy.errors import ModelConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,13 +14,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jax_residency._src.placement.split import normalise_path
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import (
   CheckpointShapeMismatchError,
   MissingCheckpointParametersError,
   UnexpectedCheckpointParametersError,
   format_paths,
 )
+from jax_residency._src.plan.split import normalise_path
 from jax_residency._src.typing import ParamPath
 
 

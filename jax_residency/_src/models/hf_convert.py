@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from jax_residency._src.errors import ModelConfigError, StoreError
 from jax_residency._src.models.safetensors_files import SafetensorsFiles
-from jax_residency._src.placement.split import split_model
-from jax_residency._src.policy.errors import ModelConfigError, StoreError
+from jax_residency._src.plan.split import split_model
 from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.writer import save_store
 from jax_residency._src.typing import ParamPath, path_str

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.plan.split import normalise_path
 
 M = TypeVar("M", bound=nnx.Module)
 

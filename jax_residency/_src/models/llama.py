@@ -33,8 +33,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jax_residency._src.loop.unit_loop import scan_units
 from jax_residency._src.models.llama_config import LlamaConfig
-from jax_residency._src.placement.unit_loop import scan_units
 
 
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:

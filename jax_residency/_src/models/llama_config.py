@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jax_residency._src.policy.errors import ModelConfigError
+from jax_residency._src.errors import ModelConfigError
 
 #: ``architectures`` the config reads, and the ``model_type`` of each.
 ARCHITECTURES = {

@@ -33,7 +33,7 @@ from jax_residency._src.models.hf import (
 from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.models.llama import Llama
 from jax_residency._src.models.llama_config import LlamaConfig
-from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.plan.split import normalise_path
 from jax_residency._src.typing import ParamPath, path_str
 
 #: The model's layer stack (its parameters' paths start with it).

@@ -34,8 +34,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jax_residency._src.loop.unit_loop import scan_units
 from jax_residency._src.models.t5_config import T5Config
-from jax_residency._src.placement.unit_loop import scan_units
 
 
 def relative_position_bucket(

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jax_residency._src.policy.errors import ModelConfigError
+from jax_residency._src.errors import ModelConfigError
 
 #: ``feed_forward_proj`` values the model implements.
 FEED_FORWARD_PROJ = ("relu", "gated-gelu")

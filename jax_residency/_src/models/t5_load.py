@@ -35,7 +35,7 @@ from jax_residency._src.models.hf import (
 from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.models.t5 import T5
 from jax_residency._src.models.t5_config import T5Config
-from jax_residency._src.placement.split import normalise_path
+from jax_residency._src.plan.split import normalise_path
 from jax_residency._src.typing import ParamPath, path_str
 
 #: Our static parameter path → Hugging Face tensor name (``lm_head`` only when untied).

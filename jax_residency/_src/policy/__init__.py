@@ -1,3 +1,4 @@
-"""What a user asks for: byte sizes, load options, the policy types, and the errors
-every stage raises.
+"""What a user asks for: the policy types, their load options, and byte sizes.
+
+Pure Python (no JAX, no NumPy); imports only ``errors`` below it.
 """

@@ -14,7 +14,7 @@ import difflib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypedDict, TypeVar
 
-from jax_residency._src.policy.errors import InvalidPolicyValueError, UnknownPolicyFieldError
+from jax_residency._src.errors import InvalidPolicyValueError, UnknownPolicyFieldError
 from jax_residency._src.policy.options import (
   CacheEvictionPolicy,
   DenseDiskStreamLoadOptions,

@@ -34,7 +34,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Self, TypeVar, cast
 
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import (
   HostDisabledControlsError,
   InvalidBudgetError,
   InvalidPolicyValueError,

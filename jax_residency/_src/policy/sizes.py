@@ -13,7 +13,7 @@ import re
 import reprlib
 from fractions import Fraction
 
-from jax_residency._src.policy.errors import InvalidBudgetError
+from jax_residency._src.errors import InvalidBudgetError
 
 KiB = 1024
 MiB = 1024**2

@@ -40,7 +40,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self, Unpack, cast
 
-from jax_residency._src.policy.errors import InvalidPolicyValueError, UnknownPolicyFieldError
+from jax_residency._src.errors import InvalidPolicyValueError, UnknownPolicyFieldError
 from jax_residency._src.policy.fields import (
   DENSE_FIELDS,
   LAYERWISE_FIELDS,

@@ -1,1 +1,3 @@
-"""What passes moved and cost: pass reports, memory samplers, compile time."""
+"""What passes moved and cost: the metric types, pass reports, memory samplers,
+compile time.
+"""

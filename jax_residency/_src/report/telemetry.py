@@ -22,12 +22,11 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jax_residency._src.placement.budget import ModelMetadata
+from jax_residency._src.plan.budget import ModelMetadata
 from jax_residency._src.policy.types import LayerWeightResidency
 from jax_residency._src.report import compile_time, text
 from jax_residency._src.report.metrics import Metrics, StackPass, freeze, peak, plain, total
-from jax_residency._src.stream.ledger import LedgerMetrics, Tier, TierMetrics
-from jax_residency._src.stream.prefetch import WorkerMetrics
+from jax_residency._src.report.stream_metrics import LedgerMetrics, Tier, TierMetrics, WorkerMetrics
 
 PREFILL = "prefill"
 DECODE = "decode"

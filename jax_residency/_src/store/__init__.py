@@ -1,3 +1,3 @@
 """Units at rest: the unit store's layout and read path (buffers, handles, mapped
-reads), writing stores, and converting checkpoints.
+reads), read options, and writing and checking stores.
 """

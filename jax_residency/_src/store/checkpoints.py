@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 
 #: Files whose presence makes a directory a checkpoint (an Orbax item, or a store).
 _CHECKPOINT_FILES = ("_METADATA", "manifest.ocdbt")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY, Discovered, as_path
 from jax_residency._src.typing import ParamPath, TensorSpec, path_str
 

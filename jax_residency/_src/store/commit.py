@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.store.discovery import locate
 
 TMP_TAG = ".jax-residency-tmp-"

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.policy import errors
-from jax_residency._src.policy.reads import ReadOptions
+from jax_residency._src import errors
 from jax_residency._src.store import mapped, remote
+from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.typing import ParamPath, path_str
 
 #: The sidecar's ``format`` field.

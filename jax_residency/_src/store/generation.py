@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 
 #: Files whose replacement marks a new version of a store: OCDBT's manifest (new
 #: for every commit), then Orbax's tree metadata and our sidecar (plain zarr stores).

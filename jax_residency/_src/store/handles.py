@@ -18,10 +18,10 @@ from typing import Any
 
 import tensorstore as ts
 
-from jax_residency._src.placement.memory import STORE_INDEX_CACHE_BYTES
-from jax_residency._src.policy import errors
-from jax_residency._src.policy.reads import ReadOptions
+from jax_residency._src import errors
+from jax_residency._src.plan.memory import STORE_INDEX_CACHE_BYTES
 from jax_residency._src.store import buffers, discovery, remote
+from jax_residency._src.store.read_options import ReadOptions
 
 #: Bytes of decoded OCDBT b-tree nodes cached per open store (metadata only); the
 #: plan names it as an overhead.

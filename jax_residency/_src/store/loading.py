@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import tqdm
 
-from jax_residency._src.placement.split import SplitModel
-from jax_residency._src.policy.errors import StoreError
-from jax_residency._src.policy.reads import ReadOptions
+from jax_residency._src.errors import StoreError
+from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.store import checkpoints, checks, commit, discovery, handles
 from jax_residency._src.store.discovery import SIDECAR_KEY
+from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.typing import ParamPath

@@ -51,7 +51,7 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.store.buffers import padded_nbytes
 from jax_residency._src.typing import ParamPath, tensor_nbytes
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import tensorstore as ts
 
-from jax_residency._src.policy import errors
-from jax_residency._src.policy.reads import ReadOptions
+from jax_residency._src import errors
+from jax_residency._src.store.read_options import ReadOptions
 
 #: TensorStore's key-value driver (the name in its metrics) per URL scheme.
 _DRIVERS = {"http": "http", "https": "http", "gs": "gcs", "s3": "s3", "file": "file"}

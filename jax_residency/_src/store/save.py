@@ -6,10 +6,10 @@ import os
 import reprlib
 from typing import Any
 
-from jax_residency._src.placement.arguments import check_store_path, check_units
-from jax_residency._src.placement.split import split_model
-from jax_residency._src.placement.stacks import find_stacks
-from jax_residency._src.policy.errors import StoreError, UnitSelectionError
+from jax_residency._src.errors import StoreError, UnitSelectionError
+from jax_residency._src.loop.stacks import find_stacks
+from jax_residency._src.plan.arguments import check_store_path, check_units
+from jax_residency._src.plan.split import split_model
 from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.writer import save_store
 

@@ -22,7 +22,7 @@ import errno
 import os
 import shutil
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.policy.sizes import format_bytes
 
 #: errno values that mean "no room": the disk is full, or the user's quota is.

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.store import discovery, mapped
 from jax_residency._src.store.buffers import buffer_layout, padded_nbytes
 from jax_residency._src.store.info import StackInfo, StoreInfo

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.store import remote
 from jax_residency._src.store.buffers import BufferPool, buffer_layout
 from jax_residency._src.typing import path_str

@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorstore as ts
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
-from jax_residency._src.policy.reads import ReadOptions
 from jax_residency._src.store import (
   checkpoints,
   checks,
@@ -49,6 +48,7 @@ from jax_residency._src.store import (
 from jax_residency._src.store.buffers import BufferPool
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.info import StoreInfo as StoreInfo
+from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.stored_stack import (
   LocalFetches,

@@ -18,7 +18,7 @@ from typing import Any
 
 import tqdm
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.store.unit_reads import read_error
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes

@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 import tqdm
 
-from jax_residency._src.policy import errors
+from jax_residency._src import errors
 from jax_residency._src.store import checks, commit, mapped, remote, space
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,

@@ -34,21 +34,22 @@ try:  # XLA's deferred-reference pass, see release_dropped_buffers
 except ImportError:  # pragma: no cover - a jaxlib that moved it
   _jax_lib = None
 
-from jax_residency._src.placement.budget import ModelMetadata
-from jax_residency._src.placement.split import SplitModel
-from jax_residency._src.placement.unit_loop import (
+from jax_residency._src.errors import AdmissionError, ClosedError, StoreError
+from jax_residency._src.loop.unit_loop import (
   LoopContext,
   StackLoop,
   not_looped_error,
   run_in_loop,
 )
-from jax_residency._src.policy.errors import AdmissionError, ClosedError, StoreError
+from jax_residency._src.plan.budget import ModelMetadata
+from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.compile_time import signature
 from jax_residency._src.report.metrics import StackPass
+from jax_residency._src.report.stream_metrics import Tier
 from jax_residency._src.report.telemetry import PassCounters, Telemetry, TimelinePoint
 from jax_residency._src.stream.boxes import from_local_box
-from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger, Tier
+from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger
 from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker
 from jax_residency._src.stream.stack_units import StackUnits
 from jax_residency._src.stream.staged import StackSpan, StagedForward, run_staged, trace

@@ -22,13 +22,12 @@ Everything is guarded by one lock.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import operator
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import (
   AdmissionError,
   ClosedError,
   InvalidBudgetError,
@@ -36,66 +35,8 @@ from jax_residency._src.policy.errors import (
   WeightResidencyPolicyError,
 )
 from jax_residency._src.policy.options import CacheEvictionPolicy
-from jax_residency._src.report.metrics import Metrics, Tally, peak, total
-
-
-class Tier(enum.Enum):
-  """A tier of the residency ledger."""
-
-  HOST = "host"
-  DEVICE = "device"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TierMetrics(Metrics):
-  """Cache counters of one tier over one pass (or over passes, merged with `+`).
-
-  Attributes:
-    requests: `get` calls.
-    hits: `get` calls that found the unit.
-    misses: `get` calls that did not.
-    evictions: entries removed to make room.
-    evicted_bytes: charged bytes of those entries.
-    peak_units: most resident entries at once.
-    peak_bytes: most charged bytes at once, pending reservations included.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import jax_residency as jr
-    >>> from jax_residency.toy import ToyConfig, ToyTransformer
-    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
-    >>> info = jr.save(model, "memory://tier_metrics/toy", progress=False)  # or a directory
-    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes="1MiB"), store=info.path) as p:
-    ...   _ = p(jnp.zeros((1, 4), jnp.int32))
-    ...   host = p.report().last.host  # the host cache over this pass
-    >>> host.requests == host.hits + host.misses == 2, host.evictions, host.peak_units
-    (True, 0, 2)
-  """
-
-  requests: int = total()
-  hits: int = total()
-  misses: int = total()
-  evictions: int = total()
-  evicted_bytes: int = total()
-  peak_units: int = peak()
-  peak_bytes: int = peak()
-
-  @property
-  def hit_rate(self) -> float | None:
-    """`hits / requests`, or `None` when nothing was requested."""
-    return self.hits / self.requests if self.requests else None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LedgerMetrics(Metrics):
-  """`TierMetrics` of both tiers; `metrics[Tier.HOST]` works too."""
-
-  host: TierMetrics = total(TierMetrics())
-  device: TierMetrics = total(TierMetrics())
-
-  def __getitem__(self, tier: Tier) -> TierMetrics:
-    return self.host if tier is Tier.HOST else self.device
+from jax_residency._src.report.metrics import Tally
+from jax_residency._src.report.stream_metrics import LedgerMetrics, Tier, TierMetrics
 
 
 @dataclasses.dataclass(frozen=True)

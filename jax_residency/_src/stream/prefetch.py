@@ -36,64 +36,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import (
   ClosedError,
   PrefetchError,
   StoreError,
   ZeroQueueCapacityError,
 )
-from jax_residency._src.report.metrics import Metrics, Tally, peak, total
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class WorkerMetrics(Metrics):
-  """Counters of the prefetch worker over one pass (or over passes, merged with `+`).
-
-  Attributes:
-    submitted: requests queued by `submit`.
-    coalesced: `submit` calls for a unit already queued or in flight.
-    rejected: `submit(block=False)` (or timed-out) calls that found the queue full.
-    completed: loads that returned normally in their own epoch.
-    cancelled: requests dropped or fenced by `cancel()`/`close()`: queued, in
-      flight, or blocked in `submit`.
-    failed: loads that raised in their own epoch.
-    peak_queue_occupancy: most requests waiting at once (in flight excluded).
-    backpressure_count: `submit` calls that blocked on a full queue.
-    backpressure_seconds: time spent blocked there.
-    demand_waits: `wait` calls that had to block for a queued/in-flight unit.
-    demand_wait_seconds: time spent blocked there.
-    ready_before_demand: requests already completed when first waited for.
-    evicted_before_use: prefetched units evicted before any use (reported by
-      the engine through `note_evicted_before_use`).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import jax_residency as jr
-    >>> from jax_residency.toy import ToyConfig, ToyTransformer
-    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
-    >>> info = jr.save(model, "memory://worker_metrics/toy", progress=False)  # or a directory
-    >>> policy = jr.DenseDiskStream(host_budget_bytes="1MiB", host_lookahead=2)
-    >>> with jr.place(model, policy, store=info.path) as placed:
-    ...   _ = placed(jnp.zeros((1, 4), jnp.int32))
-    ...   worker = placed.report().last.worker  # the background reads of this pass
-    >>> worker.completed > 0, worker.completed == worker.submitted, worker.failed
-    (True, True, 0)
-  """
-
-  submitted: int = total()
-  coalesced: int = total()
-  rejected: int = total()
-  completed: int = total()
-  cancelled: int = total()
-  failed: int = total()
-  peak_queue_occupancy: int = peak()
-  backpressure_count: int = total()
-  backpressure_seconds: float = total(0.0)
-  demand_waits: int = total()
-  demand_wait_seconds: float = total(0.0)
-  ready_before_demand: int = total()
-  evicted_before_use: int = total()
+from jax_residency._src.report.metrics import Tally
+from jax_residency._src.report.stream_metrics import WorkerMetrics
 
 
 class _Epoch:

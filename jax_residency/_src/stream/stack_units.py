@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import jax
 
-from jax_residency._src.placement.budget import StackMetadata
-from jax_residency._src.placement.split import SplitModel, Stack
+from jax_residency._src.plan.budget import StackMetadata
+from jax_residency._src.plan.split import SplitModel, Stack
 from jax_residency._src.stream.boxes import addressable_box, box_nbytes
 from jax_residency._src.typing import ParamPath
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.errors import PlacementError
 from jax_residency._src.report.compile_time import temp_bytes
 
 #: ``fetch(u, upcoming) -> unit leaves`` in its stack's leaf order. ``u`` is a

@@ -1,7 +1,7 @@
 """The base of every error jax_residency raises on purpose, and a helper for messages.
 
-`errors.py` holds the whole hierarchy (and re-exports these); this module is
-its root, which `store_errors.py` shares without importing `errors.py`.
+The root of the hierarchy, which every other module of the ``errors`` package
+imports; the package re-exports every type.
 """
 
 from __future__ import annotations

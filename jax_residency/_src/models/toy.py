@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from jax_residency._src.placement import linen as jr_linen
-from jax_residency._src.placement.unit_loop import scan_units
+from jax_residency._src.loop import linen as jr_linen
+from jax_residency._src.loop.unit_loop import scan_units
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,16 +18,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jax_residency._src.compile_cache import enable_default_cache
-from jax_residency._src.placement import shardings as pl
-from jax_residency._src.placement.arguments import check_place_arguments
-from jax_residency._src.placement.budget import ModelMetadata
-from jax_residency._src.placement.executor import Executor
-from jax_residency._src.placement.jitted import JittedExecutor
-from jax_residency._src.placement.split import SplitModel, split_model
-from jax_residency._src.placement.stacks import find_stacks
-from jax_residency._src.policy.errors import ClosedError, PlacementError
-from jax_residency._src.policy.reads import ReadOptions
+from jax_residency._src.errors import ClosedError, PlacementError
+from jax_residency._src.loop.stacks import find_stacks
+from jax_residency._src.plan import shardings as pl
+from jax_residency._src.plan.arguments import check_place_arguments
+from jax_residency._src.plan.budget import ModelMetadata
+from jax_residency._src.plan.split import SplitModel, split_model
 from jax_residency._src.policy.types import (
   DenseDiskStream,
   FullyResident,
@@ -35,8 +31,12 @@ from jax_residency._src.policy.types import (
   LayerwiseHost,
 )
 from jax_residency._src.report.telemetry import Report
+from jax_residency._src.run.compile_cache import enable_default_cache
+from jax_residency._src.run.dense import DenseExecutor
+from jax_residency._src.run.executor import Executor
+from jax_residency._src.run.jitted import JittedExecutor
 from jax_residency._src.store.loading import StoreSource, stacks_in
-from jax_residency._src.stream.dense import DenseExecutor
+from jax_residency._src.store.read_options import ReadOptions
 
 
 class PlacedModel:

@@ -5,7 +5,7 @@ Part of the hierarchy in `errors.py`, which re-exports every class here.
 
 from __future__ import annotations
 
-from jax_residency._src.policy.error_base import ResidencyError
+from jax_residency._src.errors.base import ResidencyError
 
 
 class StoreError(ResidencyError, ValueError):

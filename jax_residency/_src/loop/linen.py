@@ -14,8 +14,8 @@ from typing import Any
 
 from flax import linen as nn
 
-from jax_residency._src.placement.unit_loop import current_loop
-from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.errors import PlacementError
+from jax_residency._src.loop.unit_loop import current_loop
 
 
 def scan(target: type[nn.Module], **scan_kwargs: Any) -> type[nn.Module]:

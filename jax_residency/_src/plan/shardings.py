@@ -18,8 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_residency._src.placement.split import Leaf, SplitModel
-from jax_residency._src.policy.errors import PlacementError, format_paths
+from jax_residency._src.errors import PlacementError, format_paths
+from jax_residency._src.plan.split import Leaf, SplitModel
 from jax_residency._src.typing import path_str, tensor_nbytes
 
 DEVICE = "device"

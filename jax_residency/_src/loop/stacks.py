@@ -9,23 +9,19 @@ top-level loop is recorded with its model path, in the order the forward runs
 them. A placement made without ``units=`` or a store that records its stacks
 finds them this way on its first call; a placement with chosen stacks notes,
 on every new input signature, loops over stacks it does not place
-(:func:`note_unplaced`).
+(``run/executor.py``, ``note_unplaced``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 
-from jax_residency._src.placement.budget import ModelMetadata
-from jax_residency._src.placement.split import SplitModel
-from jax_residency._src.placement.unit_loop import LoopContext, active_loop, not_looped_error
+from jax_residency._src.loop.unit_loop import LoopContext, active_loop, not_looped_error
+from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.types import ExecutionResidency
-from jax_residency._src.report.telemetry import Telemetry
-from jax_residency._src.typing import ParamPath, path_str
+from jax_residency._src.typing import ParamPath
 
 
 def find_stacks(split: SplitModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SplitModel:
@@ -50,31 +46,3 @@ def find_stacks(split: SplitModel, args: tuple[Any, ...], kwargs: dict[str, Any]
   if not found:
     raise not_looped_error(())
   return split.with_stacks(found)
-
-
-class _Noting(Protocol):
-  metadata: ModelMetadata
-  telemetry: Telemetry
-
-
-def note_unplaced(executor: _Noting, ctx: LoopContext) -> None:
-  """Records, with a warning, the stacks a traced call looped over that are not placed.
-
-  Their weights are static parameters on the device; ``metadata.unplaced_stacks``
-  lists them.
-  """
-  known = executor.metadata.unplaced_stacks
-  new = [path_str(p) for p in ctx.unplaced if path_str(p) not in known]
-  if not new:
-    return
-  executor.metadata = dataclasses.replace(executor.metadata, unplaced_stacks=(*known, *new))
-  executor.telemetry.note_metadata(executor.metadata)
-  placed = ", ".join(repr(s.path) for s in executor.metadata.stacks) or "the chosen stacks"
-  warnings.warn(
-    f"the forward loops over layer stack(s) {', '.join(map(repr, new))} that this placement "
-    f"does not place (it places {placed}): their weights stay on the device as static "
-    "parameters. Pass units=(...) naming every stack to place them too, or leave units= "
-    "out to place every stack the forward loops over.",
-    UserWarning,
-    stacklevel=4,
-  )

@@ -3,7 +3,7 @@
 `DenseExecutor` opens the store, places the static weights (one tensor at a
 time), and runs passes through a `DenseStreamEngine` (``stream/engine.py``),
 which feeds the staged forward's unit loop from the store through byte-bounded
-host and device tiers. It implements ``placement/executor.py``'s `Executor`.
+host and device tiers. It implements ``run/executor.py``'s `Executor`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jax_residency._src.placement import shardings as pl
-from jax_residency._src.placement.budget import ModelMetadata, metadata_for
-from jax_residency._src.placement.memory import OVERHEAD, MemoryItem
-from jax_residency._src.placement.split import SplitModel
-from jax_residency._src.placement.stacks import note_unplaced
-from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.errors import PlacementError
+from jax_residency._src.plan import shardings as pl
+from jax_residency._src.plan.budget import ModelMetadata, metadata_for
+from jax_residency._src.plan.memory import OVERHEAD, MemoryItem
+from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.telemetry import Telemetry
+from jax_residency._src.run.executor import note_unplaced
 from jax_residency._src.store.loading import StoreSource, open_for
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.stream.engine import DenseStreamEngine

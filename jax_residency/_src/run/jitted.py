@@ -18,17 +18,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_residency._src.placement import shardings as pl
-from jax_residency._src.placement.budget import ModelMetadata, metadata_for
-from jax_residency._src.placement.memory import OVERHEAD, MemoryItem
-from jax_residency._src.placement.split import SplitModel
-from jax_residency._src.placement.stacks import note_unplaced
-from jax_residency._src.placement.unit_loop import LoopContext, StackLoop, run_in_loop
-from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.errors import PlacementError
+from jax_residency._src.loop.unit_loop import LoopContext, StackLoop, run_in_loop
+from jax_residency._src.plan import shardings as pl
+from jax_residency._src.plan.budget import ModelMetadata, metadata_for
+from jax_residency._src.plan.memory import OVERHEAD, MemoryItem
+from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResidency
 from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.telemetry import PassCounters, Telemetry
+from jax_residency._src.run.executor import note_unplaced
 from jax_residency._src.store.loading import StoreSource, open_for, read_all, transit_bytes
 from jax_residency._src.typing import path_str
 

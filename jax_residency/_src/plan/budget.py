@@ -14,13 +14,13 @@ from typing import Any
 
 import jax
 
-from jax_residency._src.placement import shardings as pl
-from jax_residency._src.placement.memory import DEVICE_BUDGET as DEVICE_BUDGET
-from jax_residency._src.placement.memory import HOST_BUDGET as HOST_BUDGET
-from jax_residency._src.placement.memory import OVERHEAD, MemoryItem, memory_items, staging_bytes
-from jax_residency._src.placement.memory import STORE_INDEX_CACHE_BYTES as STORE_INDEX_CACHE_BYTES
-from jax_residency._src.placement.split import SplitModel
-from jax_residency._src.policy.errors import DeviceBudgetTooSmallError, HostBudgetTooSmallError
+from jax_residency._src.errors import DeviceBudgetTooSmallError, HostBudgetTooSmallError
+from jax_residency._src.plan import shardings as pl
+from jax_residency._src.plan.memory import DEVICE_BUDGET as DEVICE_BUDGET
+from jax_residency._src.plan.memory import HOST_BUDGET as HOST_BUDGET
+from jax_residency._src.plan.memory import OVERHEAD, MemoryItem, memory_items, staging_bytes
+from jax_residency._src.plan.memory import STORE_INDEX_CACHE_BYTES as STORE_INDEX_CACHE_BYTES
+from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import (
   DenseDiskStream,

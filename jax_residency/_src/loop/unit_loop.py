@@ -1,7 +1,7 @@
 """The one layer-loop primitive every policy runs through.
 
 Model code runs its stacked layers with :func:`scan_units` (NNX) or the Linen
-transform in :mod:`jax_residency._src.placement.linen` instead of ``nnx.scan`` /
+transform in :mod:`jax_residency._src.loop.linen` instead of ``nnx.scan`` /
 ``nn.scan``. Outside a placed model these are exactly the Flax transforms. While
 a placed model traces its forward, a :class:`LoopContext` is active and the loop
 takes the shape the policy asks for:
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jax_residency._src.placement.split import Bound
-from jax_residency._src.policy.errors import PlacementError
+from jax_residency._src.errors import PlacementError
+from jax_residency._src.plan.split import Bound
 from jax_residency._src.policy.types import ExecutionResidency
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]

@@ -87,7 +87,7 @@ def enable_default_cache() -> str | None:
 
   Example:
     >>> import os
-    >>> from jax_residency._src import compile_cache
+    >>> from jax_residency._src.run import compile_cache
     >>> os.environ[compile_cache.OPT_OUT_ENV] = "0"  # as the test suite runs
     >>> compile_cache.enable_default_cache() is None
     True

@@ -16,7 +16,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jax_residency._src.policy.errors import (
+from jax_residency._src.errors import (
   PlacementError,
   StoreError,
   UnitSelectionError,
@@ -104,7 +104,7 @@ def check_place_arguments(
     StoreError: ``store`` is not a path.
 
   Example:
-    >>> from jax_residency._src.policy.errors import PlacementError
+    >>> from jax_residency._src.errors import PlacementError
     >>> check_place_arguments(
     ...   params=None, mesh=None, units="layers", rules=None, store=None, sequence_axis=1)
     >>> try:

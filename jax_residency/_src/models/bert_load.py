@@ -21,6 +21,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jax_residency._src.errors import (
+  UnexpectedCheckpointParametersError,
+  format_paths,
+)
 from jax_residency._src.models.bert import BertConfig, BertEncoder
 from jax_residency._src.models.hf import (
   expected_shapes,
@@ -28,11 +32,7 @@ from jax_residency._src.models.hf import (
   read_config,
   read_safetensors,
 )
-from jax_residency._src.placement.split import normalise_path
-from jax_residency._src.policy.errors import (
-  UnexpectedCheckpointParametersError,
-  format_paths,
-)
+from jax_residency._src.plan.split import normalise_path
 from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.save import save
 from jax_residency._src.typing import ParamPath, path_str

@@ -22,7 +22,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jax_residency._src.policy.errors import UnitSelectionError, format_paths
+from jax_residency._src.errors import UnitSelectionError, format_paths
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 

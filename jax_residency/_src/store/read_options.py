@@ -13,7 +13,7 @@ import math
 import numbers
 from typing import Any
 
-from jax_residency._src.policy.errors import InvalidPolicyValueError
+from jax_residency._src.errors import InvalidPolicyValueError
 
 #: Default `ReadOptions.retries`: a request is tried once and retried this many times.
 DEFAULT_READ_RETRIES = 4

@@ -1,0 +1,132 @@
+"""Errors in placing a model: units that cannot be placed, budgets too small, a
+model config the model does not implement."""
+
+from __future__ import annotations
+
+from jax_residency._src.errors.base import ResidencyError
+
+
+class PlacementError(ResidencyError, ValueError):
+  """A model could not be placed as asked (bad unit selection, bad mesh...).
+
+  Raised by `place` (e.g. `DenseDiskStream` without ``store=``) and by a placed
+  model given what it cannot run (a dense stream under ``jax.jit``).
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> placed = jr.place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    >>> try:  # one Linear layer: its forward loops over no stack of layers
+    ...   placed(jnp.ones((1, 2)))
+    ... except jr.PlacementError as e:
+    ...   print(type(e).__name__, isinstance(e, ValueError))
+    PlacementError True
+  """
+
+
+class UnitSelectionError(PlacementError):
+  """The stacked layer module could not be found or is not a layer stack.
+
+  Raised by `place` and `save` when ``units=`` names no parameters, or not a
+  stack (leaves sharing a leading layer axis), and by `save` when nothing says
+  which modules the stacks are.
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(blocks=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))
+    >>> try:
+    ...   jr.place(net, units="layers")
+    ... except jr.errors.UnitSelectionError as e:
+    ...   print(type(e).__name__, "units='layers' names no parameters" in str(e))
+    UnitSelectionError True
+  """
+
+
+class BudgetTooSmallError(PlacementError):
+  """Base of the load-time budget errors, raised before anything is placed.
+
+  `place` raises a subclass when the budgets cannot hold the model's windows.
+  The arithmetic is in the message and, as ints, in attributes:
+  ``required`` and ``budget`` always; ``static``, ``window`` and ``depth``
+  (device) or ``window`` and ``staging`` (host) where they apply, else ``None``.
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))  # 2 x 64 B
+    >>> try:
+    ...   jr.place(net, jr.LayerwiseHost(host_budget_bytes=100), units="layers")
+    ... except jr.BudgetTooSmallError as e:
+    ...   print(type(e).__name__, e.required, e.budget)
+    HostBudgetTooSmallError 128 100
+  """
+
+  def __init__(
+    self,
+    message: str,
+    *,
+    required: int | None = None,
+    budget: int | None = None,
+    static: int | None = None,
+    window: int | None = None,
+    depth: int | None = None,
+    staging: int | None = None,
+  ) -> None:
+    super().__init__(message)
+    self.required = required
+    self.budget = budget
+    self.static = static
+    self.window = window
+    self.depth = depth
+    self.staging = staging
+
+
+class DeviceBudgetTooSmallError(BudgetTooSmallError):
+  """Static bytes plus the largest device window exceed `device_budget_bytes`.
+
+  Raised by `place`; the window is ``prefetch_depth`` units (`LayerwiseHost`),
+  2 (`DenseDiskStream`) or all of them (`FullyResident`).
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> layers = nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4))))  # 2 units of 64 B
+    >>> net = nnx.Dict(layers=layers, head=nnx.Param(jnp.zeros(4)))  # 16 B static
+    >>> try:
+    ...   jr.place(net, jr.LayerwiseHost(device_budget_bytes=64), units="layers")
+    ... except jr.DeviceBudgetTooSmallError as e:
+    ...   print(e.static, e.window, e.depth, e.required, e.budget)
+    16 64 1 80 64
+  """
+
+
+class HostBudgetTooSmallError(BudgetTooSmallError):
+  """The host window (or every unit, for `LayerwiseHost`) exceeds `host_budget_bytes`.
+
+  Raised by `place` for `LayerwiseHost`, and for `DenseDiskStream` with a host
+  cache (``host_lookahead`` units, plus a staging unit on an accelerator).
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))  # 2 x 64 B
+    >>> try:
+    ...   jr.place(net, jr.LayerwiseHost(host_budget_bytes=100), units="layers")
+    ... except jr.HostBudgetTooSmallError as e:
+    ...   print(e.window, e.staging, e.required, e.budget)
+    128 0 128 100
+  """
+
+
+class ModelConfigError(ResidencyError, ValueError):
+  """A model configuration asks for something the model does not implement.
+
+  Raised by the configs of `jax_residency.models` (``BertConfig``, ``GPTConfig``,
+  ``T5Config``) and their ``from_hf`` readers of a Hugging Face ``config.json``;
+  the message names the field, its value and what is supported.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> from jax_residency import models
+    >>> try:
+    ...   models.T5Config.from_hf({"feed_forward_proj": "gated-silu"})
+    ... except jr.errors.ModelConfigError as e:
+    ...   print(type(e).__name__, "feed_forward_proj='gated-silu'" in str(e))
+    ModelConfigError True
+  """

@@ -1,0 +1,122 @@
+"""The counters a dense stream keeps per pass: its two cache tiers and its read worker.
+
+They are report types: the stream's ledger and worker fill them, `PassReport`
+carries them, and `+` merges passes into totals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jax_residency._src.report.metrics import Metrics, peak, total
+
+
+class Tier(enum.Enum):
+  """A tier of the residency ledger."""
+
+  HOST = "host"
+  DEVICE = "device"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TierMetrics(Metrics):
+  """Cache counters of one tier over one pass (or over passes, merged with `+`).
+
+  Attributes:
+    requests: `get` calls.
+    hits: `get` calls that found the unit.
+    misses: `get` calls that did not.
+    evictions: entries removed to make room.
+    evicted_bytes: charged bytes of those entries.
+    peak_units: most resident entries at once.
+    peak_bytes: most charged bytes at once, pending reservations included.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> info = jr.save(model, "memory://tier_metrics/toy", progress=False)  # or a directory
+    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes="1MiB"), store=info.path) as p:
+    ...   _ = p(jnp.zeros((1, 4), jnp.int32))
+    ...   host = p.report().last.host  # the host cache over this pass
+    >>> host.requests == host.hits + host.misses == 2, host.evictions, host.peak_units
+    (True, 0, 2)
+  """
+
+  requests: int = total()
+  hits: int = total()
+  misses: int = total()
+  evictions: int = total()
+  evicted_bytes: int = total()
+  peak_units: int = peak()
+  peak_bytes: int = peak()
+
+  @property
+  def hit_rate(self) -> float | None:
+    """`hits / requests`, or `None` when nothing was requested."""
+    return self.hits / self.requests if self.requests else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LedgerMetrics(Metrics):
+  """`TierMetrics` of both tiers; `metrics[Tier.HOST]` works too."""
+
+  host: TierMetrics = total(TierMetrics())
+  device: TierMetrics = total(TierMetrics())
+
+  def __getitem__(self, tier: Tier) -> TierMetrics:
+    return self.host if tier is Tier.HOST else self.device
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerMetrics(Metrics):
+  """Counters of the prefetch worker over one pass (or over passes, merged with `+`).
+
+  Attributes:
+    submitted: requests queued by `submit`.
+    coalesced: `submit` calls for a unit already queued or in flight.
+    rejected: `submit(block=False)` (or timed-out) calls that found the queue full.
+    completed: loads that returned normally in their own epoch.
+    cancelled: requests dropped or fenced by `cancel()`/`close()`: queued, in
+      flight, or blocked in `submit`.
+    failed: loads that raised in their own epoch.
+    peak_queue_occupancy: most requests waiting at once (in flight excluded).
+    backpressure_count: `submit` calls that blocked on a full queue.
+    backpressure_seconds: time spent blocked there.
+    demand_waits: `wait` calls that had to block for a queued/in-flight unit.
+    demand_wait_seconds: time spent blocked there.
+    ready_before_demand: requests already completed when first waited for.
+    evicted_before_use: prefetched units evicted before any use (reported by
+      the engine through `note_evicted_before_use`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> info = jr.save(model, "memory://worker_metrics/toy", progress=False)  # or a directory
+    >>> policy = jr.DenseDiskStream(host_budget_bytes="1MiB", host_lookahead=2)
+    >>> with jr.place(model, policy, store=info.path) as placed:
+    ...   _ = placed(jnp.zeros((1, 4), jnp.int32))
+    ...   worker = placed.report().last.worker  # the background reads of this pass
+    >>> worker.completed > 0, worker.completed == worker.submitted, worker.failed
+    (True, True, 0)
+  """
+
+  submitted: int = total()
+  coalesced: int = total()
+  rejected: int = total()
+  completed: int = total()
+  cancelled: int = total()
+  failed: int = total()
+  peak_queue_occupancy: int = peak()
+  backpressure_count: int = total()
+  backpressure_seconds: float = total(0.0)
+  demand_waits: int = total()
+  demand_wait_seconds: float = total(0.0)
+  ready_before_demand: int = total()
+  evicted_before_use: int = total()

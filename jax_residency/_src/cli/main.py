@@ -78,23 +78,99 @@ def _count(minimum: int) -> Callable[[str], int]:
 
 # --- parser ------------------------------------------------------------------
 
+_FORMAT = argparse.RawDescriptionHelpFormatter
+_STORE_HELP = "store directory or TensorStore kvstore URL"
+
 
 def build_parser() -> argparse.ArgumentParser:
   """The ``jax-residency`` argument parser (every subcommand has ``--help``)."""
-  fmt = argparse.RawDescriptionHelpFormatter
   parser = _Parser(
     prog=PROG,
     description="Run Flax models whose weights do not fit in accelerator memory.",
     epilog="Start with `jax-residency demo`. Exit codes: 0 ok, 1 a check failed, 2 an error.",
-    formatter_class=fmt,
+    formatter_class=_FORMAT,
   )
   parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
   sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
   sub.required = True
+  for add in (
+    _add_demo,
+    _add_inspect,
+    _add_verify,
+    _add_plan,
+    _add_run,
+    _add_rechunk,
+    _add_convert,
+  ):
+    add(sub)
+  return parser
 
-  demo = sub.add_parser(
+
+def _command(
+  sub: argparse._SubParsersAction[_Parser],
+  name: str,
+  handler: Callable[[argparse.Namespace], int],
+  *,
+  summary: str,
+  description: str,
+  epilog: str | None = None,
+) -> argparse.ArgumentParser:
+  """Adds subcommand ``name`` (``summary`` is its line in ``--help``), run by ``handler``."""
+  command = sub.add_parser(
+    name, help=summary, description=description, epilog=epilog, formatter_class=_FORMAT
+  )
+  command.set_defaults(handler=handler)
+  return command
+
+
+# Argument groups more than one subcommand takes.
+
+
+def _add_store(command: argparse.ArgumentParser) -> None:
+  command.add_argument("path", help=_STORE_HELP)
+
+
+def _add_units(command: argparse.ArgumentParser) -> None:
+  command.add_argument("--units", metavar="PREFIX", help="unit prefix (plain Orbax checkpoints)")
+
+
+def _add_json(command: argparse.ArgumentParser, text: str = "print JSON") -> None:
+  command.add_argument("--json", action="store_true", help=text)
+
+
+def _add_overwrite(command: argparse.ArgumentParser) -> None:
+  command.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+
+
+def _add_budgets(
+  command: argparse.ArgumentParser, *, default: object, device_help: str, host_help: str
+) -> None:
+  """``--device-budget`` and ``--host-budget``: bytes, a size such as 2GiB, or 'unbounded'."""
+  for flag, text in (("--device-budget", device_help), ("--host-budget", host_help)):
+    command.add_argument(flag, metavar="BYTES", type=_budget, default=default, help=text)
+
+
+def _add_lookahead(
+  command: argparse.ArgumentParser, *, minimum: int, default: int | None = None
+) -> None:
+  command.add_argument(
+    "--lookahead",
+    metavar="N",
+    type=_count(minimum),
+    default=default,
+    help="dense host_lookahead (default 2)",
+  )
+
+
+# One function per subcommand, in the order `--help` lists them.
+
+
+def _add_demo(sub: argparse._SubParsersAction[_Parser]) -> None:
+  demo = _command(
+    sub,
     "demo",
-    help="run a seeded toy model under all three policies and compare them",
+    cmd_demo,
+    summary="run a seeded toy model under all three policies and compare them",
     description=(
       "Writes a toy transformer with seeded weights (12 layers, ~577 MiB of unit weights)\n"
       "to a local store under the cache directory on first run (reused afterwards), runs\n"
@@ -102,7 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
       "3 units, device budget of static + 2 units), checks every output against the plain\n"
       "model and prints one table. Exit code 1 if any output differs."
     ),
-    formatter_class=fmt,
   )
   demo.add_argument(
     "--cache-dir",
@@ -118,48 +193,55 @@ def build_parser() -> argparse.ArgumentParser:
     help=f"number of layers (units), default {DEMO_CONFIG['n_layers']}",
   )
   demo.add_argument("--fresh", action="store_true", help="rebuild the store even if cached")
-  demo.add_argument("--json", action="store_true", help="print JSON instead of the table")
+  _add_json(demo, "print JSON instead of the table")
   # Hidden knobs for tests and experiments.
-  for flag, key in (("--d-model", "d_model"), ("--d-ff", "d_ff"), ("--heads", "n_heads")):
+  hidden = (("--d-model", "d_model"), ("--d-ff", "d_ff"), ("--heads", "n_heads"))
+  for flag, key in (*hidden, ("--vocab", "vocab")):
     demo.add_argument(
       flag, dest=key, type=_count(1), default=DEMO_CONFIG[key], help=argparse.SUPPRESS
     )
-  demo.add_argument("--vocab", type=_count(1), default=DEMO_CONFIG["vocab"], help=argparse.SUPPRESS)
   demo.add_argument("--tokens", type=_count(1), default=DEMO_TOKENS, help=argparse.SUPPRESS)
-  demo.set_defaults(handler=cmd_demo)
 
-  inspect = sub.add_parser(
+
+def _add_inspect(sub: argparse._SubParsersAction[_Parser]) -> None:
+  inspect = _command(
+    sub,
     "inspect",
-    help="describe a unit store: units, bytes, chunking",
+    cmd_inspect,
+    summary="describe a unit store: units, bytes, chunking",
     description=(
       "Shows a store's units (count, per-unit and total bytes, tensors), its static bytes,\n"
       "its chunking, and whether DenseDiskStream can stream it in place (one chunk per\n"
       "unit); if not, how to rechunk it."
     ),
-    formatter_class=fmt,
   )
-  inspect.add_argument("path", help="store directory or TensorStore kvstore URL")
-  inspect.add_argument("--units", metavar="PREFIX", help="unit prefix (plain Orbax checkpoints)")
-  inspect.add_argument("--json", action="store_true", help="print JSON")
-  inspect.set_defaults(handler=cmd_inspect)
+  _add_store(inspect)
+  _add_units(inspect)
+  _add_json(inspect)
 
-  verify = sub.add_parser(
+
+def _add_verify(sub: argparse._SubParsersAction[_Parser]) -> None:
+  verify = _command(
+    sub,
     "verify",
-    help="read every chunk of a store and list the damaged tensors",
+    cmd_verify,
+    summary="read every chunk of a store and list the damaged tensors",
     description=(
       "Reads every chunk of a store, checking each chunk's CRC-32C (stores written by\n"
       "jr.save carry one), and lists every tensor and unit that is corrupt or unreadable.\n"
       "Exit status: 0 when nothing is damaged, 1 when something is."
     ),
-    formatter_class=fmt,
   )
-  verify.add_argument("path", help="store directory or TensorStore kvstore URL")
-  verify.add_argument("--json", action="store_true", help="print JSON")
-  verify.set_defaults(handler=cmd_verify)
+  _add_store(verify)
+  _add_json(verify)
 
-  plan = sub.add_parser(
+
+def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
+  plan = _command(
+    sub,
     "plan",
-    help="which policies and depths fit given byte budgets",
+    cmd_plan,
+    summary="which policies and depths fit given byte budgets",
     description=(
       "Checks every policy against the budgets with the store's sizes (one device):\n"
       "static + window = required, against the device and host budgets. Exit code 1\n"
@@ -171,22 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
       "          jax-residency plan ./Llama-3.1-8B/config.json --device-budget 16GiB "
       "--platform gpu"
     ),
-    formatter_class=fmt,
   )
   plan.add_argument(
     "path",
-    help="store directory or TensorStore kvstore URL; or a Hugging Face config.json (or a\n"
+    help=f"{_STORE_HELP}; or a Hugging Face config.json (or a\n"
     "directory with one and no store): plans from the model's sizes, no weights needed",
   )
   plan.add_argument(
     "--dtype", help="with a config.json: the weights' dtype (default: its torch_dtype, or float32)"
   )
-  for flag in ("--device-budget", "--host-budget"):
-    plan.add_argument(flag, metavar="BYTES", type=_budget, default=None, help="default unbounded")
-  plan.add_argument(
-    "--lookahead", metavar="N", type=_count(1), default=2, help="dense host_lookahead (default 2)"
-  )
-  plan.add_argument("--units", metavar="PREFIX", help="unit prefix (plain Orbax checkpoints)")
+  _add_budgets(plan, default=None, device_help="default unbounded", host_help="default unbounded")
+  _add_lookahead(plan, minimum=1, default=2)
+  _add_units(plan)
   plan.add_argument(
     "--platform",
     choices=("cpu", "gpu", "tpu"),
@@ -194,12 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
     help="where the model will run (default: JAX's default backend here). On an\n"
     "accelerator a dense stream's staging unit counts against the host budget",
   )
-  plan.add_argument("--json", action="store_true", help="print JSON")
-  plan.set_defaults(handler=cmd_plan)
+  _add_json(plan)
 
-  run = sub.add_parser(
+
+def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
+  run = _command(
+    sub,
     "run",
-    help="one forward pass of a stored model under a policy, with its report",
+    cmd_run,
+    summary="one forward pass of a stored model under a policy, with its report",
     description=(
       "Runs one forward pass on random token ids of the given shape and prints the\n"
       "pass report. The store must record its model (stores written by `demo`), or\n"
@@ -208,30 +289,20 @@ def build_parser() -> argparse.ArgumentParser:
     ),
     epilog="Example: jax-residency run ./store --policy dense_disk_stream --host-budget 1GiB "
     "--shape 1,16",
-    formatter_class=fmt,
   )
-  run.add_argument("path", help="store directory or TensorStore kvstore URL")
+  _add_store(run)
   run.add_argument("--policy", choices=POLICY_NAMES, required=True)
   run.add_argument(
     "--shape", metavar="B,T", type=_shape, required=True, help="token ids shape, e.g. 1,16"
   )
-  run.add_argument(
-    "--device-budget",
-    metavar="BYTES",
-    type=_budget,
+  _add_budgets(
+    run,
     default=UNSET,
-    help="e.g. 2GiB or 'unbounded' (default: the policy's; dense 4 GiB, layerwise unbounded)",
+    device_help="e.g. 2GiB or 'unbounded' (default: the policy's; dense 4 GiB, layerwise "
+    "unbounded)",
+    host_help="default: dense 16 GiB, layerwise unbounded; 0 = dense direct disk-to-device",
   )
-  run.add_argument(
-    "--host-budget",
-    metavar="BYTES",
-    type=_budget,
-    default=UNSET,
-    help="default: dense 16 GiB, layerwise unbounded; 0 = dense direct disk-to-device",
-  )
-  run.add_argument(
-    "--lookahead", metavar="N", type=_count(0), help="dense host_lookahead (default 2)"
-  )
+  _add_lookahead(run, minimum=0)
   run.add_argument(
     "--queue", metavar="N", type=_count(0), help="dense background_queue_capacity (default 2)"
   )
@@ -243,17 +314,19 @@ def build_parser() -> argparse.ArgumentParser:
     "--vocab", metavar="N", type=_count(1), help="token ids are drawn from [0, N) (default: toy's)"
   )
   run.add_argument("--seed", metavar="N", type=int, default=0, help="seed of the random tokens")
-  run.add_argument("--json", action="store_true", help="print JSON")
-  run.set_defaults(handler=cmd_run)
+  _add_json(run)
 
-  rechunk = sub.add_parser(
+
+def _add_rechunk(sub: argparse._SubParsersAction[_Parser]) -> None:
+  rechunk = _command(
+    sub,
     "rechunk",
-    help="copy a checkpoint into a streamable store (one chunk per unit)",
+    cmd_rechunk,
+    summary="copy a checkpoint into a streamable store (one chunk per unit)",
     description=(
       "Copies SRC (any chunking or compression, e.g. an Orbax checkpoint) to DST with one\n"
       "uncompressed chunk per unit, one unit at a time, so DenseDiskStream can stream it."
     ),
-    formatter_class=fmt,
   )
   rechunk.add_argument("src", help="the checkpoint to convert")
   rechunk.add_argument("dst", help="where to write the streamable store")
@@ -263,18 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
     help="the layer stack(s), e.g. layers or encoder_layers,decoder_layers (default: the\n"
     "stacks SRC records; needed for a plain Orbax checkpoint)",
   )
-  rechunk.add_argument("--overwrite", action="store_true", help="replace an existing DST")
-  rechunk.set_defaults(handler=cmd_rechunk)
+  _add_overwrite(rechunk)
 
-  convert = sub.add_parser(
+
+def _add_convert(sub: argparse._SubParsersAction[_Parser]) -> None:
+  convert = _command(
+    sub,
     "convert",
-    help="convert a Hugging Face checkpoint into a unit store",
+    cmd_convert,
+    summary="convert a Hugging Face checkpoint into a unit store",
     description=(
       "convert hf SRC DST: reads a Hugging Face checkpoint directory (config.json and\n"
       "safetensors, sharded or not; Llama, Mistral or Qwen2) one tensor at a time and\n"
       "writes a unit store every policy can place (host memory: about one tensor)."
     ),
-    formatter_class=fmt,
   )
   convert.add_argument("format", choices=["hf"], help="the checkpoint's format")
   convert.add_argument("src", help="the checkpoint directory")
@@ -282,9 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
   convert.add_argument(
     "--dtype", help="store floating weights in this dtype (e.g. bfloat16); default float32"
   )
-  convert.add_argument("--overwrite", action="store_true", help="replace an existing DST")
-  convert.set_defaults(handler=cmd_convert)
-  return parser
+  _add_overwrite(convert)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ verdict is that arithmetic: would every unit fit next to the static parameters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +30,20 @@ from jax_residency._src.policy.options import (
 from jax_residency._src.policy.types import DenseDiskStream, LayerWeightResidency, LayerwiseHost
 
 
-@dataclasses.dataclass
-class _Tier:
-  """One tier of one plan: static + window (``units`` of ``unit_bytes``) against a budget."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanTier:
+  """One tier of one plan: static + window (``units`` of ``unit_bytes``) against a budget.
+
+  Attributes:
+    tier: ``device`` or ``host``.
+    static: bytes held besides the window: the static parameters on the device, a
+      dense stream's staging unit on the host.
+    units: units in the window.
+    unit_bytes: bytes of the largest unit.
+    window: bytes of the largest window of ``units`` consecutive units.
+    budget: the tier's budget in bytes; ``None`` means unbounded.
+    note: what to change when the tier does not fit (empty: nothing to say).
+  """
 
   tier: str
   static: int
@@ -74,7 +86,86 @@ class _Tier:
     }
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanRow:
+  """One policy against the budgets: a group of rows in the table, one of ``plans`` in JSON.
+
+  Attributes:
+    policy: ``fully_resident``, ``layerwise_host`` or ``dense_disk_stream``.
+    setting: the depth planned, e.g. ``prefetch_depth 2``; empty for ``fully_resident``.
+    tiers: the device tier, then (for the streaming policies) the host tier.
+    fits: whether ``place()`` would accept the policy with this setting.
+    metadata: every item the placement would hold (see ``ModelMetadata.memory``);
+      ``None`` where the policy does not fit, and for ``fully_resident``.
+    depths: ``layerwise_host`` only: the smallest and largest ``prefetch_depth``
+      that fit; ``None`` when none does.
+    lookahead_max: ``dense_disk_stream`` only: the largest ``host_lookahead`` that
+      fits; ``None`` when none does or the stream goes direct disk-to-device.
+    note: why the policy cannot run whatever the budgets (empty: nothing to say).
+  """
+
+  policy: str
+  setting: str
+  tiers: tuple[PlanTier, ...]
+  fits: bool
+  metadata: ModelMetadata | None = None
+  depths: tuple[int, int] | None = None
+  lookahead_max: int | None = None
+  note: str = ""
+
+  def to_dict(self) -> dict[str, Any]:
+    """The JSON form: ``depths`` only for ``layerwise_host``, ``lookahead_max`` only
+    for ``dense_disk_stream``, ``note`` only when set, and ``memory`` (the metadata's
+    items) last."""
+    data: dict[str, Any] = {"policy": self.policy, "setting": self.setting}
+    if self.policy == "layerwise_host":
+      data["depths"] = None if self.depths is None else list(self.depths)
+    if self.policy == "dense_disk_stream":
+      data["lookahead_max"] = self.lookahead_max
+    data["tiers"] = [t.to_dict() for t in self.tiers]
+    data["fits"] = self.fits
+    if self.note:
+      data["note"] = self.note
+    data["memory"] = None if self.metadata is None else [m.to_dict() for m in self.metadata.memory]
+    return data
+
+  def fit_text(self) -> str:
+    """The policy and the settings that fit, for the summary line."""
+    if self.policy == "layerwise_host" and self.depths:
+      lo, hi = self.depths
+      return f"layerwise_host (prefetch_depth {lo}" + (f"..{hi})" if hi > lo else ")")
+    if self.policy == "dense_disk_stream":
+      extra = "" if self.lookahead_max is None else f", up to {self.lookahead_max}"
+      return f"dense_disk_stream ({self.setting}{extra})"
+    return self.policy
+
+  def misfit_text(self) -> str:
+    """The policy and why it does not fit, for the summary line."""
+    bad = [t for t in self.tiers if not t.fits]
+    why = "; ".join(f"{t.tier} needs {fmt_bytes(t.required)} > {fmt_bytes(t.budget)}" for t in bad)
+    return f"{self.policy}: {why or self.note}"
+
+  def table_rows(self) -> list[list[str]]:
+    """This policy's rows of the table: one per tier, then its note."""
+    label = f"{self.policy} {self.setting}".strip()
+    rows = []
+    for k, t in enumerate(self.tiers):
+      verdict = "yes" if t.fits else "NO"
+      rows.append(
+        [
+          label if k == 0 else "",
+          t.tier,
+          t.arithmetic() if t.units or t.tier == "device" else "-",
+          fmt_bytes(t.budget),
+          verdict + (f" ({t.note})" if t.note and not t.fits else ""),
+        ]
+      )
+    if self.note:
+      rows.append(["", "", self.note, "", "NO"])
+    return rows
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BudgetPlan:
   """Every policy against a device and a host budget, for one store.
 
@@ -85,10 +176,7 @@ class BudgetPlan:
     static_bytes: bytes of the static parameters.
     device_budget: the device budget in bytes; ``None`` means unbounded.
     host_budget: the host budget in bytes; ``None`` means unbounded.
-    plans: one dict per policy: ``policy``, ``setting``, ``tiers`` (device,
-      then host), ``fits``, per policy the depths that fit, and ``memory``:
-      every item the placement would hold (see ``ModelMetadata.memory``), where
-      the policy fits.
+    plans: one row per policy, in the order of the table.
     device_is_host: planned for CPU devices, whose memory is host memory.
   """
 
@@ -98,41 +186,20 @@ class BudgetPlan:
   static_bytes: int
   device_budget: int | None
   host_budget: int | None
-  plans: list[dict[str, Any]]
+  plans: tuple[PlanRow, ...]
   device_is_host: bool = True
 
   @property
   def fitting(self) -> list[str]:
     """Names of the policies that fit."""
-    return [p["policy"] for p in self.plans if p["fits"]]
+    return [p.policy for p in self.plans if p.fits]
 
   def summary(self) -> str:
     """One line: what fits (with its depths), or why nothing does."""
-    plans = self.plans
-    fits = []
-    for p in plans:
-      if not p["fits"]:
-        continue
-      if p["policy"] == "layerwise_host" and p.get("depths"):
-        lo, hi = p["depths"]
-        fits.append(f"layerwise_host (prefetch_depth {lo}" + (f"..{hi})" if hi > lo else ")"))
-      elif p["policy"] == "dense_disk_stream":
-        extra = ""
-        if p.get("lookahead_max") is not None:
-          extra = f", up to {p['lookahead_max']}"
-        fits.append(f"dense_disk_stream ({p['setting']}{extra})")
-      else:
-        fits.append(p["policy"])
+    fits = [p.fit_text() for p in self.plans if p.fits]
     if fits:
       return "fits: " + ", ".join(fits)
-    reasons = []
-    for p in plans:
-      bad = [t for t in p["tiers"] if not t.fits]
-      why = "; ".join(
-        f"{t.tier} needs {fmt_bytes(t.required)} > {fmt_bytes(t.budget)}" for t in bad
-      ) or p.get("note", "")
-      reasons.append(f"{p['policy']}: {why}")
-    return "nothing fits. " + ". ".join(reasons)
+    return "nothing fits. " + ". ".join(p.misfit_text() for p in self.plans)
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -143,14 +210,7 @@ class BudgetPlan:
       "device_budget_bytes": self.device_budget,
       "host_budget_bytes": self.host_budget,
       "device_is_host": self.device_is_host,
-      "plans": [
-        {
-          **{k: v for k, v in p.items() if k != "metadata"},
-          "tiers": [t.to_dict() for t in p["tiers"]],
-          "memory": [m.to_dict() for m in p["metadata"].memory] if p.get("metadata") else None,
-        }
-        for p in self.plans
-      ],
+      "plans": [p.to_dict() for p in self.plans],
       "fits": self.fitting,
       "summary": self.summary(),
     }
@@ -164,31 +224,153 @@ class BudgetPlan:
       "(bytes per device; one device)",
       "",
     ]
-    rows = []
-    for p in self.plans:
-      label = f"{p['policy']} {p['setting']}".strip()
-      for k, t in enumerate(p["tiers"]):
-        verdict = "yes" if t.fits else "NO"
-        rows.append(
-          [
-            label if k == 0 else "",
-            t.tier,
-            t.arithmetic() if t.units or t.tier == "device" else "-",
-            fmt_bytes(t.budget),
-            verdict + (f" ({t.note})" if t.note and not t.fits else ""),
-          ]
-        )
-      if p.get("note"):
-        rows.append(["", "", p["note"], "", "NO"])
+    rows = [row for p in self.plans for row in p.table_rows()]
     lines += table(("policy", "tier", "static + window = required", "budget", "fits"), rows)
+    where = "CPU: device memory is host memory" if self.device_is_host else "accelerator"
     for p in self.plans:
-      meta = p.get("metadata")
-      if meta is not None and p["policy"] != "fully_resident":
-        where = "CPU: device memory is host memory" if self.device_is_host else "accelerator"
-        lines += ["", f"{p['policy']} {p['setting']}: where the bytes go ({where})"]
-        lines += ["  " + line for line in meta.memory_table().splitlines()]
+      if p.metadata is not None and p.policy != "fully_resident":
+        lines += ["", f"{p.policy} {p.setting}: where the bytes go ({where})"]
+        lines += ["  " + line for line in p.metadata.memory_table().splitlines()]
     lines += ["", self.summary()]
     return "\n".join(lines)
+
+
+# --- the three policies against the budgets -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Budgets:
+  """One store's sizes and the two budgets, and the checks each policy's row uses.
+
+  ``stacks`` is ``(path, units, unit_bytes)`` per layer stack in forward order.
+  """
+
+  units: int
+  unit_bytes: int
+  static_bytes: int
+  device: int | None
+  host: int | None
+  device_is_host: bool
+  stacks: tuple[tuple[str, int, int], ...]
+
+  @functools.cached_property
+  def sizes(self) -> list[int]:
+    """Bytes of every unit, in forward order."""
+    return [b for _, count, b in self.stacks for _ in range(count)]
+
+  def tier(
+    self,
+    name: str,
+    count: int,
+    budget: int | None,
+    fixed: int = 0,
+    *,
+    resident: bool = False,
+    note: str = "",
+  ) -> PlanTier:
+    """``count`` units on tier ``name`` (besides ``fixed`` bytes) against ``budget``."""
+    if name == "device" and not resident:  # the stacks run one after another
+      window = max(largest_window([b] * c, min(count, c)) for _, c, b in self.stacks)
+    else:
+      window = largest_window(self.sizes, count)
+    return PlanTier(
+      tier=name,
+      static=fixed,
+      units=count,
+      unit_bytes=self.unit_bytes,
+      window=window,
+      budget=budget,
+      note=note,
+    )
+
+  def metadata(self, policy: LayerWeightResidency) -> ModelMetadata | None:
+    """What ``place()`` decides before anything moves (None: it refuses)."""
+    try:
+      return check_budgets(
+        policy,
+        static_device_bytes=self.static_bytes,
+        unit_bytes=self.sizes,
+        device_unit_bytes=self.sizes,
+        host_unit_bytes=self.sizes,
+        device_is_host=self.device_is_host,
+        stacks=[(name, count) for name, count, _ in self.stacks],
+      )
+    except BudgetTooSmallError:
+      return None
+
+  def accepts(self, policy: LayerWeightResidency) -> bool:
+    return self.metadata(policy) is not None
+
+  def layerwise(self, depth: int) -> LayerwiseHost:
+    offload = OffloadConfig(
+      device_budget_bytes=self.device, host_budget_bytes=self.host, prefetch_depth=depth
+    )
+    return LayerwiseHost(LayerwiseLoadOptions(offload=offload))
+
+  def dense(self, lookahead: int) -> DenseDiskStream:
+    return DenseDiskStream(
+      DenseDiskStreamLoadOptions(
+        device_budget_bytes=self.device,
+        host_budget_bytes=self.host,
+        host_lookahead=lookahead,
+        background_queue_capacity=2 if lookahead else 0,
+      )
+    )
+
+
+def _fully_resident(b: _Budgets) -> PlanRow:
+  """Every unit next to the static parameters: no budget of its own, only the arithmetic."""
+  device = b.tier("device", b.units, b.device, b.static_bytes, resident=True)
+  return PlanRow(policy="fully_resident", setting="", tiers=(device,), fits=device.fits)
+
+
+def _layerwise_host(b: _Budgets) -> PlanRow:
+  """The depths that fit; the plan shows the largest (2 with no device budget)."""
+  # LayerwiseHost keeps every unit in host memory; check_budgets rejects every
+  # depth when they do not fit the host budget, and the host row shows why.
+  host_all = b.tier("host", b.units, b.host, note="LayerwiseHost keeps every unit in host memory")
+  depths = [d for d in range(1, b.units + 1) if b.accepts(b.layerwise(d))]
+  depth = (min(2, b.units) if b.device is None else depths[-1]) if depths else 1
+  return PlanRow(
+    policy="layerwise_host",
+    setting=f"prefetch_depth {depth}",
+    metadata=b.metadata(b.layerwise(depth)),
+    depths=(depths[0], depths[-1]) if depths else None,
+    tiers=(b.tier("device", depth, b.device, b.static_bytes), host_all),
+    fits=bool(depths),
+  )
+
+
+def _dense_disk_stream(b: _Budgets, *, lookahead: int, streamable: bool) -> PlanRow:
+  """The lookahead asked for (none with a host budget of 0) and the largest that fits."""
+  if b.host == 0:
+    setting, look, look_max = "direct disk-to-device", 0, None
+  else:
+    look = min(lookahead, b.units)
+    setting = f"host_lookahead {look}"
+    look_max = max((k for k in range(1, b.units + 1) if b.accepts(b.dense(k))), default=None)
+  stream = b.dense(look)
+  staging = 0
+  if b.host != 0:
+    staging = staging_bytes(stream, b.unit_bytes, device_is_host=b.device_is_host)
+  host_window = b.tier("host", look, b.host, staging)
+  if not host_window.fits:
+    note = (
+      f"host_lookahead <= {look_max} fits"
+      if look_max
+      else "--host-budget 0 streams disk-to-device without a host cache"
+    )
+    host_window = dataclasses.replace(host_window, note=note)
+  metadata = b.metadata(stream)
+  return PlanRow(
+    policy="dense_disk_stream",
+    setting=setting,
+    metadata=metadata,
+    lookahead_max=look_max,
+    tiers=(b.tier("device", stream.device_depth(b.units), b.device, b.static_bytes), host_window),
+    fits=streamable and metadata is not None,
+    note="" if streamable else f"the store is not one chunk per unit; run `{PROG} rechunk` first",
+  )
 
 
 def plan_budgets(
@@ -226,112 +408,26 @@ def plan_budgets(
       largest): a device window is the largest of any stack, a host window
       runs over the units in forward order.
   """
-  n, unit, static = units, unit_bytes, static_bytes
-  device, host = device_budget, host_budget
-  if not stacks:
-    stacks = [("", n, unit)]
-  sizes = [b for _, count, b in stacks for _ in range(count)]
-
-  def tier(
-    name: str, count: int, budget: int | None, fixed: int = 0, *, resident: bool = False
-  ) -> _Tier:
-    if name == "device" and not resident:  # the stacks run one after another
-      window = max(largest_window([b] * c, min(count, c)) for _, c, b in stacks)
-    else:
-      window = largest_window(sizes, count)
-    return _Tier(name, fixed, count, unit, window, budget)
-
-  def metadata(policy: LayerWeightResidency) -> ModelMetadata | None:
-    """What ``place()`` decides before anything moves (None: it refuses)."""
-    try:
-      return check_budgets(
-        policy,
-        static_device_bytes=static,
-        unit_bytes=sizes,
-        device_unit_bytes=sizes,
-        host_unit_bytes=sizes,
-        device_is_host=device_is_host,
-        stacks=[(name, count) for name, count, _ in stacks],
-      )
-    except BudgetTooSmallError:
-      return None
-
-  def accepted(policy: LayerWeightResidency) -> bool:
-    return metadata(policy) is not None
-
-  def layerwise(depth: int) -> LayerwiseHost:
-    offload = OffloadConfig(
-      device_budget_bytes=device, host_budget_bytes=host, prefetch_depth=depth
-    )
-    return LayerwiseHost(LayerwiseLoadOptions(offload=offload))
-
-  def dense(look: int) -> DenseDiskStream:
-    return DenseDiskStream(
-      DenseDiskStreamLoadOptions(
-        device_budget_bytes=device,
-        host_budget_bytes=host,
-        host_lookahead=look,
-        background_queue_capacity=2 if look else 0,
-      )
-    )
-
-  full = [tier("device", n, device, static, resident=True)]
-  plans: list[dict[str, Any]] = [
-    {"policy": "fully_resident", "setting": "", "tiers": full, "fits": full[0].fits}
-  ]
-
-  # LayerwiseHost keeps every unit in host memory; check_budgets rejects every
-  # depth when they do not fit the host budget, and the host row shows why.
-  host_all = tier("host", n, host)
-  host_all.note = "LayerwiseHost keeps every unit in host memory"
-  depths = [d for d in range(1, n + 1) if accepted(layerwise(d))]
-  depth = (min(2, n) if device is None else depths[-1]) if depths else 1
-  plans.append(
-    {
-      "policy": "layerwise_host",
-      "setting": f"prefetch_depth {depth}",
-      "metadata": metadata(layerwise(depth)),
-      "depths": [depths[0], depths[-1]] if depths else None,
-      "tiers": [tier("device", depth, device, static), host_all],
-      "fits": bool(depths),
-    }
+  budgets = _Budgets(
+    units=units,
+    unit_bytes=unit_bytes,
+    static_bytes=static_bytes,
+    device=device_budget,
+    host=host_budget,
+    device_is_host=device_is_host,
+    stacks=tuple(stacks) or (("", units, unit_bytes),),
   )
-
-  if host == 0:
-    setting, look, look_max = "direct disk-to-device", 0, None
-  else:
-    look = min(lookahead, n)
-    setting = f"host_lookahead {look}"
-    look_max = max((k for k in range(1, n + 1) if accepted(dense(k))), default=None)
-  stream = dense(look)
-  staging = staging_bytes(stream, unit, device_is_host=device_is_host) if host != 0 else 0
-  host_window = tier("host", look, host, staging)
-  if not host_window.fits:
-    host_window.note = (
-      f"host_lookahead <= {look_max} fits"
-      if look_max
-      else "--host-budget 0 streams disk-to-device without a host cache"
-    )
-  plans.append(
-    {
-      "policy": "dense_disk_stream",
-      "setting": setting,
-      "metadata": metadata(stream),
-      "lookahead_max": look_max,
-      "tiers": [tier("device", stream.device_depth(n), device, static), host_window],
-      "fits": accepted(stream),
-    }
-  )
-  if not streamable:
-    plans[-1]["fits"] = False
-    plans[-1]["note"] = f"the store is not one chunk per unit; run `{PROG} rechunk` first"
   return BudgetPlan(
     path=path,
-    units=n,
-    unit_bytes=unit,
-    static_bytes=static,
-    device_budget=device,
-    host_budget=host,
-    plans=plans,
+    units=units,
+    unit_bytes=unit_bytes,
+    static_bytes=static_bytes,
+    device_budget=device_budget,
+    host_budget=host_budget,
+    plans=(
+      _fully_resident(budgets),
+      _layerwise_host(budgets),
+      _dense_disk_stream(budgets, lookahead=lookahead, streamable=streamable),
+    ),
     device_is_host=device_is_host,
   )

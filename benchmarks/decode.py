@@ -45,7 +45,7 @@ refuses to report timings. Afterwards every row's greedy tokens are compared
 with the plain model's (and Accelerate's with the torch port's), and its logits
 with the same tolerance over the steps whose inputs agree.
 
-Targets (issue 10, item 3), evaluated for each ``DenseDiskStream`` row:
+Targets (docs/benchmarks.md), evaluated for each ``DenseDiskStream`` row:
 
 * decode tokens/s >= 3x Accelerate's, with peak RSS growth <= Accelerate's;
 * decode with the store in the page cache (host 0 / 2 units) within 1.25x of

@@ -1,5 +1,5 @@
 """Bad input gets a typed `ResidencyError` naming the argument, file or field and the value,
-never a raw Python exception (issue 12, items 4 and 5): `save` and `place` arguments of the
+never a raw Python exception (docs/design.md, section 9): `save` and `place` arguments of the
 wrong type, stores whose metadata is malformed JSON or JSON of the wrong shape, and the
 command line, which reports each of them on one line with exit code 2."""
 
@@ -399,3 +399,49 @@ def test_demo_rebuilds_a_cached_store_with_malformed_metadata(store):
   assert demo_mod.demo_store_ready(store, TINY)
   _break(store, "metadata-no-key-metadata")
   assert not demo_mod.demo_store_ready(store, TINY)
+
+
+# --- partitioning annotations (docs/design.md, "Shardings and memory kinds") ------------
+
+
+class _Annotated(nnx.Module):
+  """One plain Linear and one whose kernel carries ``names`` as its partitioning."""
+
+  def __init__(self, names, *, rngs):
+    self.plain = nnx.Linear(4, 8, rngs=rngs)
+    meta = {"out_sharding": names, "eager_sharding": False}
+    self.odd = nnx.Linear(4, 8, rngs=rngs, kernel_metadata=meta)
+
+  def __call__(self, x):
+    return self.odd(self.plain(x)[..., :4])
+
+
+@pytest.mark.parametrize(
+  ("names", "shown"),
+  [(5, "odd.kernel: 5"), (("model", 3), "odd.kernel: P('model', 3)")],
+  ids=["not-a-sequence", "not-an-axis-name"],
+)
+def test_a_bad_partitioning_annotation_names_the_parameter_and_the_annotation(names, shown):
+  model = _Annotated(names, rngs=nnx.Rngs(0))
+  with pytest.raises(jr.PlacementError) as info:
+    jr.place(model, jr.FullyResident())
+  message = str(info.value)
+  assert "partitioning annotations that are not mesh axis names" in message
+  assert shown in message, message
+  assert "plain" not in message  # only the bad parameter is named
+
+
+def test_a_bad_linen_partitioning_annotation_names_the_parameter():
+  import jax
+  import jax.numpy as jnp
+  from flax import linen as nn
+
+  class Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      init = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", 3))
+      return nn.Dense(8, kernel_init=init, name="odd")(x)
+
+  variables = Dense().init(jax.random.key(0), jnp.ones((1, 4)))
+  with pytest.raises(jr.PlacementError, match=r"params\.odd\.kernel: P\('model', 3\)"):
+    jr.place(Dense(), jr.FullyResident(), params=variables)

@@ -1,4 +1,4 @@
-"""The load-time budget check (SPEC §2), for LayerwiseHost.
+"""The load-time budget check (docs/design.md, section 2.3), for LayerwiseHost.
 
 Expected byte counts are computed here from the parameter shapes (and the
 partitioning metadata, for sharded units), not read back from the metadata:

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints to unit stores (issue 14): the bounded reader, lazy saves,
+"""Hugging Face checkpoints to unit stores (docs/checkpoints.md): the bounded reader, lazy saves,
 ``convert_hf`` against ``jr.save``, ``models.load`` and ``jax-residency convert hf``.
 
 The conversions read the committed Llama-family fixtures (``tests/fixtures``, made by

@@ -153,3 +153,52 @@ def test_every_docs_page_is_in_the_readme_pages_table():
   pages = {p.name for p in DOCS.glob("*.md")} - NOT_REQUIRED_IN_TABLE
   missing = sorted(pages - readme_table_pages())
   assert not missing, f"docs pages the README's pages table does not link: {missing}"
+
+
+# --- references in code ----------------------------------------------------------------
+
+#: Where code and tests may point a reader: the repository's own docs, by section.
+CODE_DIRS = ("jax_residency", "tests", "benchmarks", "examples", "scripts")
+#: References a reader cannot follow: a spec that is not in the repository, issue numbers.
+UNFOLLOWABLE = re.compile(r"\bSPEC\s*§|\b[Ii]ssues? #?\d+|\(#\d+\)")
+DESIGN_SECTION = re.compile(r"docs/design\.md, sections? ([\d.]+(?:(?:, | and )[\d.]+)*)")
+
+
+def code_files() -> list[Path]:
+  return sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*.py") if "fixtures" not in p.parts)
+
+
+def design_sections() -> set[str]:
+  """The numbers of docs/design.md's numbered headings ('1', '2.3', ...)."""
+  found = set()
+  for _, line in prose_lines(DOCS / "design.md"):
+    m = HEADING.match(line)
+    if m and (num := re.match(r"([\d.]+?)\.?\s", m.group(2))):
+      found.add(num.group(1))
+  return found
+
+
+def test_code_cites_only_what_a_reader_can_follow():
+  assert UNFOLLOWABLE.search("(SPEC §2)") and UNFOLLOWABLE.search("(issue 12, item 4)")
+  bad = [
+    f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+    for p in code_files()
+    if p.name != "test_docs.py"
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+    if UNFOLLOWABLE.search(line)
+  ]
+  assert not bad, "cite docs/design.md sections (or nothing) instead of:\n" + "\n".join(bad)
+
+
+def test_cited_design_sections_exist():
+  sections = design_sections()
+  assert {"1", "2.3", "4.4", "6", "9"} <= sections, sorted(sections)
+  cited = [
+    (p, n)
+    for p in code_files()
+    for m in DESIGN_SECTION.finditer(p.read_text(encoding="utf-8"))
+    for n in re.split(r", | and ", m.group(1))
+  ]
+  assert cited, "no code cites a docs/design.md section"
+  missing = sorted({f"{p.relative_to(ROOT)}: section {n}" for p, n in cited if n not in sections})
+  assert not missing, "docs/design.md has no such section:\n" + "\n".join(missing)

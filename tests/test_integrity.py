@@ -1,5 +1,5 @@
 """Store integrity: every chunk carries a CRC-32C, every read checks it, and a damaged or
-unreadable store raises one error type whichever thread read it (issue 12, items 1 and 7)."""
+unreadable store raises one error type whichever thread read it (docs/design.md, section 5.4)."""
 
 from __future__ import annotations
 

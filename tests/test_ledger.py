@@ -1,4 +1,4 @@
-"""Tests of the residency ledger (SPEC §2 DenseDiskStream, §3 telemetry)."""
+"""Tests of the residency ledger (docs/design.md, sections 4.3 and 6)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ prompts.
 Placement: every policy on an 8-device mesh for every fixture, and on one
 device for one fixture; FullyResident and LayerwiseHost
 match the plain model run jitted bit for bit, DenseDiskStream the plain model
-run eagerly (README, "What the same outputs means").
+run eagerly (docs/parity.md).
 """
 
 from __future__ import annotations

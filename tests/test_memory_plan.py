@@ -1,5 +1,6 @@
-"""The memory promise (issue 10): the plan names every byte, the check refuses what
-would not fit once staging is counted, and passes stay within what was planned."""
+"""The memory promise (docs/design.md, section 2.3): the plan names every byte, the
+check refuses what would not fit once staging is counted, and passes stay within what
+was planned."""
 
 from __future__ import annotations
 

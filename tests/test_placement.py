@@ -1,4 +1,5 @@
-"""FullyResident and LayerwiseHost execution (SPEC §2): parity, memory kinds, errors.
+"""FullyResident and LayerwiseHost execution (docs/design.md, sections 2, 3 and 8):
+parity, memory kinds, errors.
 
 Every policy is compared with the plain, unwrapped model (accelerate
 ``tests/test_big_modeling.py`` style): outputs must be bit-identical on CPU,

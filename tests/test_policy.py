@@ -1,4 +1,4 @@
-"""Tests of the weight-residency policy types (SPEC §1, `jax_residency._src.policy.types`)."""
+"""Tests of the weight-residency policy types (docs/design.md, section 1)."""
 
 from __future__ import annotations
 
@@ -989,7 +989,8 @@ def test_valid_dense_options_resolve_as_specified(kwargs, units):
 
 
 def _spec_error(host, lookahead, queue):
-  """SPEC §1's table, with the documented precedence: host==0, then lookahead, then queue."""
+  """The defaults table of docs/design.md, section 1, with the documented precedence:
+  host==0, then lookahead, then queue."""
   if host == 0:
     return HostDisabledControlsError if (lookahead, queue) != (0, 0) else None
   if lookahead < 1:

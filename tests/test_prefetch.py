@@ -1,4 +1,4 @@
-"""Tests of the background prefetch worker (SPEC §2 DenseDiskStream, §3 telemetry)."""
+"""Tests of the background prefetch worker (docs/design.md, sections 4.4 and 6)."""
 
 from __future__ import annotations
 

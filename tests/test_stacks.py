@@ -1,4 +1,5 @@
-"""One placement, several layer stacks (issue 13): the two-stack toys of ``two_stack.py``.
+"""One placement, several layer stacks (docs/design.md, section 2.1): the two-stack
+toys of ``two_stack.py``.
 
 Each model runs stack A ``towers`` (3 units) and then stack B ``mixer`` (2 units of
 another size), with a static ``mid_norm`` between them whose leaves share a leading

@@ -1,4 +1,5 @@
-"""The shape of the compiled programs (SPEC §2), checked on a CPU-only machine.
+"""The shape of the compiled programs (docs/design.md, sections 3 and 4), checked on a
+CPU-only machine.
 
 On CPU, XLA erases host↔device copies, so LayerwiseHost's pipeline is checked by
 lowering for ``cuda`` and ``tpu`` (which works without those devices): unit

@@ -12,7 +12,7 @@ Placement: both stacks (``encoder_layers`` and ``decoder_layers``, which
 ``T5`` declares) under FullyResident, LayerwiseHost and DenseDiskStream, on one
 device and on an 8-device mesh; FullyResident and LayerwiseHost match the plain
 model run jitted bit for bit, DenseDiskStream the plain model run eagerly
-(README, "What the same outputs means"). The prefill runs both stacks, each
+(docs/parity.md). The prefill runs both stacks, each
 decode step only the decoder's; the reports say so per stack. A placement of
 one stack alone warns that the other stays on the device.
 """

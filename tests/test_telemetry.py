@@ -1,4 +1,5 @@
-"""Telemetry (SPEC §3): pass classification, commit-on-success, totals, the immutable report."""
+"""Telemetry (docs/design.md, section 6): pass classification, commit-on-success,
+totals, the immutable report."""
 
 from __future__ import annotations
 

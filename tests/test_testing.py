@@ -61,7 +61,9 @@ def test_memory_kinds_pass_per_policy_and_fail_on_a_misplaced_array():
     embed = arrays["embed.embedding"]
     host = jax.device_put(embed, embed.sharding.with_memory_kind("pinned_host"))
     fake = types.SimpleNamespace(
-      policy=placed.policy, _split=placed._split, arrays=lambda: {**arrays, "embed.embedding": host}
+      policy=placed.policy,
+      stack_array_prefixes=placed.stack_array_prefixes,
+      arrays=lambda: {**arrays, "embed.embedding": host},
     )
     with pytest.raises(AssertionError, match=r"embed\.embedding: in 'pinned_host' memory"):
       testing.assert_memory_kinds(fake)

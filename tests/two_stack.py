@@ -1,4 +1,4 @@
-"""Toy models with TWO layer stacks (issue 13), in NNX and in Linen.
+"""Toy models with TWO layer stacks (docs/design.md, section 2.1), in NNX and in Linen.
 
 An encoder–decoder-like shape: a token embedding, stack A ``towers`` (3 units of
 Linear + LayerNorm + tanh, residual), a static LayerNorm ``mid_norm``, stack B

@@ -29,7 +29,6 @@ from jax_residency._src.policy.types import (
 )
 from jax_residency._src.run.place import PlacedModel, place
 from jax_residency._src.store.save import save
-from jax_residency._src.typing import path_str
 
 
 def default_policies() -> dict[str, LayerWeightResidency]:
@@ -189,7 +188,7 @@ def assert_memory_kinds(placed: PlacedModel) -> dict[str, int]:
     >>> sorted(kinds)
     ['device', 'pinned_host']
   """
-  units = {path_str(s.path_prefix) for s in placed._split.stacks}
+  units = set(placed.stack_array_prefixes)
   expected_units = PINNED_HOST if isinstance(placed.policy, LayerwiseHost) else DEVICE
   wrong: list[str] = []
   counts: dict[str, int] = {}

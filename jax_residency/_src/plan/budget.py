@@ -3,7 +3,7 @@
 Everything here is decided before a single parameter moves: how many bytes the
 static parameters take on a device, how large each unit is on a device and in
 host memory, how deep the device window is, and whether that fits the policy's
-budgets (SPEC §2). The result is also what ``placed.metadata`` reports.
+budgets (docs/design.md, section 2.3). The result is also what ``placed.metadata`` reports.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class ModelMetadata:
       the static parameters (``None`` when the budget is unbounded).
     policy: the policy.
     memory: every item the placement holds, with what pays for it (see
-      :class:`MemoryItem` and ``docs``: "Where the bytes go" in the README).
+      :class:`MemoryItem` and ``docs/memory.md``, "Where the bytes go").
     device_is_host: the devices' memory is this process's memory (CPU), so
       device items count in the process's RSS too.
     stacks: each placed layer stack (:class:`StackMetadata`), in the order the

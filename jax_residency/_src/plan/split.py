@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jax_residency._src.errors import UnitSelectionError, format_paths
+from jax_residency._src.errors import PlacementError, UnitSelectionError, format_paths
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 
@@ -216,16 +217,72 @@ class SplitModel:
     return dataclasses.replace(self, stacks=tuple(stacks))
 
 
-def _specs(tree: Any, get_spec: Callable[[Any], Any], n: int) -> list[PartitionSpec]:
+_BAD_ANNOTATIONS = (
+  "partitioning annotations that are not mesh axis names; give each parameter a tuple "
+  "with one entry per axis (a mesh axis name, a tuple of names, or None):\n"
+)
+
+
+def _spec_problem(spec: Any) -> str | None:
+  """Why ``spec`` cannot place a leaf, or None: a spec names mesh axes (str), or None."""
+  if not isinstance(spec, PartitionSpec):
+    return "not a PartitionSpec"
+  for entry in spec:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    if any(n is not None and not isinstance(n, str) for n in names):
+      return f"axis {entry!r} is not a mesh axis name (a str, a tuple of str, or None)"
+  return None
+
+
+def _specs(
+  tree: Any,
+  get_spec: Callable[[Any], Any],
+  paths: Sequence[ParamPath],
+  *,
+  is_box: Callable[[Any], bool],
+  annotation: Callable[[Any], Any],
+) -> list[PartitionSpec]:
+  """Each leaf's `PartitionSpec` from the model's partitioning metadata (``P()`` where it
+  has none), in the order of ``paths``.
+
+  Args:
+    tree: the model's state (NNX) or variables (Linen), with their metadata.
+    get_spec: ``nnx.get_partition_spec`` or ``nn.get_partition_spec``.
+    paths: the leaves' paths, in pytree order.
+    is_box: whether a node of ``tree`` is one leaf with its metadata (an NNX
+      variable, a Linen ``Partitioned`` box).
+    annotation: the annotation a box holds, for error messages.
+
+  Raises:
+    PlacementError: an annotation is not a sequence of mesh axis names; the
+      message names every such parameter and its annotation.
+  """
   try:
-    spec_tree = get_spec(tree)
-    specs = jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    specs = [s if isinstance(s, PartitionSpec) else PartitionSpec() for s in specs]
-    if len(specs) == n:
-      return specs
-  except Exception:  # noqa: BLE001 - models without metadata have no specs
-    pass
-  return [PartitionSpec()] * n
+    specs = jax.tree.leaves(get_spec(tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
+  except (TypeError, ValueError) as e:
+    bad = []
+    for path, box in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
+      try:
+        get_spec(box)
+      except (TypeError, ValueError) as leaf_error:
+        bad.append(f"{path_str(normalise_path(path))}: {annotation(box)!r} ({leaf_error})")
+    raise PlacementError(_BAD_ANNOTATIONS + (format_paths(bad) or f"  ({e})")) from e
+  if len(specs) != len(paths):
+    warnings.warn(
+      f"the model's partitioning metadata has {len(specs)} specs for {len(paths)} parameters; "
+      "placing every parameter replicated. Annotate every parameter, or none.",
+      UserWarning,
+      stacklevel=4,
+    )
+    return [PartitionSpec()] * len(paths)
+  bad = [
+    f"{path_str(p)}: {s!r} ({why})"
+    for p, s in zip(paths, specs, strict=True)
+    if (why := _spec_problem(s))
+  ]
+  if bad:
+    raise PlacementError(_BAD_ANNOTATIONS + format_paths(bad))
+  return specs
 
 
 def parse_units(units: Any) -> list[ParamPath]:
@@ -348,7 +405,14 @@ def _walk(module: Any, path: ParamPath) -> Any:
 def _split_nnx(model: nnx.Module, units: Any) -> SplitModel:
   graphdef, state = nnx.split(model)
   treedef, paths, values, shapes = _flatten(state)
-  leaves = _leaves(paths, shapes, values, _specs(state, nnx.get_partition_spec, len(values)))
+  specs = _specs(
+    state,
+    nnx.get_partition_spec,
+    paths,
+    is_box=lambda x: isinstance(x, nnx.Variable),
+    annotation=lambda v: v.get_metadata().get("out_sharding"),
+  )
+  leaves = _leaves(paths, shapes, values, specs)
 
   def bind(leaf_values: Sequence[Any], stacks: Sequence[Stack]) -> Bound:
     merged = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(leaf_values)))
@@ -370,10 +434,17 @@ def _split_nnx(model: nnx.Module, units: Any) -> SplitModel:
 def _split_linen(model: nn.Module, variables: Any, units: Any) -> SplitModel:
   if "params" not in variables:
     raise UnitSelectionError("Linen variables have no 'params' collection; pass model.init(...)")
-  specs_tree = nn.get_partition_spec(variables)
+  boxed = variables
   variables = nn.meta.unbox(variables)
   treedef, paths, values, shapes = _flatten(variables)
-  leaves = _leaves(paths, shapes, values, _specs(specs_tree, lambda t: t, len(values)))
+  specs = _specs(
+    boxed,
+    nn.get_partition_spec,
+    paths,
+    is_box=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    annotation=lambda box: getattr(box, "names", box),
+  )
+  leaves = _leaves(paths, shapes, values, specs)
 
   def bind(leaf_values: Sequence[Any], stacks: Sequence[Stack]) -> Bound:
     variables = jax.tree.unflatten(treedef, list(leaf_values))

@@ -1,4 +1,4 @@
-"""Load options of the weight-residency policies and their field checks (SPEC §1).
+"""Load options of the weight-residency policies and their field checks (docs/design.md, section 1).
 
 Pure Python, no JAX: options can be built, validated, compared, hashed (so used
 as static `jax.jit` arguments) and serialized without a backend.

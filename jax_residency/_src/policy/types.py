@@ -1,4 +1,4 @@
-"""Weight-residency policies: where a model's layer weights live (SPEC §1).
+"""Weight-residency policies: where a model's layer weights live (docs/design.md, section 1).
 
 Pure Python, no JAX: policies can be built, validated, compared, hashed (so used
 as static `jax.jit` arguments) and serialized without a backend. Their load

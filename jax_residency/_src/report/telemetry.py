@@ -1,4 +1,4 @@
-"""Per-pass telemetry: what moved, when, and what it cost (SPEC §3).
+"""Per-pass telemetry: what moved, when, and what it cost (docs/design.md, section 6).
 
 A placed model owns one :class:`Telemetry`. Each forward pass that succeeds is
 committed as a :class:`PassReport` (a failed pass commits nothing, so totals

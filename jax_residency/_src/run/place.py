@@ -37,6 +37,7 @@ from jax_residency._src.run.executor import Executor
 from jax_residency._src.run.jitted import JittedExecutor
 from jax_residency._src.store.loading import StoreSource, stacks_in
 from jax_residency._src.store.read_options import ReadOptions
+from jax_residency._src.typing import path_str
 
 
 class PlacedModel:
@@ -131,6 +132,12 @@ class PlacedModel:
     """Paths of the placed layer stacks, in the order the forward runs them
     (empty until the first call finds them, when ``units=`` was not given)."""
     return tuple(s.name for s in self._split.stacks)
+
+  @property
+  def stack_array_prefixes(self) -> tuple[str, ...]:
+    """The placed stacks' paths as :meth:`arrays` keys their leaves (a Linen model's
+    start with its variables' collection, ``params.``); empty until found."""
+    return tuple(path_str(s.path_prefix) for s in self._split.stacks)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self._ready(args, kwargs)(*args, **kwargs)

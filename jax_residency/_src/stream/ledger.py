@@ -1,6 +1,6 @@
 """The residency ledger: which units have a copy on the host and on the device.
 
-SPEC §2 (DenseDiskStream) keeps, per tier, a byte-bounded cache of unit copies.
+A dense stream (docs/design.md, section 4.3) keeps, per tier, a byte-bounded cache of unit copies.
 The ledger is the bookkeeping of that cache and nothing else: it never reads or
 moves data. Values are opaque (numpy dicts, jax arrays); their byte size is
 whatever the caller charges for them.
@@ -13,7 +13,7 @@ whatever the caller charges for them.
   the block without committing gives the bytes back.
 * **Protected windows** pin entries: one in the protected window (current +
   next on device, the lookahead on host) is never evicted.
-* **Telemetry** (SPEC §3) is kept per pass: `begin_pass()` starts a fresh
+* **Telemetry** (docs/design.md, section 6) is kept per pass: `begin_pass()` starts a fresh
   accumulator, `end_pass()` returns an immutable snapshot.
 
 Everything is guarded by one lock.

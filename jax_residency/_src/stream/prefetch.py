@@ -1,4 +1,4 @@
-"""The background prefetch worker: one thread reading units ahead (SPEC §2).
+"""The background prefetch worker: one thread reading units ahead (docs/design.md, section 4.4).
 
 The worker knows nothing about stores or the ledger. It calls the caller's
 `load(unit, token)` for each request, in FIFO order, on one daemon thread;

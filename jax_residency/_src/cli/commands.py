@@ -46,22 +46,28 @@ UNSET: Any = object()
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+  """Describes the store: a summary, then its unit tensors (or all of it as JSON)."""
+  info, specs = _read_inspection(args.path, args.units)
+  if args.json:
+    emit_json(info)
+    return 0
+  rows = _inspect_rows(info, units_flag=args.units)
+  width = max(len(k) for k, _ in rows)
+  lines = [f"{k:<{width}}  {v}" for k, v in rows]
+  lines += ["", f"unit tensors ({len(specs)}, per unit):"]
+  lines += ["  " + line for line in _tensor_table(specs)]
+  emit("\n".join(lines))
+  return 0
+
+
+def _read_inspection(path: str, units: str | None) -> tuple[dict[str, Any], dict[Any, Any]]:
+  """The JSON form of what ``inspect`` shows, and the unit tensors' specs by path."""
   from jax_residency._src.store.verify import checksums  # noqa: PLC0415
 
-  with open_store(args.path, units=args.units, streamable=False) as store:
-    streamable = bool(store.chunked_per_unit)
-    ratio = float(store.bytes_read_per_byte_used)
-    checksum_kind = checksums(store)
-    compressed = bool(getattr(store, "compressed", False))
-    specs = store.unit_specs
-    if len(store.stacks) > 1:  # every stack's tensors, by full path
-      specs = {
-        st.prefix + rel: spec
-        for k, st in enumerate(store.stacks)
-        for rel, spec in store.stack_specs(k).items()
-      }
+  with open_store(path, units=units, streamable=False) as store:
+    specs = _unit_specs(store)
     info = {
-      "path": args.path,
+      "path": path,
       "unit_prefix": path_str(store.unit_prefix),
       "unit_count": store.unit_count,
       "unit_bytes": store.unit_nbytes,
@@ -76,71 +82,81 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         {"prefix": path_str(st.prefix), "units": st.count, "unit_bytes": st.unit_nbytes}
         for st in store.stacks
       ],
-      "chunked_per_unit": streamable,
-      "bytes_read_per_byte_used": ratio,
-      "compressed": compressed,
-      "checksums": checksum_kind,
-      "streamable": streamable,
+      "chunked_per_unit": bool(store.chunked_per_unit),
+      "bytes_read_per_byte_used": float(store.bytes_read_per_byte_used),
+      "compressed": bool(getattr(store, "compressed", False)),
+      "checksums": checksums(store),
+      "streamable": bool(store.chunked_per_unit),
       "model": None,
     }
-  record = read_model_record(args.path)
+  record = read_model_record(path)
   if record is not None:
     info["model"] = {"kind": "toy", "config": record.get("config")}
-  if args.json:
-    emit_json(info)
-    return 0
-  rows = [
-    ("store", args.path),
-    (
-      "units",
-      ", ".join(f"{st['units']} under {st['prefix']!r}" for st in info["stacks"]),
-    ),
-    (
-      "unit bytes",
-      ", ".join(
-        f"{fmt_bytes(st['unit_bytes'])} each"
-        + (f" under {st['prefix']!r}" if len(info["stacks"]) > 1 else "")
-        for st in info["stacks"]
-      )
-      + f", {fmt_bytes(info['total_unit_bytes'])} total",
-    ),
-    (
-      "static bytes",
-      f"{fmt_bytes(info['static_bytes'])} ({plural(info['static_tensors'], 'tensor')})",
-    ),
-    (
-      "chunking",
-      ("one chunk per unit" if streamable else "several units per chunk")
-      + (", compressed" if compressed else ", uncompressed"),
-    ),
-  ]
-  rows.append(
-    (
-      "checksums",
-      {
-        "crc32c": "crc32c on every chunk, checked on every read",
-        "some": "crc32c on some arrays only; the rest are not checked",
-        "none": "none: damaged data cannot be detected (`jr.save` writes stores with them)",
-      }[checksum_kind],
-    )
+  return info, specs
+
+
+def _unit_specs(store: Any) -> dict[Any, Any]:
+  """(shape, dtype) of every unit tensor: by path in the unit, or with several stacks,
+  by full path."""
+  if len(store.stacks) <= 1:
+    return dict(store.unit_specs)
+  return {
+    st.prefix + rel: spec
+    for k, st in enumerate(store.stacks)
+    for rel, spec in store.stack_specs(k).items()
+  }
+
+
+#: What ``inspect`` says about a store's checksums (``store.verify.checksums``).
+_CHECKSUMS = {
+  "crc32c": "crc32c on every chunk, checked on every read",
+  "some": "crc32c on some arrays only; the rest are not checked",
+  "none": "none: damaged data cannot be detected (`jr.save` writes stores with them)",
+}
+
+
+def _inspect_rows(info: dict[str, Any], *, units_flag: str | None) -> list[tuple[str, str]]:
+  """The summary's (field, text) rows, from ``info`` (the JSON form)."""
+  rows = [("store", info["path"]), *_stack_rows(info["stacks"], info["total_unit_bytes"])]
+  static = f"{fmt_bytes(info['static_bytes'])} ({plural(info['static_tensors'], 'tensor')})"
+  rows.append(("static bytes", static))
+  chunking = "one chunk per unit" if info["streamable"] else "several units per chunk"
+  chunking += ", compressed" if info["compressed"] else ", uncompressed"
+  rows.append(("chunking", chunking))
+  rows.append(("checksums", _CHECKSUMS[info["checksums"]]))
+  rows.append(("streamable", _streamable_verdict(info, units_flag=units_flag)))
+  if info["model"] is not None:
+    rows.append(("model", f"toy {info['model']['config']} (`{PROG} run` works)"))
+  return rows
+
+
+def _stack_rows(stacks: list[dict[str, Any]], total: int) -> list[tuple[str, str]]:
+  """The ``units`` and ``unit bytes`` rows: per stack, then the total bytes."""
+  counts = ", ".join(f"{st['units']} under {st['prefix']!r}" for st in stacks)
+  sizes = ", ".join(
+    f"{fmt_bytes(st['unit_bytes'])} each" + (f" under {st['prefix']!r}" if len(stacks) > 1 else "")
+    for st in stacks
   )
-  if streamable:
+  return [("units", counts), ("unit bytes", f"{sizes}, {fmt_bytes(total)} total")]
+
+
+def _streamable_verdict(info: dict[str, Any], *, units_flag: str | None) -> str:
+  """Whether DenseDiskStream streams the store in place, and if not, how to rechunk it."""
+  if info["streamable"]:
     verdict = "yes: DenseDiskStream reads each unit in place"
-    if compressed:
+    if info["compressed"]:
       verdict += " (compressed: slower; `rechunk` writes it uncompressed)"
-  else:
-    units = f" --units {args.units}" if args.units else ""
-    verdict = (
-      f"slowly: DenseDiskStream decodes {ratio:.1f} bytes for each byte it uses; run "
-      f"`{PROG} rechunk {args.path} DST{units}` once and stream DST"
-    )
-  rows.append(("streamable", verdict))
-  if record is not None:
-    rows.append(("model", f"toy {record.get('config')} (`{PROG} run` works)"))
-  width = max(len(k) for k, _ in rows)
-  lines = [f"{k:<{width}}  {v}" for k, v in rows]
-  lines += ["", f"unit tensors ({len(specs)}, per unit):"]
-  tensor_rows = [
+    return verdict
+  units = f" --units {units_flag}" if units_flag else ""
+  return (
+    f"slowly: DenseDiskStream decodes {info['bytes_read_per_byte_used']:.1f} bytes for each "
+    f"byte it uses; run `{PROG} rechunk {info['path']} DST{units}` once and stream DST"
+  )
+
+
+def _tensor_table(specs: dict[Any, Any]) -> list[str]:
+  """One line per unit tensor: path, shape, dtype, bytes."""
+  rows = [
     [
       path_str(p),
       "x".join(map(str, shape)) or "()",
@@ -149,9 +165,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ]
     for p, (shape, dtype) in sorted(specs.items())
   ]
-  lines += ["  " + line for line in table(("path", "shape", "dtype", "bytes"), tensor_rows)]
-  emit("\n".join(lines))
-  return 0
+  return table(("path", "shape", "dtype", "bytes"), rows)
 
 
 # --- verify ------------------------------------------------------------------

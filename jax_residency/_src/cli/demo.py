@@ -213,126 +213,240 @@ def check_parity(expected: Any, run: PolicyRun) -> None:
     run.ok = run.ok and bool(np.all(diff <= tolerance)) and bool(np.isfinite(got).all())
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoBudgets:
+  """The demo model's sizes, and what its streaming policies may hold.
 
-  from jax_residency._src.models.toy import ToyConfig  # noqa: PLC0415
-  from jax_residency._src.plan.split import split_model  # noqa: PLC0415
-  from jax_residency._src.policy.options import (  # noqa: PLC0415
-    DenseDiskStreamLoadOptions,
-    LayerwiseLoadOptions,
-    OffloadConfig,
-  )
-  from jax_residency._src.policy.types import DenseDiskStream, FullyResident, LayerwiseHost  # noqa: PLC0415
+  Attributes:
+    static_bytes: bytes of the static parameters.
+    unit_bytes: bytes of one unit (layer).
+    units: number of units.
+  """
+
+  static_bytes: int
+  unit_bytes: int
+  units: int
+
+  @classmethod
+  def of(cls, abstract: Any) -> DemoBudgets:
+    """The sizes of the abstract model ``abstract``."""
+    from jax_residency._src.plan.split import split_model  # noqa: PLC0415
+
+    split = split_model(abstract)
+    return cls(
+      static_bytes=sum(leaf.nbytes for leaf in split.static_leaves()),
+      unit_bytes=sum(leaf.nbytes for leaf in split.unit_leaves()) // split.unit_count,
+      units=split.unit_count,
+    )
+
+  @property
+  def window(self) -> int:
+    """Units the device holds besides the static parameters (LayerwiseHost's depth)."""
+    return min(2, self.units)
+
+  @property
+  def device_bytes(self) -> int:
+    return self.static_bytes + self.window * self.unit_bytes
+
+  @property
+  def host_units(self) -> int:
+    """Units DenseDiskStream's host cache holds."""
+    return min(3, self.units)
+
+  def dense(self) -> Any:
+    from jax_residency._src.policy.options import DenseDiskStreamLoadOptions  # noqa: PLC0415
+    from jax_residency._src.policy.types import DenseDiskStream  # noqa: PLC0415
+
+    return DenseDiskStream(
+      DenseDiskStreamLoadOptions(
+        device_budget_bytes=self.device_bytes,
+        host_budget_bytes=self.host_units * self.unit_bytes,
+        host_lookahead=min(2, self.host_units),
+        background_queue_capacity=2,
+        sample_process_memory=True,
+        sample_backend_memory=True,
+      )
+    )
+
+  def layerwise(self) -> Any:
+    from jax_residency._src.policy.options import (  # noqa: PLC0415
+      LayerwiseLoadOptions,
+      OffloadConfig,
+    )
+    from jax_residency._src.policy.types import LayerwiseHost  # noqa: PLC0415
+
+    return LayerwiseHost(
+      LayerwiseLoadOptions(
+        offload=OffloadConfig(device_budget_bytes=self.device_bytes, prefetch_depth=self.window),
+        sample_process_memory=True,
+        sample_backend_memory=True,
+      )
+    )
+
+  def lines(self) -> list[str]:
+    """The ``budgets:`` lines of the demo's header."""
+    device = f"device {fmt_bytes(self.device_bytes)} (static + {self.window} units)"
+    host = f"host {fmt_bytes(self.host_units * self.unit_bytes)} ({self.host_units} units)"
+    return [
+      f"budgets: layerwise_host prefetch_depth {self.window}, {device}",
+      f"         dense_disk_stream {device}, {host}, host_lookahead {min(2, self.host_units)}",
+    ]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+  """Runs the demo; exit 0 if every policy matches the plain model, 1 if one does not."""
+  import jax  # noqa: PLC0415
 
   started = time.perf_counter()
+  config = _demo_config(args)
+  path, reused = _demo_store(config, cache_dir=args.cache_dir, fresh=args.fresh)
+  abstract = abstract_toy(config, DEMO_SEED)
+  budgets = DemoBudgets.of(abstract)
+  tokens = jax.random.randint(jax.random.key(1), (1, args.tokens), 0, config.vocab)
+  runs = _run_policies(abstract, tokens, budgets, path=path)
+  result = DemoResult(
+    config=config,
+    path=path,
+    reused=reused,
+    tokens_shape=tuple(tokens.shape),
+    budgets=budgets,
+    runs=runs,
+    seconds=time.perf_counter() - started,
+  )
+  if args.json:
+    emit_json(result.to_dict())
+  else:
+    emit(result.text())
+  return 0 if result.ok else 1
+
+
+def _demo_config(args: argparse.Namespace) -> Any:
+  """The toy model's config from the command line."""
+  from jax_residency._src.models.toy import ToyConfig  # noqa: PLC0415
+
   if args.d_model % args.n_heads:
     raise CommandError(f"--d-model {args.d_model} is not a multiple of --heads {args.n_heads}")
-  config = ToyConfig(
+  return ToyConfig(
     vocab=args.vocab,
     d_model=args.d_model,
     n_heads=args.n_heads,
     d_ff=args.d_ff,
     n_layers=args.layers,
   )
-  path = demo_store_path(cache_root(args.cache_dir), config)
-  reused = not args.fresh and demo_store_ready(path, config)
+
+
+def _demo_store(config: Any, *, cache_dir: str | None, fresh: bool) -> tuple[str, bool]:
+  """The demo store for ``config``, built unless an earlier run's can be reused;
+  returns its path and whether it was reused."""
+  path = demo_store_path(cache_root(cache_dir), config)
+  reused = not fresh and demo_store_ready(path, config)
   if not reused:
     _build_demo_store(path, config)
+  return path, reused
 
-  abstract = abstract_toy(config, DEMO_SEED)
-  split = split_model(abstract)
-  static_bytes = sum(leaf.nbytes for leaf in split.static_leaves())
-  unit_bytes = sum(leaf.nbytes for leaf in split.unit_leaves()) // split.unit_count
-  tokens = jax.random.randint(jax.random.key(1), (1, args.tokens), 0, config.vocab)
-  window = min(2, split.unit_count)
-  device_budget = static_bytes + window * unit_bytes
-  host_units = min(3, split.unit_count)
-  dense = DenseDiskStream(
-    DenseDiskStreamLoadOptions(
-      device_budget_bytes=device_budget,
-      host_budget_bytes=host_units * unit_bytes,
-      host_lookahead=min(2, host_units),
-      background_queue_capacity=2,
-      sample_process_memory=True,
-      sample_backend_memory=True,
-    )
-  )
-  layerwise = LayerwiseHost(
-    LayerwiseLoadOptions(
-      offload=OffloadConfig(device_budget_bytes=device_budget, prefetch_depth=window),
-      sample_process_memory=True,
-      sample_backend_memory=True,
-    )
-  )
+
+def _run_policies(
+  abstract: Any, tokens: Any, budgets: DemoBudgets, *, path: str
+) -> tuple[PolicyRun, ...]:
+  """Runs every policy (returned in `POLICY_NAMES` order), each checked against the
+  plain model."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from jax_residency._src.policy.types import FullyResident  # noqa: PLC0415
 
   # The dense stream runs first, from the abstract model: no weights are in memory
   # but its own windows, so its peak RSS shows what streaming costs.
   runs = {
-    "dense_disk_stream": _run_policy("dense_disk_stream", abstract, dense, tokens, store=path)
+    "dense_disk_stream": _run_policy(
+      "dense_disk_stream", abstract, budgets.dense(), tokens, store=path
+    )
   }
   with open_store(path) as store:
     model = load_concrete(abstract, store)
   expected = np.asarray(jax.block_until_ready(model(tokens)))
   runs["fully_resident"] = _run_policy("fully_resident", model, FullyResident(), tokens)
-  runs["layerwise_host"] = _run_policy("layerwise_host", model, layerwise, tokens)
-  ordered = [runs[name] for name in POLICY_NAMES]
+  runs["layerwise_host"] = _run_policy("layerwise_host", model, budgets.layerwise(), tokens)
+  ordered = tuple(runs[name] for name in POLICY_NAMES)
   for run in ordered:
     check_parity(expected, run)
-  ok = all(run.ok for run in ordered)
-  total = time.perf_counter() - started
+  return ordered
 
-  described = {
-    "model": {"kind": "toy", "config": dataclasses.asdict(config), "seed": DEMO_SEED},
-    "store": {"path": path, "reused": reused},
-    "tokens_shape": list(tokens.shape),
-    "static_bytes": static_bytes,
-    "unit_bytes": unit_bytes,
-    "units": split.unit_count,
-  }
-  if args.json:
-    emit_json(
-      {
-        **described,
-        "policies": [_demo_row_json(run) for run in ordered],
-        "ok": ok,
-        "seconds": total,
-        "process_seconds": _process_seconds(),
-      }
-    )
-    return 0 if ok else 1
-  device_text = f"device {fmt_bytes(device_budget)} (static + {window} units)"
-  lines = [
-    f"model:   seeded toy transformer, {split.unit_count} layers x {fmt_bytes(unit_bytes)} = "
-    f"{fmt_bytes(unit_bytes * split.unit_count)} of unit weights + "
-    f"{fmt_bytes(static_bytes)} static, {config.dtype}",
-    f"store:   {path} ({'reused' if reused else 'created'})",
-    f"input:   token ids {tuple(tokens.shape)}; per policy a cold pass, then the timed pass",
-    f"budgets: layerwise_host prefetch_depth {window}, {device_text}",
-    f"         dense_disk_stream {device_text}, host {fmt_bytes(host_units * unit_bytes)} "
-    f"({host_units} units), host_lookahead {min(2, host_units)}",
-    "",
-  ]
-  headers = (
-    "policy",
-    "pass time",
-    "peak RSS",
-    "device window",
-    "bytes read",
-    "cache hit rate",
-    "parity",
-  )
-  lines += table(headers, [_demo_row(run) for run in ordered])
-  lines += [
-    "",
-    "peak RSS: the whole process while the policy was placed and run. On CPU the device is",
-    "host memory too, and fully_resident / layerwise_host also hold the plain model.",
-    f"{'all outputs match the plain model' if ok else 'PARITY FAILED'}; "
-    f"{total:.1f} s ({_process_seconds():.1f} s since the process started)",
-  ]
-  emit("\n".join(lines))
-  return 0 if ok else 1
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoResult:
+  """One demo: the model, its store, and every policy's run.
+
+  Attributes:
+    config: the toy model's config.
+    path: the demo store.
+    reused: whether the store was an earlier run's.
+    tokens_shape: the shape of the token ids.
+    budgets: the model's sizes and the streaming policies' budgets.
+    runs: every policy's run, in `POLICY_NAMES` order.
+    seconds: wall time of the whole demo.
+  """
+
+  config: Any
+  path: str
+  reused: bool
+  tokens_shape: tuple[int, ...]
+  budgets: DemoBudgets
+  runs: tuple[PolicyRun, ...]
+  seconds: float
+
+  @property
+  def ok(self) -> bool:
+    """Whether every policy's outputs match the plain model's."""
+    return all(run.ok for run in self.runs)
+
+  def to_dict(self) -> dict[str, Any]:
+    b = self.budgets
+    return {
+      "model": {"kind": "toy", "config": dataclasses.asdict(self.config), "seed": DEMO_SEED},
+      "store": {"path": self.path, "reused": self.reused},
+      "tokens_shape": list(self.tokens_shape),
+      "static_bytes": b.static_bytes,
+      "unit_bytes": b.unit_bytes,
+      "units": b.units,
+      "policies": [_demo_row_json(run) for run in self.runs],
+      "ok": self.ok,
+      "seconds": self.seconds,
+      "process_seconds": _process_seconds(),
+    }
+
+  def text(self) -> str:
+    """The header, one table row per policy, and the verdict."""
+    b = self.budgets
+    lines = [
+      f"model:   seeded toy transformer, {b.units} layers x {fmt_bytes(b.unit_bytes)} = "
+      f"{fmt_bytes(b.unit_bytes * b.units)} of unit weights + "
+      f"{fmt_bytes(b.static_bytes)} static, {self.config.dtype}",
+      f"store:   {self.path} ({'reused' if self.reused else 'created'})",
+      f"input:   token ids {self.tokens_shape}; per policy a cold pass, then the timed pass",
+      *b.lines(),
+      "",
+    ]
+    lines += table(_DEMO_HEADERS, [_demo_row(run) for run in self.runs])
+    lines += [
+      "",
+      "peak RSS: the whole process while the policy was placed and run. On CPU the device is",
+      "host memory too, and fully_resident / layerwise_host also hold the plain model.",
+      f"{'all outputs match the plain model' if self.ok else 'PARITY FAILED'}; "
+      f"{self.seconds:.1f} s ({_process_seconds():.1f} s since the process started)",
+    ]
+    return "\n".join(lines)
+
+
+_DEMO_HEADERS = (
+  "policy",
+  "pass time",
+  "peak RSS",
+  "device window",
+  "bytes read",
+  "cache hit rate",
+  "parity",
+)
 
 
 def _process_seconds() -> float:

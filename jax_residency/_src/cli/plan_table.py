@@ -166,28 +166,40 @@ class PlanRow:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+  """What every policy of a plan is judged with: one store's sizes and the two budgets.
+
+  Attributes:
+    units: number of units.
+    unit_bytes: bytes of one unit (the largest, with several stacks).
+    static_bytes: bytes of the static parameters.
+    device_budget_bytes: the device budget; ``None`` means unbounded.
+    host_budget_bytes: the host budget; ``None`` means unbounded, ``0`` means
+      direct disk-to-device streaming for ``DenseDiskStream``.
+    device_is_host: planned for CPU devices, whose memory is host memory.
+  """
+
+  units: int
+  unit_bytes: int
+  static_bytes: int
+  device_budget_bytes: int | None
+  host_budget_bytes: int | None
+  device_is_host: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BudgetPlan:
   """Every policy against a device and a host budget, for one store.
 
   Attributes:
     path: the store.
-    units: number of units.
-    unit_bytes: bytes of one unit.
-    static_bytes: bytes of the static parameters.
-    device_budget: the device budget in bytes; ``None`` means unbounded.
-    host_budget: the host budget in bytes; ``None`` means unbounded.
+    inputs: the store's sizes and the budgets.
     plans: one row per policy, in the order of the table.
-    device_is_host: planned for CPU devices, whose memory is host memory.
   """
 
   path: str
-  units: int
-  unit_bytes: int
-  static_bytes: int
-  device_budget: int | None
-  host_budget: int | None
+  inputs: PlanInputs
   plans: tuple[PlanRow, ...]
-  device_is_host: bool = True
 
   @property
   def fitting(self) -> list[str]:
@@ -202,31 +214,28 @@ class BudgetPlan:
     return "nothing fits. " + ". ".join(p.misfit_text() for p in self.plans)
 
   def to_dict(self) -> dict[str, Any]:
+    """The JSON form: the path, the inputs' fields, the plans, what fits and the summary."""
     return {
       "path": self.path,
-      "units": self.units,
-      "unit_bytes": self.unit_bytes,
-      "static_bytes": self.static_bytes,
-      "device_budget_bytes": self.device_budget,
-      "host_budget_bytes": self.host_budget,
-      "device_is_host": self.device_is_host,
+      **dataclasses.asdict(self.inputs),
       "plans": [p.to_dict() for p in self.plans],
       "fits": self.fitting,
       "summary": self.summary(),
     }
 
   def __str__(self) -> str:
-    n, unit, static = self.units, self.unit_bytes, self.static_bytes
+    i = self.inputs
+    n, unit, static = i.units, i.unit_bytes, i.static_bytes
     lines = [
       f"store: {self.path} ({n} units x {fmt_bytes(unit)} = {fmt_bytes(n * unit)}, "
       f"static {fmt_bytes(static)})",
-      f"budgets: device {fmt_bytes(self.device_budget)}, host {fmt_bytes(self.host_budget)} "
-      "(bytes per device; one device)",
+      f"budgets: device {fmt_bytes(i.device_budget_bytes)}, host "
+      f"{fmt_bytes(i.host_budget_bytes)} (bytes per device; one device)",
       "",
     ]
     rows = [row for p in self.plans for row in p.table_rows()]
     lines += table(("policy", "tier", "static + window = required", "budget", "fits"), rows)
-    where = "CPU: device memory is host memory" if self.device_is_host else "accelerator"
+    where = "CPU: device memory is host memory" if i.device_is_host else "accelerator"
     for p in self.plans:
       if p.metadata is not None and p.policy != "fully_resident":
         lines += ["", f"{p.policy} {p.setting}: where the bytes go ({where})"]
@@ -239,18 +248,13 @@ class BudgetPlan:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _Budgets:
-  """One store's sizes and the two budgets, and the checks each policy's row uses.
+class _Checker:
+  """The checks each policy's row uses: tiers, and what ``place()`` would decide.
 
   ``stacks`` is ``(path, units, unit_bytes)`` per layer stack in forward order.
   """
 
-  units: int
-  unit_bytes: int
-  static_bytes: int
-  device: int | None
-  host: int | None
-  device_is_host: bool
+  inputs: PlanInputs
   stacks: tuple[tuple[str, int, int], ...]
 
   @functools.cached_property
@@ -258,26 +262,29 @@ class _Budgets:
     """Bytes of every unit, in forward order."""
     return [b for _, count, b in self.stacks for _ in range(count)]
 
-  def tier(
-    self,
-    name: str,
-    count: int,
-    budget: int | None,
-    fixed: int = 0,
-    *,
-    resident: bool = False,
-    note: str = "",
+  def device_tier(self, units: int, *, resident: bool = False) -> PlanTier:
+    """The static parameters and a window of ``units`` units (of every stack at once
+    if ``resident``, else of one stack at a time) against the device budget."""
+    if resident:
+      window = largest_window(self.sizes, units)
+    else:  # the stacks run one after another
+      window = max(largest_window([b] * c, min(units, c)) for _, c, b in self.stacks)
+    i = self.inputs
+    return self._tier("device", units, window, i.static_bytes, i.device_budget_bytes)
+
+  def host_tier(self, units: int, *, staging: int = 0, note: str = "") -> PlanTier:
+    """A window of ``units`` units (and ``staging`` bytes) against the host budget."""
+    window = largest_window(self.sizes, units)
+    return self._tier("host", units, window, staging, self.inputs.host_budget_bytes, note)
+
+  def _tier(
+    self, tier: str, units: int, window: int, static: int, budget: int | None, note: str = ""
   ) -> PlanTier:
-    """``count`` units on tier ``name`` (besides ``fixed`` bytes) against ``budget``."""
-    if name == "device" and not resident:  # the stacks run one after another
-      window = max(largest_window([b] * c, min(count, c)) for _, c, b in self.stacks)
-    else:
-      window = largest_window(self.sizes, count)
     return PlanTier(
-      tier=name,
-      static=fixed,
-      units=count,
-      unit_bytes=self.unit_bytes,
+      tier=tier,
+      static=static,
+      units=units,
+      unit_bytes=self.inputs.unit_bytes,
       window=window,
       budget=budget,
       note=note,
@@ -288,11 +295,11 @@ class _Budgets:
     try:
       return check_budgets(
         policy,
-        static_device_bytes=self.static_bytes,
+        static_device_bytes=self.inputs.static_bytes,
         unit_bytes=self.sizes,
         device_unit_bytes=self.sizes,
         host_unit_bytes=self.sizes,
-        device_is_host=self.device_is_host,
+        device_is_host=self.inputs.device_is_host,
         stacks=[(name, count) for name, count, _ in self.stacks],
       )
     except BudgetTooSmallError:
@@ -302,58 +309,65 @@ class _Budgets:
     return self.metadata(policy) is not None
 
   def layerwise(self, depth: int) -> LayerwiseHost:
+    i = self.inputs
     offload = OffloadConfig(
-      device_budget_bytes=self.device, host_budget_bytes=self.host, prefetch_depth=depth
+      device_budget_bytes=i.device_budget_bytes,
+      host_budget_bytes=i.host_budget_bytes,
+      prefetch_depth=depth,
     )
     return LayerwiseHost(LayerwiseLoadOptions(offload=offload))
 
   def dense(self, lookahead: int) -> DenseDiskStream:
     return DenseDiskStream(
       DenseDiskStreamLoadOptions(
-        device_budget_bytes=self.device,
-        host_budget_bytes=self.host,
+        device_budget_bytes=self.inputs.device_budget_bytes,
+        host_budget_bytes=self.inputs.host_budget_bytes,
         host_lookahead=lookahead,
         background_queue_capacity=2 if lookahead else 0,
       )
     )
 
 
-def _fully_resident(b: _Budgets) -> PlanRow:
+def _fully_resident(check: _Checker) -> PlanRow:
   """Every unit next to the static parameters: no budget of its own, only the arithmetic."""
-  device = b.tier("device", b.units, b.device, b.static_bytes, resident=True)
+  device = check.device_tier(check.inputs.units, resident=True)
   return PlanRow(policy="fully_resident", setting="", tiers=(device,), fits=device.fits)
 
 
-def _layerwise_host(b: _Budgets) -> PlanRow:
+def _layerwise_host(check: _Checker) -> PlanRow:
   """The depths that fit; the plan shows the largest (2 with no device budget)."""
+  n = check.inputs.units
   # LayerwiseHost keeps every unit in host memory; check_budgets rejects every
   # depth when they do not fit the host budget, and the host row shows why.
-  host_all = b.tier("host", b.units, b.host, note="LayerwiseHost keeps every unit in host memory")
-  depths = [d for d in range(1, b.units + 1) if b.accepts(b.layerwise(d))]
-  depth = (min(2, b.units) if b.device is None else depths[-1]) if depths else 1
+  host_all = check.host_tier(n, note="LayerwiseHost keeps every unit in host memory")
+  depths = [d for d in range(1, n + 1) if check.accepts(check.layerwise(d))]
+  unbounded = check.inputs.device_budget_bytes is None
+  depth = (min(2, n) if unbounded else depths[-1]) if depths else 1
   return PlanRow(
     policy="layerwise_host",
     setting=f"prefetch_depth {depth}",
-    metadata=b.metadata(b.layerwise(depth)),
+    metadata=check.metadata(check.layerwise(depth)),
     depths=(depths[0], depths[-1]) if depths else None,
-    tiers=(b.tier("device", depth, b.device, b.static_bytes), host_all),
+    tiers=(check.device_tier(depth), host_all),
     fits=bool(depths),
   )
 
 
-def _dense_disk_stream(b: _Budgets, *, lookahead: int, streamable: bool) -> PlanRow:
+def _dense_disk_stream(check: _Checker, *, lookahead: int, streamable: bool) -> PlanRow:
   """The lookahead asked for (none with a host budget of 0) and the largest that fits."""
-  if b.host == 0:
+  i = check.inputs
+  if i.host_budget_bytes == 0:
     setting, look, look_max = "direct disk-to-device", 0, None
   else:
-    look = min(lookahead, b.units)
+    look = min(lookahead, i.units)
     setting = f"host_lookahead {look}"
-    look_max = max((k for k in range(1, b.units + 1) if b.accepts(b.dense(k))), default=None)
-  stream = b.dense(look)
+    fitting = (k for k in range(1, i.units + 1) if check.accepts(check.dense(k)))
+    look_max = max(fitting, default=None)
+  stream = check.dense(look)
   staging = 0
-  if b.host != 0:
-    staging = staging_bytes(stream, b.unit_bytes, device_is_host=b.device_is_host)
-  host_window = b.tier("host", look, b.host, staging)
+  if i.host_budget_bytes != 0:
+    staging = staging_bytes(stream, i.unit_bytes, device_is_host=i.device_is_host)
+  host_window = check.host_tier(look, staging=staging)
   if not host_window.fits:
     note = (
       f"host_lookahead <= {look_max} fits"
@@ -361,13 +375,13 @@ def _dense_disk_stream(b: _Budgets, *, lookahead: int, streamable: bool) -> Plan
       else "--host-budget 0 streams disk-to-device without a host cache"
     )
     host_window = dataclasses.replace(host_window, note=note)
-  metadata = b.metadata(stream)
+  metadata = check.metadata(stream)
   return PlanRow(
     policy="dense_disk_stream",
     setting=setting,
     metadata=metadata,
     lookahead_max=look_max,
-    tiers=(b.tier("device", stream.device_depth(b.units), b.device, b.static_bytes), host_window),
+    tiers=(check.device_tier(stream.device_depth(i.units)), host_window),
     fits=streamable and metadata is not None,
     note="" if streamable else f"the store is not one chunk per unit; run `{PROG} rechunk` first",
   )
@@ -408,26 +422,18 @@ def plan_budgets(
       largest): a device window is the largest of any stack, a host window
       runs over the units in forward order.
   """
-  budgets = _Budgets(
+  inputs = PlanInputs(
     units=units,
     unit_bytes=unit_bytes,
     static_bytes=static_bytes,
-    device=device_budget,
-    host=host_budget,
-    device_is_host=device_is_host,
-    stacks=tuple(stacks) or (("", units, unit_bytes),),
-  )
-  return BudgetPlan(
-    path=path,
-    units=units,
-    unit_bytes=unit_bytes,
-    static_bytes=static_bytes,
-    device_budget=device_budget,
-    host_budget=host_budget,
-    plans=(
-      _fully_resident(budgets),
-      _layerwise_host(budgets),
-      _dense_disk_stream(budgets, lookahead=lookahead, streamable=streamable),
-    ),
+    device_budget_bytes=device_budget,
+    host_budget_bytes=host_budget,
     device_is_host=device_is_host,
   )
+  check = _Checker(inputs=inputs, stacks=tuple(stacks) or (("", units, unit_bytes),))
+  rows = (
+    _fully_resident(check),
+    _layerwise_host(check),
+    _dense_disk_stream(check, lookahead=lookahead, streamable=streamable),
+  )
+  return BudgetPlan(path=path, inputs=inputs, plans=rows)

@@ -43,6 +43,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("cli", "testing", "store_server"),  # entry points: the command line, test helpers
 )
 
+#: The most lines of code a function may have (its docstring not counted). A longer
+#: function is split where a reader wants names for its parts.
+MAX_FUNCTION_LINES = 80
+
 #: The most lines a module may have.
 MAX_LINES = 500
 
@@ -313,6 +317,41 @@ def test_modules_are_small() -> None:
   assert not stale, (
     f"PENDING_SPLIT lists modules that are not over {MAX_LINES} lines; remove them "
     "from it:\n  " + "\n  ".join(stale)
+  )
+
+
+def function_lengths(source: str) -> dict[str, int]:
+  """Each function's lines of code, its docstring not counted, by qualified name."""
+  out: dict[str, int] = {}
+
+  def visit(node: ast.AST, prefix: str) -> None:
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+        n = (child.end_lineno or child.lineno) - child.lineno + 1
+        first = child.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+          n -= (first.end_lineno or first.lineno) - first.lineno + 1
+        out[prefix + child.name] = n
+        visit(child, f"{prefix}{child.name}.")
+      elif isinstance(child, ast.ClassDef):
+        visit(child, f"{prefix}{child.name}.")
+
+  visit(ast.parse(source), "")
+  return out
+
+
+def test_functions_are_short() -> None:
+  sample = 'def f():\n  """Doc.\n\n  More."""\n  a = 1\n  return a\n'
+  assert function_lengths(sample) == {"f": 3}
+  too_long = [
+    f"{name}:{fn}: {n} lines"
+    for name, mod in sorted(modules().items())
+    for fn, n in function_lengths(mod.source()).items()
+    if n > MAX_FUNCTION_LINES
+  ]
+  assert not too_long, (
+    f"functions over {MAX_FUNCTION_LINES} lines of code; split them where a reader wants "
+    "names for the parts:\n  " + "\n  ".join(too_long)
   )
 
 

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jax_residency._src import errors
-from jax_residency._src.store import buffers, handles
+from jax_residency._src.store import buffers, handles, rechunk
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store import writer as wr
 
@@ -241,15 +241,15 @@ def test_whole_array_chunks_need_rechunk(tmp_path, monkeypatch) -> None:
     assert not store.chunked_per_unit
 
   reads = []
-  real = wr._read_unit_slice
+  real = rechunk._read_unit_slice
 
   def spy(handle, i):
     out = real(handle, i)
     reads.append((i, out.shape, tuple(handle.shape)))
     return out
 
-  monkeypatch.setattr(wr, "_read_unit_slice", spy)
-  info = wr.rechunk_store(src, dst, unit_prefix=PREFIX, progress=False)
+  monkeypatch.setattr(rechunk, "_read_unit_slice", spy)
+  info = rechunk.rechunk_store(src, dst, unit_prefix=PREFIX, progress=False)
   # Every unit array was read one unit at a time, never whole.
   assert len(reads) == N * len(units)
   assert all(shape == full[1:] for _, shape, full in reads)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jax_residency._src import errors
-from jax_residency._src.store import commit, space
+from jax_residency._src.store import commit, rechunk, space
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store import writer as wr
 
@@ -387,7 +387,7 @@ def test_rechunk_reports_a_full_disk_too(tmp_path, monkeypatch) -> None:
   with pytest.raises(
     errors.StoreError, match=f"The disk filled up while writing the store at {dst}"
   ):
-    wr.rechunk_store(src, dst, progress=False)
+    rechunk.rechunk_store(src, dst, progress=False)
   assert os.listdir(tmp_path) == ["src"]
 
 

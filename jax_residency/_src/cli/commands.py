@@ -391,7 +391,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_rechunk(args: argparse.Namespace) -> int:
-  from jax_residency._src.store.writer import rechunk_store  # noqa: PLC0415
+  from jax_residency._src.store.rechunk import rechunk_store  # noqa: PLC0415
   from jax_residency._src.typing import path_str  # noqa: PLC0415
 
   if "://" not in args.src and not os.path.exists(args.src):

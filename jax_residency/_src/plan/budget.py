@@ -262,86 +262,11 @@ def check_budgets(
   """
   offload = policy.offload()
   n = len(device_unit_bytes)
-  if not stacks:
-    stacks = (("", n),)
-  if sum(c for _, c in stacks) != n:
-    raise ValueError(f"stacks {stacks!r} do not partition {n} units")
-  per_stack: list[StackMetadata] = []
-  start = 0
-  for name, count in stacks:
-    k = min(policy.device_depth(count), count)
-    dev = device_unit_bytes[start : start + count]
-    per_stack.append(
-      StackMetadata(
-        path=name,
-        layer_count=count,
-        unit_bytes=max(unit_bytes[start : start + count], default=0),
-        device_unit_bytes=max(dev, default=0),
-        device_window_units=k,
-        device_window_bytes=largest_window(dev, k),
-      )
-    )
-    start += count
-  if policy.is_fully_resident:  # every unit of every stack stays on the device
-    depth, window = n, sum(x.device_window_bytes for x in per_stack)
-    window_of = ""
-  else:  # the stacks run one after another: the heaviest stack window bounds them all
-    heaviest = max(per_stack, key=lambda x: (x.device_window_bytes, x.device_window_units))
-    depth, window = heaviest.device_window_units, heaviest.device_window_bytes
-    window_of = ""
-    if len(per_stack) > 1:
-      window_of = f" of stack {heaviest.path!r} ({heaviest.layer_count} units; the heaviest window)"
+  per_stack = _stack_windows(policy, stacks or (("", n),), unit_bytes, device_unit_bytes)
+  depth, window, window_of = _device_window(policy, per_stack)
   budget = offload.device_budget_bytes
-  if budget is not None and static_device_bytes + window > budget:
-    required = static_device_bytes + window
-    raise DeviceBudgetTooSmallError(
-      f"device_budget_bytes={budget} ({format_bytes(budget)}) is too small for {policy.name}: "
-      f"static={static_device_bytes} ({format_bytes(static_device_bytes)}) + "
-      f"window={window} ({format_bytes(window)}, depth={depth} units{window_of}) = "
-      f"required={required} ({format_bytes(required)}); raise the device budget to at least "
-      f"{required} bytes, or lower the prefetch depth",
-      static=static_device_bytes,
-      window=window,
-      depth=depth,
-      required=required,
-      budget=budget,
-    )
-  host_budget = offload.host_budget_bytes
-  dense = policy.dense
-  # For a dense stream a zero host budget means direct disk-to-device loading;
-  # for LayerwiseHost it means nothing fits in host memory.
-  if host_budget is not None and (host_budget > 0 or isinstance(policy, LayerwiseHost)):
-    staging = 0
-    if isinstance(policy, DenseDiskStream) and dense is not None:
-      host_depth = dense.host_lookahead
-      host_window = largest_window(host_unit_bytes, host_depth)
-      staging = staging_bytes(
-        policy, max(host_unit_bytes, default=0), device_is_host=device_is_host
-      )
-      what = f"host_lookahead={host_depth} units"
-    elif isinstance(policy, LayerwiseHost):
-      host_depth = n
-      host_window = sum(host_unit_bytes)
-      what = f"all {n} units (LayerwiseHost keeps every unit in host memory)"
-    else:
-      host_window = 0
-    required = host_window + staging
-    if required > host_budget:
-      arithmetic = f"window={host_window} ({format_bytes(host_window)}, {what})"
-      if staging:
-        arithmetic += (
-          f" + staging={staging} ({format_bytes(staging)}, one unit's host buffer on its way "
-          f"to the device) = required={required} ({format_bytes(required)})"
-        )
-      raise HostBudgetTooSmallError(
-        f"host_budget_bytes={host_budget} ({format_bytes(host_budget)}) is too small for "
-        f"{policy.name}: {arithmetic}; raise the host budget to at least {required} bytes"
-        + (", or lower host_lookahead" if isinstance(policy, DenseDiskStream) else ""),
-        window=host_window,
-        staging=staging,
-        required=required,
-        budget=host_budget,
-      )
+  _check_device_budget(policy, static_device_bytes, window, depth, window_of)
+  _check_host_budget(policy, host_unit_bytes, device_is_host=device_is_host)
   largest_dev = max(device_unit_bytes, default=0)
   capacity = None
   if budget is not None:
@@ -367,6 +292,116 @@ def check_budgets(
     ),
     device_is_host=device_is_host,
     stacks=tuple(per_stack) if per_stack[0].path else (),
+  )
+
+
+def _stack_windows(
+  policy: LayerWeightResidency,
+  stacks: Sequence[tuple[str, int]],
+  unit_bytes: Sequence[int],
+  device_unit_bytes: Sequence[int],
+) -> list[StackMetadata]:
+  """Each stack's sizes and device window, for stacks that partition the units in order."""
+  n = len(device_unit_bytes)
+  if sum(c for _, c in stacks) != n:
+    raise ValueError(f"stacks {stacks!r} do not partition {n} units")
+  per_stack: list[StackMetadata] = []
+  start = 0
+  for name, count in stacks:
+    k = min(policy.device_depth(count), count)
+    dev = device_unit_bytes[start : start + count]
+    per_stack.append(
+      StackMetadata(
+        path=name,
+        layer_count=count,
+        unit_bytes=max(unit_bytes[start : start + count], default=0),
+        device_unit_bytes=max(dev, default=0),
+        device_window_units=k,
+        device_window_bytes=largest_window(dev, k),
+      )
+    )
+    start += count
+  return per_stack
+
+
+def _device_window(
+  policy: LayerWeightResidency, per_stack: Sequence[StackMetadata]
+) -> tuple[int, int, str]:
+  """The device window as ``(units, bytes, which stack it is, for messages)``.
+
+  ``FullyResident`` holds every unit of every stack; the streaming policies run
+  the stacks one after another, so the heaviest stack's window bounds them all.
+  """
+  if policy.is_fully_resident:
+    return sum(x.layer_count for x in per_stack), sum(x.device_window_bytes for x in per_stack), ""
+  heaviest = max(per_stack, key=lambda x: (x.device_window_bytes, x.device_window_units))
+  window_of = ""
+  if len(per_stack) > 1:
+    window_of = f" of stack {heaviest.path!r} ({heaviest.layer_count} units; the heaviest window)"
+  return heaviest.device_window_units, heaviest.device_window_bytes, window_of
+
+
+def _check_device_budget(
+  policy: LayerWeightResidency, static: int, window: int, depth: int, window_of: str
+) -> None:
+  """Raises `DeviceBudgetTooSmallError` when static bytes + the window exceed the budget."""
+  budget = policy.offload().device_budget_bytes
+  if budget is None or static + window <= budget:
+    return
+  required = static + window
+  raise DeviceBudgetTooSmallError(
+    f"device_budget_bytes={budget} ({format_bytes(budget)}) is too small for {policy.name}: "
+    f"static={static} ({format_bytes(static)}) + "
+    f"window={window} ({format_bytes(window)}, depth={depth} units{window_of}) = "
+    f"required={required} ({format_bytes(required)}); raise the device budget to at least "
+    f"{required} bytes, or lower the prefetch depth",
+    static=static,
+    window=window,
+    depth=depth,
+    required=required,
+    budget=budget,
+  )
+
+
+def _check_host_budget(
+  policy: LayerWeightResidency, host_unit_bytes: Sequence[int], *, device_is_host: bool
+) -> None:
+  """Raises `HostBudgetTooSmallError` when the host window (+ staging) exceeds the budget.
+
+  For a dense stream a zero host budget means direct disk-to-device loading; for
+  `LayerwiseHost` it means nothing fits in host memory.
+  """
+  host_budget = policy.offload().host_budget_bytes
+  if host_budget is None or (host_budget == 0 and not isinstance(policy, LayerwiseHost)):
+    return
+  staging = 0
+  dense = policy.dense
+  if isinstance(policy, DenseDiskStream) and dense is not None:
+    host_window = largest_window(host_unit_bytes, dense.host_lookahead)
+    staging = staging_bytes(policy, max(host_unit_bytes, default=0), device_is_host=device_is_host)
+    what = f"host_lookahead={dense.host_lookahead} units"
+  elif isinstance(policy, LayerwiseHost):
+    host_window = sum(host_unit_bytes)
+    what = f"all {len(host_unit_bytes)} units (LayerwiseHost keeps every unit in host memory)"
+  else:
+    return
+  required = host_window + staging
+  if required <= host_budget:
+    return
+  arithmetic = f"window={host_window} ({format_bytes(host_window)}, {what})"
+  if staging:
+    arithmetic += (
+      f" + staging={staging} ({format_bytes(staging)}, one unit's host buffer on its way "
+      f"to the device) = required={required} ({format_bytes(required)})"
+    )
+  raise HostBudgetTooSmallError(
+    f"host_budget_bytes={host_budget} ({format_bytes(host_budget)}) is too small for "
+    f"{policy.name}: {arithmetic}; raise the host budget to at least {required} bytes"
+    + (", or lower host_lookahead" if isinstance(policy, DenseDiskStream) else ""),
+    window=host_window,
+    staging=staging,
+    required=required,
+    budget=host_budget,
   )
 
 

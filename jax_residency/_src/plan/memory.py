@@ -116,12 +116,21 @@ def memory_items(
         note=f"all {n} units in pinned_host memory",
       )
     )
-  dense = policy.dense
-  if dense is None:
-    return tuple(items)
+  if policy.dense is not None:
+    items.extend(_dense_stream_items(policy, host_unit_bytes, device_is_host=device_is_host))
+  return tuple(items)
+
+
+def _dense_stream_items(
+  policy: LayerWeightResidency, host_unit_bytes: Sequence[int], *, device_is_host: bool
+) -> list[MemoryItem]:
+  """A dense stream's host items: its cache, the staging buffer, mapped store pages
+  and the store's index cache."""
+  assert policy.dense is not None
+  items: list[MemoryItem] = []
   largest = max(host_unit_bytes, default=0)
   staging = staging_bytes(policy, largest, device_is_host=device_is_host)
-  host_budget = dense.host_budget_bytes
+  host_budget = policy.dense.host_budget_bytes
   if host_budget != 0:
     everything = sum(host_unit_bytes)
     cache = everything if host_budget is None else min(host_budget - staging, everything)
@@ -165,4 +174,4 @@ def memory_items(
       note="decoded OCDBT index nodes (bounded; usually a few KiB)",
     )
   )
-  return tuple(items)
+  return items

@@ -13,8 +13,8 @@ import numpy as np
 import tensorstore as ts
 
 from jax_residency._src import errors
+from jax_residency._src.store.discovery import locate
 from jax_residency._src.store.info import StoreInfo
-from jax_residency._src.store.remote import locate
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.store.writer import StoreWriter
 

@@ -175,17 +175,7 @@ class UnitStore(StackLayout):
     if loc.local is not None:  # a save that died between its two renames
       commit.recover_local(loc.local)
     context = handles.store_context(reads=loc.reads)
-    try:
-      found = discovery.discover(loc, context, sidecar_key=SIDECAR_KEY)
-    except errors.StoreError:
-      raise
-    except (ValueError, OSError) as e:  # corrupt metadata, manifest or data files
-      advice = read_advice(str(e))
-      if advice.startswith("Check that"):  # not a permission problem: damaged or not a store
-        advice = "Write it again with jax_residency.save, or point at the checkpoint directory."
-      raise errors.StoreError(
-        f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). {advice}"
-      ) from e
+    found = _discover(path, loc, context)
     layout = checks.check_layout(
       path,
       found,
@@ -194,10 +184,8 @@ class UnitStore(StackLayout):
       stacks=stacks,
       require_recorded=require_recorded,
     )
-    cache_bytes = 0
-    if cache_largest_chunk:
-      largest = max(tensor_nbytes(a.read_chunk, a.dtype) for a in found.arrays.values())
-      cache_bytes = largest + largest // 4 + (1 << 20)
+    cache_bytes = _largest_chunk_cache_bytes(found) if cache_largest_chunk else 0
+    if cache_bytes:
       context = handles.store_context(cache_bytes=cache_bytes, reads=loc.reads)
     store = cls(
       location=loc,
@@ -486,3 +474,25 @@ class UnitStore(StackLayout):
       use_ocdbt=self._use_ocdbt,
       context=self._context,
     )
+
+
+def _discover(path: str, loc: discovery.Location, context: ts.Context) -> discovery.Discovered:
+  """The store's arrays and sidecar (`discovery.discover`), with unreadable metadata,
+  manifests or data files raised as a `StoreError` that names ``path`` and the fix."""
+  try:
+    return discovery.discover(loc, context, sidecar_key=SIDECAR_KEY)
+  except errors.StoreError:
+    raise
+  except (ValueError, OSError) as e:  # corrupt metadata, manifest or data files
+    advice = read_advice(str(e))
+    if advice.startswith("Check that"):  # not a permission problem: damaged or not a store
+      advice = "Write it again with jax_residency.save, or point at the checkpoint directory."
+    raise errors.StoreError(
+      f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). {advice}"
+    ) from e
+
+
+def _largest_chunk_cache_bytes(found: discovery.Discovered) -> int:
+  """A chunk cache that holds the store's largest decoded chunk, with a margin."""
+  largest = max(tensor_nbytes(a.read_chunk, a.dtype) for a in found.arrays.values())
+  return largest + largest // 4 + (1 << 20)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import tqdm
@@ -98,53 +99,18 @@ def verify_store(path: str, *, progress: bool | None = None) -> VerifyResult:
   """
   store = UnitStore.open(path, require_unit_chunks=False, max_cached_shards=1, spare_unit_buffers=0)
   try:
-    jobs: list[tuple[ParamPath, int | None, int]] = [
-      (p, None, tensor_nbytes(shape, dtype)) for p, (shape, dtype) in store.static_specs.items()
-    ]
-    for k, stack in enumerate(store.stacks):
-      for rel, (shape, dtype) in store.stack_specs(k).items():
-        jobs += [(stack.prefix + rel, i, tensor_nbytes(shape, dtype)) for i in range(stack.count)]
+    jobs = _chunk_jobs(store)
     checksummed = checksums(store) == "crc32c"
     show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm.tqdm(
+    with tqdm.tqdm(
       total=sum(job[2] for job in jobs),
       unit="B",
       unit_scale=True,
       unit_divisor=1024,
       desc="verify",
       disable=not show,
-    )
-    damaged: list[Damage] = []
-    pending: collections.deque[tuple[ParamPath, int | None, int, Any]] = collections.deque()
-    in_flight = 0
-
-    def finish() -> None:
-      nonlocal in_flight
-      tensor_path, unit, nbytes, future = pending.popleft()
-      in_flight -= nbytes
-      try:
-        future.result()
-      except Exception as e:  # noqa: BLE001 - every failure is listed, typed by read_error
-        error = read_error(e, store.path, path_str(tensor_path), unit)
-        damaged.append(
-          Damage(
-            path_str(tensor_path),
-            unit,
-            isinstance(error, errors.StoreCorruptionError),
-            str(error),
-          )
-        )
-      bar.update(nbytes)
-
-    for tensor_path, unit, nbytes in jobs:
-      handle = store.array_handle(tensor_path)
-      pending.append((tensor_path, unit, nbytes, (handle if unit is None else handle[unit]).read()))
-      in_flight += nbytes
-      while in_flight > VERIFY_IN_FLIGHT_BYTES and len(pending) > 1:
-        finish()
-    while pending:
-      finish()
-    bar.close()
+    ) as bar:
+      damaged = _read_all(store, jobs, bar)
   finally:
     store.close()
   return VerifyResult(
@@ -154,6 +120,54 @@ def verify_store(path: str, *, progress: bool | None = None) -> VerifyResult:
     nbytes=sum(job[2] for job in jobs),
     damaged=tuple(damaged),
   )
+
+
+#: One chunk to read: the tensor's path, its unit (None for a static tensor), its bytes.
+_Job = tuple[ParamPath, int | None, int]
+
+
+def _chunk_jobs(store: UnitStore) -> list[_Job]:
+  """Every chunk of the store: each static tensor whole, each unit of each stack."""
+  jobs: list[_Job] = [
+    (p, None, tensor_nbytes(shape, dtype)) for p, (shape, dtype) in store.static_specs.items()
+  ]
+  for k, stack in enumerate(store.stacks):
+    for rel, (shape, dtype) in store.stack_specs(k).items():
+      jobs += [(stack.prefix + rel, i, tensor_nbytes(shape, dtype)) for i in range(stack.count)]
+  return jobs
+
+
+def _read_all(store: UnitStore, jobs: Sequence[_Job], bar: Any) -> list[Damage]:
+  """Reads every chunk, at most `VERIFY_IN_FLIGHT_BYTES` in flight (one chunk more when
+  a chunk is larger), and returns each failure, typed by `read_error`."""
+  damaged: list[Damage] = []
+  pending: collections.deque[tuple[ParamPath, int | None, int, Any]] = collections.deque()
+  in_flight = 0
+
+  def finish() -> None:
+    nonlocal in_flight
+    tensor_path, unit, nbytes, future = pending.popleft()
+    in_flight -= nbytes
+    try:
+      future.result()
+    except Exception as e:  # noqa: BLE001 - every failure is listed, typed by read_error
+      error = read_error(e, store.path, path_str(tensor_path), unit)
+      damaged.append(
+        Damage(
+          path_str(tensor_path), unit, isinstance(error, errors.StoreCorruptionError), str(error)
+        )
+      )
+    bar.update(nbytes)
+
+  for tensor_path, unit, nbytes in jobs:
+    handle = store.array_handle(tensor_path)
+    pending.append((tensor_path, unit, nbytes, (handle if unit is None else handle[unit]).read()))
+    in_flight += nbytes
+    while in_flight > VERIFY_IN_FLIGHT_BYTES and len(pending) > 1:
+      finish()
+  while pending:
+    finish()
+  return damaged
 
 
 def checksums(store: UnitStore) -> str:

@@ -1,4 +1,5 @@
-"""Writing unit stores: `save_store` and `rechunk_store`.
+"""Writing unit stores: `StoreWriter` (chunks, in flight and committed atomically) and
+`save_store`; `rechunk.py` copies a store with it.
 
 Stores are written into a temporary sibling directory and put in place only
 when complete (local paths; `commit.py`), with one uncompressed chunk per unit
@@ -8,7 +9,6 @@ for the stacked layers; see `unit_store.py` for the layout and for reading.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import json
 import os
@@ -35,7 +35,6 @@ from jax_residency._src.store.discovery import (
 )
 from jax_residency._src.store.handles import store_context
 from jax_residency._src.store.info import StackInfo, StoreInfo
-from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 if TYPE_CHECKING:
@@ -71,7 +70,7 @@ def _write_chunk(handle: ts.TensorStore, index: Any, value: np.ndarray) -> Any:
   return handle[index].write(value)
 
 
-class _StoreWriter:
+class StoreWriter:
   """Writes one store into a temporary sibling, put in place on `commit` (`commit.py`).
 
   For non-local kvstores (`memory://`, `gs://`...) it writes in place, markers
@@ -348,22 +347,7 @@ def save_store(
       is in the way of `path`; or the disk is full (checked before writing, and
       reported with the bytes needed if it fills up while writing).
   """
-  if stacks is None:
-    if unit_prefix is None or units is None:
-      raise errors.StoreError("save_store needs units= and unit_prefix=, or stacks=.")
-    stacks = {tuple(unit_prefix): units}
-  elif units is not None or unit_prefix is not None:
-    raise errors.StoreError("save_store takes stacks= or units= with unit_prefix=, not both.")
-  if not stacks:
-    raise errors.StoreError("save_store needs at least one layer stack; got none.")
-  static_arrays = {as_path(k): _host(v) for k, v in static.items()}
-  laid_out: list[tuple[ParamPath, dict[ParamPath, Any], int]] = []
-  for key, arrays in stacks.items():
-    prefix = as_path(key)
-    unit_arrays = {as_path(k): _host(v) for k, v in arrays.items()}
-    laid_out.append(
-      (prefix, unit_arrays, checks.stack_unit_count(prefix, unit_arrays, static_arrays))
-    )
+  static_arrays, laid_out = _lay_out(static, _stacks_argument(units, unit_prefix, stacks))
   full = {
     **static_arrays,
     **{prefix + p: a for prefix, arrays, _ in laid_out for p, a in arrays.items()},
@@ -375,7 +359,7 @@ def save_store(
     for prefix, arrays, _ in laid_out
   }
   static_nbytes = sum(tensor_nbytes(a.shape, dtypes[p]) for p, a in static_arrays.items())
-  writer = _StoreWriter(
+  writer = StoreWriter(
     path,
     overwrite=overwrite,
     progress=progress,
@@ -384,21 +368,8 @@ def save_store(
     in_flight=in_flight_bytes,
   )
   try:
-    for p, a in sorted(static_arrays.items()):
-      # A lazy array may ask for smaller chunks (a converter writing a large tensor in
-      # pieces); each chunk is then read and written on its own.
-      chunk = tuple(getattr(a, "chunk_shape", None) or a.shape)
-      handle = writer.create(p, tuple(a.shape), dtypes[p], chunk)
-      for region in _chunk_regions(tuple(a.shape), chunk):
-        writer.write(handle, region, _native(a[region] if region else a, dtypes[p]))
-    for prefix, arrays, count in laid_out:
-      handles = {}
-      for p, a in sorted(arrays.items()):
-        shape = tuple(a.shape)
-        handles[p] = writer.create(prefix + p, shape, dtypes[prefix + p], (1, *shape[1:]))
-      for i in range(count):
-        for p, a in sorted(arrays.items()):
-          writer.write(handles[p], i, _native(a[i], dtypes[prefix + p]))
+    _write_static(writer, static_arrays, dtypes)
+    _write_stacks(writer, laid_out, dtypes)
     writer.commit(stacks=[(prefix, count) for prefix, _, count in laid_out], extra=extra)
   except BaseException as e:
     if (disk_full := writer.fail(e)) is not None:
@@ -414,73 +385,65 @@ def save_store(
   )
 
 
-def _read_unit_slice(handle: ts.TensorStore, i: int) -> np.ndarray:
-  """Reads unit `i` of a stacked array (a seam for tests to observe)."""
-  return handle[i].read().result()
+#: One layer stack to write: its prefix, its arrays by path inside it, its unit count.
+_LaidOut = tuple[ParamPath, dict[ParamPath, Any], int]
 
 
-def rechunk_store(
-  src: str,
-  dst: str,
-  *,
-  unit_prefix: tuple[str, ...] | None = None,
-  progress: bool | None = None,
-  overwrite: bool = False,
-  stacks: Sequence[tuple[str, ...]] | None = None,
-) -> StoreInfo:
-  """Copies a checkpoint into a streamable store: one uncompressed chunk per unit.
+def _stacks_argument(
+  units: Mapping[tuple[str, ...], ArrayLike] | None,
+  unit_prefix: tuple[str, ...] | None,
+  stacks: Mapping[tuple[str, ...], Mapping[tuple[str, ...], ArrayLike]] | None,
+) -> Mapping[tuple[str, ...], Mapping[tuple[str, ...], ArrayLike]]:
+  """`save_store`'s stacks, given as ``stacks=`` or as ``units=`` with ``unit_prefix=``."""
+  if stacks is None:
+    if unit_prefix is None or units is None:
+      raise errors.StoreError("save_store needs units= and unit_prefix=, or stacks=.")
+    stacks = {tuple(unit_prefix): units}
+  elif units is not None or unit_prefix is not None:
+    raise errors.StoreError("save_store takes stacks= or units= with unit_prefix=, not both.")
+  if not stacks:
+    raise errors.StoreError("save_store needs at least one layer stack; got none.")
+  return stacks
 
-  Unit arrays are copied one unit at a time, array by array, so the whole model
-  is never in memory: the peak is one source chunk kept decoded while its units
-  are copied (for a whole-array-chunked source, one stacked tensor; its cache is
-  sized 1.25x that), the chunk's stored bytes while it is decoded, and
-  `WRITE_IN_FLIGHT_BYTES` of pending writes (measured: 685 MiB of growth for a
-  171 MiB chunk stored in 164 MiB, `benchmarks/orbax_in_place.py`). Written into a temporary sibling
-  and renamed into place, like `save_store`.
 
-  Args:
-    src: The checkpoint to convert (any chunking or compression).
-    dst: Where to write the streamable store.
-    unit_prefix: The unit subtree; defaults to the one in `src`'s sidecar.
-    progress: As for `save_store`.
-    overwrite: Replace an existing store at `dst`.
-    stacks: Several unit subtrees (instead of ``unit_prefix``); both None take
-      the stacks `src` records.
-  """
-  if locate(src) == locate(dst):
-    raise errors.StoreError(f"rechunk_store needs a destination other than the source {src}.")
-  source = UnitStore.open(
-    src,
-    unit_prefix=unit_prefix,
-    stacks=stacks,
-    max_cached_shards=1,
-    require_unit_chunks=False,
-    spare_unit_buffers=0,
-    cache_largest_chunk=True,
-  )
-  info = source.info
-  writer = _StoreWriter(
-    dst,
-    overwrite=overwrite,
-    progress=progress,
-    total=info.total_unit_bytes + info.static_nbytes,
-    desc="rechunk_store",
-  )
-  try:
-    for p, (shape, dtype) in source.static_specs.items():
-      handle = writer.create(p, shape, dtype, shape)
-      writer.write(handle, (), source.array_handle(p).read().result())
-    for k, stack in enumerate(source.stacks):
-      for rel, (shape, dtype) in source.stack_specs(k).items():
-        handle = writer.create(stack.prefix + rel, (stack.count, *shape), dtype, (1, *shape))
-        src_handle = source.array_handle(stack.prefix + rel)
-        for i in range(stack.count):
-          writer.write(handle, i, _read_unit_slice(src_handle, i))
-    writer.commit(stacks=[(st.prefix, st.count) for st in source.stacks])
-  except BaseException as e:
-    if (disk_full := writer.fail(e)) is not None:
-      raise disk_full from e
-    raise
-  finally:
-    source.close()
-  return dataclasses.replace(info, path=dst)
+def _lay_out(
+  static: Mapping[tuple[str, ...], ArrayLike],
+  stacks: Mapping[tuple[str, ...], Mapping[tuple[str, ...], ArrayLike]],
+) -> tuple[dict[ParamPath, Any], list[_LaidOut]]:
+  """The static arrays by path, and each stack with its unit count (checked equal
+  across the stack's arrays)."""
+  static_arrays = {as_path(k): _host(v) for k, v in static.items()}
+  laid_out: list[_LaidOut] = []
+  for key, arrays in stacks.items():
+    prefix = as_path(key)
+    unit_arrays = {as_path(k): _host(v) for k, v in arrays.items()}
+    laid_out.append(
+      (prefix, unit_arrays, checks.stack_unit_count(prefix, unit_arrays, static_arrays))
+    )
+  return static_arrays, laid_out
+
+
+def _write_static(
+  writer: StoreWriter, static_arrays: Mapping[ParamPath, Any], dtypes: Mapping[ParamPath, Any]
+) -> None:
+  """Writes each static array whole, or in the chunks a lazy array asks for (a converter
+  writing a large tensor in pieces; each chunk is then read and written on its own)."""
+  for p, a in sorted(static_arrays.items()):
+    chunk = tuple(getattr(a, "chunk_shape", None) or a.shape)
+    handle = writer.create(p, tuple(a.shape), dtypes[p], chunk)
+    for region in _chunk_regions(tuple(a.shape), chunk):
+      writer.write(handle, region, _native(a[region] if region else a, dtypes[p]))
+
+
+def _write_stacks(
+  writer: StoreWriter, laid_out: Sequence[_LaidOut], dtypes: Mapping[ParamPath, Any]
+) -> None:
+  """Writes every stack one unit at a time: one chunk per unit of each array."""
+  for prefix, arrays, count in laid_out:
+    handles = {}
+    for p, a in sorted(arrays.items()):
+      shape = tuple(a.shape)
+      handles[p] = writer.create(prefix + p, shape, dtypes[prefix + p], (1, *shape[1:]))
+    for i in range(count):
+      for p, a in sorted(arrays.items()):
+        writer.write(handles[p], i, _native(a[i], dtypes[prefix + p]))

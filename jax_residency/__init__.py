@@ -53,12 +53,12 @@ from ._src.policy.types import LayerWeightResidency as LayerWeightResidency
 from ._src.policy.types import LayerwiseHost as LayerwiseHost
 from ._src.policy.types import OrdinaryWeightResidency as OrdinaryWeightResidency
 from ._src.report.metrics import StackPass as StackPass
+from ._src.report.records import PassReport as PassReport
+from ._src.report.records import Report as Report
+from ._src.report.records import TimelinePoint as TimelinePoint
+from ._src.report.records import Totals as Totals
 from ._src.report.stream_metrics import TierMetrics as TierMetrics
 from ._src.report.stream_metrics import WorkerMetrics as WorkerMetrics
-from ._src.report.telemetry import PassReport as PassReport
-from ._src.report.telemetry import Report as Report
-from ._src.report.telemetry import TimelinePoint as TimelinePoint
-from ._src.report.telemetry import Totals as Totals
 from ._src.run.place import PlacedModel as PlacedModel
 from ._src.run.place import place as place
 from ._src.store.info import StackInfo as StackInfo

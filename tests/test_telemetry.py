@@ -16,16 +16,9 @@ from flax import nnx
 
 import jax_residency as jr
 from jax_residency._src.plan.budget import check_budgets
+from jax_residency._src.report.records import DECODE, PREFILL, PassCounters, PassReport, Totals
 from jax_residency._src.report.stream_metrics import LedgerMetrics, TierMetrics, WorkerMetrics
-from jax_residency._src.report.telemetry import (
-  DECODE,
-  PREFILL,
-  PassCounters,
-  PassReport,
-  Telemetry,
-  Totals,
-  count_tokens,
-)
+from jax_residency._src.report.telemetry import Telemetry, count_tokens
 
 
 def metadata(policy: jr.LayerWeightResidency | None = None) -> jr.ModelMetadata:

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 from jax_residency._src.policy.sizes import format_bytes
 
 if TYPE_CHECKING:
+  from jax_residency._src.report.records import Report
   from jax_residency._src.report.stream_metrics import TierMetrics
-  from jax_residency._src.report.telemetry import Report
 
 
 def render(report: Report) -> str:

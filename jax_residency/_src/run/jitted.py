@@ -27,7 +27,8 @@ from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResidency
 from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.metrics import StackPass
-from jax_residency._src.report.telemetry import PassCounters, Telemetry
+from jax_residency._src.report.records import PassCounters
+from jax_residency._src.report.telemetry import Telemetry
 from jax_residency._src.run.executor import note_unplaced
 from jax_residency._src.store.loading import StoreSource, open_for, read_all, transit_bytes
 from jax_residency._src.typing import path_str

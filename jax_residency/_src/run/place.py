@@ -30,7 +30,7 @@ from jax_residency._src.policy.types import (
   LayerWeightResidency,
   LayerwiseHost,
 )
-from jax_residency._src.report.telemetry import Report
+from jax_residency._src.report.records import Report
 from jax_residency._src.run.compile_cache import enable_default_cache
 from jax_residency._src.run.dense import DenseExecutor
 from jax_residency._src.run.executor import Executor

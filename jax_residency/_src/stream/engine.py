@@ -46,8 +46,9 @@ from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.compile_time import signature
 from jax_residency._src.report.metrics import StackPass
+from jax_residency._src.report.records import PassCounters, TimelinePoint
 from jax_residency._src.report.stream_metrics import Tier
-from jax_residency._src.report.telemetry import PassCounters, Telemetry, TimelinePoint
+from jax_residency._src.report.telemetry import Telemetry
 from jax_residency._src.stream.boxes import from_local_box
 from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger
 from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker

@@ -11,6 +11,7 @@ are transposed. The pooler and ``embeddings.position_ids`` are not used.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,24 +19,21 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jax_residency._src.errors import (
-  UnexpectedCheckpointParametersError,
-  format_paths,
-)
 from jax_residency._src.models.bert import BertConfig, BertEncoder
-from jax_residency._src.models.hf import (
-  expected_shapes,
-  raise_checkpoint_problems,
-  read_config,
-  read_safetensors,
+from jax_residency._src.models.hf_config import read_config
+from jax_residency._src.models.hf_loader import (
+  CheckpointMap,
+  HFTensor,
+  Loader,
+  abstract_of,
+  load_checkpoint,
+  params_from_hf,
 )
-from jax_residency._src.plan.split import normalise_path
 from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.save import save
-from jax_residency._src.typing import ParamPath, path_str
+from jax_residency._src.typing import ParamPath
 
 #: Our static parameter path → Hugging Face tensor name.
 EMBEDDING_NAMES: dict[ParamPath, str] = {
@@ -94,6 +92,42 @@ def read_bert_config(path: str | Path) -> BertConfig:
   return BertConfig.from_hf(read_config(path, "BertConfig"))
 
 
+def _checkpoint_map(cfg: BertConfig) -> CheckpointMap:
+  def ignored(name: str) -> bool:
+    m = _LAYER_KEY.match(name)
+    return bool(IGNORED.match(name)) or bool(m and int(m.group(1)) < cfg.num_layers)
+
+  return CheckpointMap(
+    static={path: HFTensor(name, False) for path, name in EMBEDDING_NAMES.items()},
+    stacks={
+      "layers": (
+        cfg.num_layers,
+        {sub: HFTensor(f"encoder.layer.{{i}}.{n}", t) for sub, (n, t) in LAYER_NAMES.items()},
+      )
+    },
+    ignored=ignored,
+    unused_note=f"a {cfg.num_layers}-layer BertEncoder does not use",
+    unused_fix=", or a config with more layers",
+    missing_note="a BertEncoder needs; is it a BERT checkpoint with this many layers?",
+    mark_transposed=True,
+  )
+
+
+def _unprefixed(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {k.removeprefix("bert."): v for k, v in tensors.items()}
+
+
+def _abstract(cfg: BertConfig, *, sharded: bool = False, mesh: Mesh | None = None) -> BertEncoder:
+  if mesh is None:
+    return abstract_of(BertEncoder, cfg, sharded=sharded)
+  with jax.set_mesh(mesh):
+    return abstract_of(BertEncoder, cfg, sharded=sharded)
+
+
+#: How the loader reads a ``BertModel`` checkpoint (unsharded).
+LOADER = Loader(abstract=_abstract, checkpoint_map=_checkpoint_map, rename=_unprefixed)
+
+
 def bert_params_from_hf(
   tensors: Mapping[str, np.ndarray], cfg: BertConfig, *, strict: bool = True
 ) -> dict[ParamPath, np.ndarray]:
@@ -106,8 +140,10 @@ def bert_params_from_hf(
   Args:
     tensors: name → array, as read from the checkpoint.
     cfg: the encoder's sizes; every tensor's shape is checked against them.
-    strict: reject tensors that map to nothing (other than the pooler and
-      ``position_ids``).
+    strict: reject tensors that map to nothing (other than the pooler,
+      ``position_ids``, and the tensors of the config's layers, whose names
+      are not checked: an ``encoder.layer.<N>`` tensor is unused only when
+      ``N >= cfg.num_layers``).
 
   Returns:
     Parameter path (as in ``nnx.state(model)``) → array in ``cfg.dtype``.
@@ -117,76 +153,7 @@ def bert_params_from_hf(
     UnexpectedCheckpointParametersError: with ``strict``, unknown tensors.
     CheckpointShapeMismatchError: a tensor has the wrong shape.
   """
-  named = {k.removeprefix("bert."): v for k, v in tensors.items()}
-  layers: dict[int, dict[str, np.ndarray]] = {}
-  unexpected = []
-  for name, value in named.items():
-    m = _LAYER_KEY.match(name)
-    if m and int(m.group(1)) < cfg.num_layers:
-      layers.setdefault(int(m.group(1)), {})[m.group(2)] = value
-    elif name not in EMBEDDING_NAMES.values() and not IGNORED.match(name):
-      unexpected.append(name)
-  if unexpected and strict:
-    raise UnexpectedCheckpointParametersError(
-      f"the checkpoint has {len(unexpected)} tensors a {cfg.num_layers}-layer BertEncoder "
-      "does not use; pass strict=False to ignore them, or a config with more layers:\n"
-      + format_paths(sorted(unexpected))
-    )
-
-  dtype = np.dtype(cfg.dtype)
-  expected = _expected_shapes(cfg)
-  out: dict[ParamPath, np.ndarray] = {}
-  missing: list[str] = []
-  bad: list[str] = []
-
-  def take(path: ParamPath, name: str, value: np.ndarray, want: tuple[int, ...]) -> bool:
-    if value.shape != want:
-      bad.append(f"{name} {value.shape} → {path_str(path)}: expected {want}")
-      return False
-    return True
-
-  for path, name in EMBEDDING_NAMES.items():
-    if name not in named:
-      missing.append(name)
-    elif take(path, name, named[name], expected[path]):
-      out[path] = np.asarray(named[name], dtype)
-  for sub, (name, transpose) in LAYER_NAMES.items():
-    path = ("layers", *sub)
-    rows = []
-    for n in range(cfg.num_layers):
-      found = layers.get(n, {}).get(name)
-      if found is None:
-        missing.append(f"encoder.layer.{n}.{name}")
-        continue
-      row = found.T if transpose else found
-      label = f"encoder.layer.{n}.{name}{' (transposed)' if transpose else ''}"
-      if take(path, label, row, expected[path][1:]):
-        rows.append(row)
-    if len(rows) == cfg.num_layers:
-      out[path] = np.stack(rows).astype(dtype)
-  raise_checkpoint_problems(
-    unexpected=[],  # checked above, before any tensor is taken
-    missing=missing,
-    bad=bad,
-    unused_note="",
-    missing_note="a BertEncoder needs; is it a BERT checkpoint with this many layers?",
-    config=cfg,
-  )
-  return out
-
-
-def _abstract(cfg: BertConfig, *, sharded: bool, mesh: Mesh | None) -> BertEncoder:
-  def make() -> BertEncoder:
-    return BertEncoder(cfg, rngs=nnx.Rngs(0), sharded=sharded)
-
-  if mesh is None:
-    return nnx.eval_shape(make)
-  with jax.set_mesh(mesh):
-    return nnx.eval_shape(make)
-
-
-def _expected_shapes(cfg: BertConfig) -> dict[ParamPath, tuple[int, ...]]:
-  return expected_shapes(_abstract(cfg, sharded=False, mesh=None))
+  return params_from_hf(tensors, cfg, LOADER, strict=strict)
 
 
 def load_bert_from_safetensors(
@@ -220,17 +187,19 @@ def load_bert_from_safetensors(
       "sharded=True splits kernels over a 'model' mesh axis: pass mesh= with a 'model' axis"
     )
   cfg = read_bert_config(path) if config is None else config
-  params = bert_params_from_hf(read_safetensors(path), cfg, strict=strict)
-  graphdef, state = nnx.split(_abstract(cfg, sharded=sharded, mesh=mesh if sharded else None))
+  if not sharded:
+    return load_checkpoint(path, cfg, LOADER, strict=strict)
 
-  def fill(key_path: Any, leaf: Any) -> jax.Array:
-    value = params[normalise_path(key_path)]
+  def place(value: np.ndarray, leaf: Any) -> jax.Array:
     sharding = getattr(leaf, "sharding", None)
-    if mesh is not None and sharded and isinstance(sharding, NamedSharding):
+    if mesh is not None and isinstance(sharding, NamedSharding):
       return jax.device_put(value, NamedSharding(mesh, sharding.spec))
     return jax.numpy.asarray(value)
 
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
+  on_mesh = dataclasses.replace(
+    LOADER, abstract=lambda c: _abstract(c, sharded=True, mesh=mesh), place=place
+  )
+  return load_checkpoint(path, cfg, on_mesh, strict=strict)
 
 
 def convert_bert(

@@ -14,10 +14,11 @@ field, its value and what is supported.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
-from jax_residency._src.errors import ModelConfigError
+from jax_residency._src.models.hf_config import unsupported
 
 #: ``architectures`` the config reads, and the ``model_type`` of each.
 ARCHITECTURES = {
@@ -29,8 +30,8 @@ ARCHITECTURES = {
 ROPE_TYPES = ("default", "llama3")
 
 
-def _unsupported(field: str, value: Any, fix: str) -> ModelConfigError:
-  return ModelConfigError(f"Llama config {field}={value!r} is not supported: {fix}")
+#: The error for a field this model does not implement (``Llama config <field>=...``).
+_unsupported = functools.partial(unsupported, "Llama")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

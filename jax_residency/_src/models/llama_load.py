@@ -14,48 +14,31 @@ uses the same map to build the model in memory.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jax_residency._src.models.hf import (
-  expected_shapes,
-  raise_checkpoint_problems,
-  read_config,
-  read_safetensors,
+from jax_residency._src.models.hf_config import read_config
+from jax_residency._src.models.hf_loader import (
+  CheckpointMap,
+  HFTensor,
+  Loader,
+  abstract_of,
+  load_checkpoint,
+  params_from_hf,
 )
 from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.models.llama import Llama
 from jax_residency._src.models.llama_config import LlamaConfig
-from jax_residency._src.plan.split import normalise_path
-from jax_residency._src.typing import ParamPath, path_str
+from jax_residency._src.typing import ParamPath
 
 #: The model's layer stack (its parameters' paths start with it).
 STACK = "layers"
 #: Tensors a checkpoint may hold that the model does not read (old checkpoints
 #: stored the rotary frequencies; a tied head's copy of the embedding).
 IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-
-
-@dataclasses.dataclass(frozen=True)
-class HFTensor:
-  """One Hugging Face tensor: its name (``{i}`` for the layer index in a per-layer name),
-  and whether it is transposed before it is reshaped (row-major) to the parameter's shape.
-
-  Example:
-    >>> t = HFTensor("model.layers.{i}.mlp.up_proj.weight", transpose=True)
-    >>> t.name.format(i=3)
-    'model.layers.3.mlp.up_proj.weight'
-  """
-
-  name: str
-  transpose: bool
 
 
 def hf_tensor_map(
@@ -117,7 +100,28 @@ def read_llama_config(path: str | Path, *, dtype: str = "float32") -> LlamaConfi
 
 
 def _abstract(cfg: LlamaConfig) -> Llama:
-  return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  return abstract_of(Llama, cfg)
+
+
+def _checkpoint_map(cfg: LlamaConfig) -> CheckpointMap:
+  static, unit = hf_tensor_map(cfg)
+  n = cfg.num_hidden_layers
+
+  def ignored(name: str) -> bool:
+    return bool(IGNORED.match(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+  return CheckpointMap(
+    static=static,
+    stacks={STACK: (n, unit)},
+    ignored=ignored,
+    unused_note=f"a {cfg.architecture} of this config does not use ({n} layers)",
+    missing_note=f"a {cfg.architecture} of this config needs; is it a checkpoint of this config?",
+    reshape=True,
+  )
+
+
+#: How the loader reads a Llama-family checkpoint.
+LOADER = Loader(abstract=_abstract, checkpoint_map=_checkpoint_map)
 
 
 def llama_params_from_hf(
@@ -150,58 +154,7 @@ def llama_params_from_hf(
     ...   print(str(e).split(";")[0])
     the checkpoint lacks 10 tensors a LlamaForCausalLM of this config needs
   """
-  return _params(tensors, cfg, strict, consume=False)
-
-
-def _params(
-  tensors: Mapping[str, np.ndarray], cfg: LlamaConfig, strict: bool, *, consume: bool
-) -> dict[ParamPath, np.ndarray]:
-  """:func:`llama_params_from_hf`; with ``consume`` (a dict ``load_llama`` owns), each
-  tensor is taken out of ``tensors`` as it is stacked, so the checkpoint is not held twice."""
-  expected = expected_shapes(_abstract(cfg))
-  static, unit = hf_tensor_map(cfg)
-  n = cfg.num_hidden_layers
-  dtype = np.dtype(cfg.dtype)
-  pop = tensors.pop if consume and isinstance(tensors, dict) else tensors.get
-  known = {t.name for t in static.values()}
-  known |= {t.name.format(i=i) for t in unit.values() for i in range(n)}
-  unexpected = [name for name in tensors if name not in known and not IGNORED.match(name)]
-  if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
-    unexpected.remove("lm_head.weight")
-  out: dict[ParamPath, np.ndarray] = {}
-  missing: list[str] = []
-  bad: list[str] = []
-
-  def take(name: str, t: HFTensor, path: ParamPath, want: tuple[int, ...]) -> np.ndarray | None:
-    value = pop(name, None)
-    if value is None:
-      missing.append(name)
-      return None
-    value = value.T if t.transpose else value
-    if value.size != int(np.prod(want)) or (value.ndim == len(want) and value.shape != want):
-      bad.append(f"{name} {value.shape} → {path_str(path)}: expected {want}")
-      return None
-    return np.asarray(value, dtype).reshape(want)
-
-  for path, t in static.items():
-    value = take(t.name, t, path, expected[path])
-    if value is not None:
-      out[path] = value
-  for sub, t in unit.items():
-    path = (STACK, *sub)
-    rows = [take(t.name.format(i=i), t, path, expected[path][1:]) for i in range(n)]
-    if all(r is not None for r in rows):
-      out[path] = np.stack(rows)  # type: ignore[arg-type]
-    del rows
-  raise_checkpoint_problems(
-    unexpected=unexpected if strict else [],
-    missing=missing,
-    bad=bad,
-    unused_note=f"a {cfg.architecture} of this config does not use ({n} layers)",
-    missing_note=f"a {cfg.architecture} of this config needs; is it a checkpoint of this config?",
-    config=cfg,
-  )
-  return out
+  return params_from_hf(tensors, cfg, LOADER, strict=strict)
 
 
 def load_llama(
@@ -230,12 +183,7 @@ def load_llama(
     >>> model = load_llama("tests/fixtures/llama_tiny_tied")  # doctest: +SKIP
   """
   cfg = read_llama_config(path, dtype=dtype) if config is None else config
-  params = _params(read_safetensors(path), cfg, strict, consume=True)
-  graphdef, state = nnx.split(_abstract(cfg))
-  filled = jax.tree_util.tree_map_with_path(
-    lambda p, _: jnp.asarray(params.pop(normalise_path(p))), state
-  )
-  return nnx.merge(graphdef, filled)
+  return load_checkpoint(path, cfg, LOADER, strict=strict)
 
 
 def init_llama(cfg: LlamaConfig, seed: int = 0) -> Llama:

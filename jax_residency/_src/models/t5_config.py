@@ -7,10 +7,11 @@ does not implement raises an error naming the field and its value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
-from jax_residency._src.errors import ModelConfigError
+from jax_residency._src.models.hf_config import unsupported
 
 #: ``feed_forward_proj`` values the model implements.
 FEED_FORWARD_PROJ = ("relu", "gated-gelu")
@@ -18,8 +19,8 @@ FEED_FORWARD_PROJ = ("relu", "gated-gelu")
 MODEL_TYPES = ("t5", "mt5")
 
 
-def _unsupported(field: str, value: Any, fix: str) -> ModelConfigError:
-  return ModelConfigError(f"T5 config {field}={value!r} is not supported: {fix}")
+#: The error for a field this model does not implement (``T5 config <field>=...``).
+_unsupported = functools.partial(unsupported, "T5")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -8,8 +8,8 @@ stores ``weight`` as ``(out, in)`` and ``nnx.Linear``'s ``kernel`` is
 ``(in, out)``, so Linear weights are transposed. The relative-position tables,
 held by layer 0 of each stack, are static parameters of the model. Copies of
 ``shared.weight`` (``encoder.embed_tokens``, ``decoder.embed_tokens``, a tied
-``lm_head``) and the unused bias table of the decoder's first cross-attention
-are not read.
+``lm_head``) are not read. Nor is a bias table of the decoder's first
+cross-attention, which some checkpoints hold: strict loading rejects it as unused.
 
 ``safetensors`` is an optional dependency (``pip install 'jax-residency[models]'``).
 """
@@ -21,70 +21,69 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jax_residency._src.models.hf import (
-  expected_shapes,
-  raise_checkpoint_problems,
-  read_config,
-  read_safetensors,
+from jax_residency._src.models.hf_config import read_config
+from jax_residency._src.models.hf_loader import (
+  CheckpointMap,
+  HFTensor,
+  Loader,
+  abstract_of,
+  load_checkpoint,
+  params_from_hf,
 )
 from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.models.t5 import T5
 from jax_residency._src.models.t5_config import T5Config
-from jax_residency._src.plan.split import normalise_path
-from jax_residency._src.typing import ParamPath, path_str
+from jax_residency._src.typing import ParamPath
 
-#: Our static parameter path → Hugging Face tensor name (``lm_head`` only when untied).
-STATIC_NAMES: dict[ParamPath, str] = {
-  ("shared", "embedding"): "shared.weight",
-  ("encoder_relative_bias", "embedding"): (
-    "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-  ),
-  ("encoder_norm", "scale"): "encoder.final_layer_norm.weight",
-  ("decoder_relative_bias", "embedding"): (
-    "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-  ),
-  ("decoder_norm", "scale"): "decoder.final_layer_norm.weight",
-  ("lm_head", "kernel"): "lm_head.weight",
+
+def _bias_table(stack: str) -> str:
+  return f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+
+
+#: Static parameter path → its tensor (``lm_head`` is read only when untied).
+STATIC_TENSORS: dict[ParamPath, HFTensor] = {
+  ("shared", "embedding"): HFTensor("shared.weight", False),
+  ("encoder_relative_bias", "embedding"): HFTensor(_bias_table("encoder"), False),
+  ("encoder_norm", "scale"): HFTensor("encoder.final_layer_norm.weight", False),
+  ("decoder_relative_bias", "embedding"): HFTensor(_bias_table("decoder"), False),
+  ("decoder_norm", "scale"): HFTensor("decoder.final_layer_norm.weight", False),
+  ("lm_head", "kernel"): HFTensor("lm_head.weight", True),
 }
 
 _ATTENTION = ("q", "k", "v", "o")
 _MLP = ("wi", "wi_0", "wi_1", "wo")
 
 
-def _layer_names(parts: Mapping[str, str], mlp: str) -> dict[ParamPath, tuple[str, bool]]:
-  names: dict[ParamPath, tuple[str, bool]] = {}
+def _layer_tensors(stack: str, parts: Mapping[str, str], mlp: str) -> dict[ParamPath, HFTensor]:
+  block = f"{stack}.block.{{i}}"
+  names: dict[ParamPath, HFTensor] = {}
   for ours, hf in parts.items():
     if ours.endswith("attention"):
       for p in _ATTENTION:
-        names[(ours, p, "kernel")] = (f"{hf}.{p}.weight", True)
+        names[(ours, p, "kernel")] = HFTensor(f"{block}.{hf}.{p}.weight", True)
   for p in _MLP:
-    names[("mlp", p, "kernel")] = (f"{mlp}.DenseReluDense.{p}.weight", True)
+    names[("mlp", p, "kernel")] = HFTensor(f"{block}.{mlp}.DenseReluDense.{p}.weight", True)
   for ours, hf in parts.items():
-    names[(f"{ours}_norm", "scale")] = (f"{hf.rsplit('.', 1)[0]}.layer_norm.weight", False)
-  names[("mlp_norm", "scale")] = (f"{mlp}.layer_norm.weight", False)
+    norm = f"{block}.{hf.rsplit('.', 1)[0]}.layer_norm.weight"
+    names[(f"{ours}_norm", "scale")] = HFTensor(norm, False)
+  names[("mlp_norm", "scale")] = HFTensor(f"{block}.{mlp}.layer_norm.weight", False)
   return names
 
 
-#: Path inside one layer → (Hugging Face name inside ``<stack>.block.<N>``, transpose?).
-#: Feed-forward names of both variants are listed; the config picks which exist.
-ENCODER_LAYER_NAMES = _layer_names({"attention": "layer.0.SelfAttention"}, "layer.1")
-DECODER_LAYER_NAMES = _layer_names(
+#: Path inside one layer → its tensor (``{i}``: the layer). Feed-forward tensors of
+#: both variants are listed; the config picks which the model has.
+ENCODER_LAYER_TENSORS = _layer_tensors("encoder", {"attention": "layer.0.SelfAttention"}, "layer.1")
+DECODER_LAYER_TENSORS = _layer_tensors(
+  "decoder",
   {"self_attention": "layer.0.SelfAttention", "cross_attention": "layer.1.EncDecAttention"},
   "layer.2",
 )
 
-#: Tensors of a checkpoint the model does not read.
-IGNORED = re.compile(
-  r"^((encoder|decoder)\.embed_tokens\.weight"
-  r"|decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight)$"
-)
-_LAYER_KEY = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.(.+)$")
-_BIAS_TABLE = re.compile(r"^layer\.0\.SelfAttention\.relative_attention_bias\.weight$")
+#: Tensors of a checkpoint the model does not read and strict loading tolerates: the
+#: stacks' copies of ``shared.weight`` (a tied ``lm_head`` is tolerated too).
+IGNORED = re.compile(r"^(encoder|decoder)\.embed_tokens\.weight$")
 
 
 def read_t5_config(path: str | Path, *, dtype: str = "float32") -> T5Config:
@@ -93,11 +92,48 @@ def read_t5_config(path: str | Path, *, dtype: str = "float32") -> T5Config:
 
 
 def _abstract(cfg: T5Config) -> T5:
-  return nnx.eval_shape(lambda: T5(cfg, rngs=nnx.Rngs(0)))
+  return abstract_of(T5, cfg)
 
 
-def _expected_shapes(cfg: T5Config) -> dict[ParamPath, tuple[int, ...]]:
-  return expected_shapes(_abstract(cfg))
+def _checkpoint_map(cfg: T5Config) -> CheckpointMap:
+  def ignored(name: str) -> bool:
+    return bool(IGNORED.match(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+  return CheckpointMap(
+    static=STATIC_TENSORS,
+    stacks={
+      "encoder_layers": (cfg.num_layers, ENCODER_LAYER_TENSORS),
+      "decoder_layers": (cfg.num_decoder_layers, DECODER_LAYER_TENSORS),
+    },
+    ignored=ignored,
+    unused_note=(
+      f"a T5 of this config does not use ({cfg.num_layers} encoder / "
+      f"{cfg.num_decoder_layers} decoder layers, feed_forward_proj={cfg.feed_forward_proj!r})"
+    ),
+    missing_note=(
+      "a T5 of this config needs; is it a T5ForConditionalGeneration checkpoint of this config?"
+    ),
+  )
+
+
+def _has_own_head(tensors: Mapping[str, np.ndarray]) -> bool:
+  head, shared = tensors.get("lm_head.weight"), tensors.get("shared.weight")
+  return head is not None and (
+    shared is None or head.shape != shared.shape or not np.array_equal(head, shared)
+  )
+
+
+def _fit(cfg: T5Config, tensors: Mapping[str, np.ndarray]) -> T5Config:
+  """``cfg``, untied if it ties the head while the checkpoint holds its own."""
+  if cfg.tie_word_embeddings and _has_own_head(tensors):
+    return dataclasses.replace(
+      cfg, tie_word_embeddings=False, scale_decoder_outputs=cfg.scales_output
+    )
+  return cfg
+
+
+#: How the loader reads a ``T5ForConditionalGeneration`` checkpoint.
+LOADER = Loader(abstract=_abstract, checkpoint_map=_checkpoint_map, fit=_fit)
 
 
 def t5_params_from_hf(
@@ -111,8 +147,8 @@ def t5_params_from_hf(
   Args:
     tensors: name → array, as read from the checkpoint.
     cfg: the model's sizes; every tensor's shape is checked against them.
-    strict: reject tensors that map to nothing (other than the copies and the
-      unused table listed in the module docstring).
+    strict: reject tensors that map to nothing (other than the copies of
+      ``shared.weight`` listed in the module docstring).
 
   Returns:
     Parameter path (as in ``nnx.state(model)``) → array in ``cfg.dtype``.
@@ -122,80 +158,7 @@ def t5_params_from_hf(
     UnexpectedCheckpointParametersError: with ``strict``, unknown tensors.
     CheckpointShapeMismatchError: a tensor has the wrong shape.
   """
-  expected = _expected_shapes(cfg)
-  stacks = {
-    "encoder": ("encoder_layers", cfg.num_layers, ENCODER_LAYER_NAMES),
-    "decoder": ("decoder_layers", cfg.num_decoder_layers, DECODER_LAYER_NAMES),
-  }
-  static = {p: n for p, n in STATIC_NAMES.items() if p in expected}
-  layers: dict[tuple[str, int], dict[str, np.ndarray]] = {}
-  unexpected = []
-  for name, value in tensors.items():
-    m = _LAYER_KEY.match(name)
-    if m and int(m[2]) < stacks[m[1]][1] and not _BIAS_TABLE.match(m[3]):
-      layers.setdefault((m[1], int(m[2])), {})[m[3]] = value
-    elif name not in static.values() and not IGNORED.match(name):
-      if not (name == "lm_head.weight" and cfg.tie_word_embeddings):
-        unexpected.append(name)
-  dtype = np.dtype(cfg.dtype)
-  out: dict[ParamPath, np.ndarray] = {}
-  missing: list[str] = []
-  bad: list[str] = []
-
-  def take(path: ParamPath, label: str, value: np.ndarray, want: tuple[int, ...]) -> bool:
-    if value.shape != want:
-      bad.append(f"{label} {value.shape} → {path_str(path)}: expected {want}")
-    return value.shape == want
-
-  for path, name in static.items():
-    transpose = path == ("lm_head", "kernel")
-    if name not in tensors:
-      missing.append(name)
-    elif take(path, name, tensors[name].T if transpose else tensors[name], expected[path]):
-      out[path] = np.asarray(tensors[name].T if transpose else tensors[name], dtype)
-  for stack, (prefix, count, names) in stacks.items():
-    known = {name for name, _ in names.values()}
-    for (which, n), found_names in layers.items():
-      if which == stack:
-        unexpected += [f"{stack}.block.{n}.{x}" for x in found_names if x not in known]
-    for sub, (name, transpose) in names.items():
-      path = (prefix, *sub)
-      if path not in expected:  # the other feed-forward variant
-        for n in range(count):
-          if name in layers.get((stack, n), {}):
-            unexpected.append(f"{stack}.block.{n}.{name}")
-        continue
-      rows = []
-      for n in range(count):
-        found = layers.get((stack, n), {}).get(name)
-        label = f"{stack}.block.{n}.{name}"
-        if found is None:
-          missing.append(label)
-        elif take(path, label, found.T if transpose else found, expected[path][1:]):
-          rows.append(found.T if transpose else found)
-      if len(rows) == count:
-        out[path] = np.stack(rows).astype(dtype)
-  raise_checkpoint_problems(
-    unexpected=unexpected if strict else [],
-    missing=missing,
-    bad=bad,
-    unused_note=(
-      f"a T5 of this config does not use ({cfg.num_layers} encoder / "
-      f"{cfg.num_decoder_layers} decoder layers, feed_forward_proj={cfg.feed_forward_proj!r})"
-    ),
-    missing_note=(
-      "a T5 of this config needs; is it a T5ForConditionalGeneration checkpoint of this config?"
-    ),
-    config=cfg,
-  )
-  return out
-
-
-def _has_own_head(tensors: Mapping[str, np.ndarray]) -> bool:
-  head, shared = tensors.get("lm_head.weight"), tensors.get("shared.weight")
-  return head is not None and (
-    shared is None or head.shape != shared.shape or not np.array_equal(head, shared)
-  )
+  return params_from_hf(tensors, cfg, LOADER, strict=strict)
 
 
 def load_t5(
@@ -227,17 +190,7 @@ def load_t5(
     >>> model = load_t5("tests/fixtures/t5_tiny_gated")  # doctest: +SKIP
   """
   cfg = read_t5_config(path, dtype=dtype) if config is None else config
-  tensors = read_safetensors(path)
-  if cfg.tie_word_embeddings and _has_own_head(tensors):
-    cfg = dataclasses.replace(
-      cfg, tie_word_embeddings=False, scale_decoder_outputs=cfg.scales_output
-    )
-  params = t5_params_from_hf(tensors, cfg, strict=strict)
-  graphdef, state = nnx.split(_abstract(cfg))
-  filled = jax.tree_util.tree_map_with_path(
-    lambda p, _: jnp.asarray(params[normalise_path(p)]), state
-  )
-  return nnx.merge(graphdef, filled)
+  return load_checkpoint(path, cfg, LOADER, strict=strict)
 
 
 def init_t5(cfg: T5Config, seed: int = 0) -> T5:

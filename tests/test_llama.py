@@ -35,8 +35,8 @@ from flax import nnx
 
 import jax_residency as jr
 from jax_residency import models
+from jax_residency._src.models.decoding import jitted_plain as _jitted_plain
 from jax_residency._src.models.llama import rope_frequencies
-from jax_residency._src.models.llama_generate import _jitted_plain
 from jax_residency._src.plan.split import normalise_path
 
 REPO = Path(__file__).resolve().parents[1]

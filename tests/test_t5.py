@@ -33,8 +33,8 @@ from flax import nnx
 
 import jax_residency as jr
 from jax_residency import models, testing
+from jax_residency._src.models.decoding import jitted_plain as _jitted_plain
 from jax_residency._src.models.t5 import relative_position_bucket
-from jax_residency._src.models.t5_generate import _jitted_plain
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CONFIGS = ("t5_tiny_relu", "t5_tiny_gated")

@@ -12,23 +12,22 @@ transformers' ``generate(do_sample=True)`` filters them.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from jax_residency._src.models.decoding import (
+  Pick,
+  Timer,
+  check_max_new_tokens,
+  decode,
+  plain_or_placed,
+  prompt,
+)
 from jax_residency._src.models.llama import Llama, LlamaCache
 from jax_residency._src.models.llama_config import LlamaConfig
-
-
-def _call_plain(model: Llama, *args: Any) -> Any:
-  return model(*args)
-
-
-_jitted_plain = nnx.jit(_call_plain)
 
 
 def filter_logits(
@@ -136,26 +135,30 @@ def generate_llm(
     >>> bool((a == generate_llm(model, [5, 6, 7], 4, temperature=0.8, top_p=0.9, seed=1)).all())
     True
   """
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens}: generate at least one token")
+  check_max_new_tokens(max_new_tokens)
   if temperature < 0:
     raise ValueError(f"temperature={temperature}: use 0 for greedy decoding or a positive value")
-  if isinstance(model, Llama):
-    cfg = model.config
-
-    def forward(*args: Any) -> Any:
-      return _jitted_plain(model, *args)
-  else:
-    if config is None:
-      raise ValueError("generate with a placed model needs config=<the model's LlamaConfig>")
-    cfg, forward = config, model
+  cfg, forward = plain_or_placed(model, Llama, config, "LlamaConfig")
   stops = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
   pad = cfg.pad_token_id if cfg.pad_token_id is not None else (stops[0] if stops else 0)
-  ids = jnp.asarray(input_ids, jnp.int32)
-  if ids.ndim == 1:
-    ids = ids[None]
+  ids, mask = prompt(input_ids, attention_mask)
   batch, length = ids.shape
-  mask = jnp.ones_like(ids) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
+  timer = Timer(batch, length) if progress else None
+  cache = LlamaCache.zeros(cfg, batch, length + max_new_tokens - 1)
+  logits, cache = forward(ids, mask, cache, 0)
+  ones = jnp.ones((batch, 1), jnp.int32)
+
+  def step(token: jax.Array, i: int, cache: LlamaCache) -> tuple[jax.Array, LlamaCache]:
+    # The last token, at slot length + i - 1.
+    return forward(token[:, None], ones, cache, jnp.asarray(length + i - 1, jnp.int32))
+
+  pick = _picker(temperature, top_k, top_p, seed)
+  return decode(logits, cache, step, pick, max_new_tokens, stops=stops, pad=pad, timer=timer)
+
+
+def _picker(temperature: float, top_k: int | None, top_p: float | None, seed: int) -> Pick:
+  """The next token from a step's logits: the argmax, or a sample with a key of
+  ``seed`` and the step."""
   key = jax.random.key(seed)
 
   def pick(logits: jax.Array, step: int) -> jax.Array:
@@ -164,42 +167,4 @@ def generate_llm(
       return _greedy(last)
     return _sample(last, jax.random.fold_in(key, step), temperature, top_k, top_p)
 
-  start = time.perf_counter()
-  cache = LlamaCache.zeros(cfg, batch, length + max_new_tokens - 1)
-  logits, cache = forward(ids, mask, cache, 0)
-  stop_ids = jnp.asarray(stops, jnp.int32)
-  done = jnp.zeros((batch,), bool)
-  out: list[jax.Array] = []
-  ones = jnp.ones((batch, 1), jnp.int32)
-  marks: list[float] = []  # after the prefill's token, and after the first step's
-  ran = 0  # tokens computed (the rest is padding after every row stopped)
-  for i in range(max_new_tokens):
-    if out:  # a decode step: the last token at slot length + i - 1
-      index = jnp.asarray(length + i - 1, jnp.int32)
-      logits, cache = forward(out[-1][:, None], ones, cache, index)
-    token = pick(logits, i)
-    if stops:
-      token = jnp.where(done, pad, token)
-      done = done | jnp.isin(token, stop_ids)
-    out.append(token)
-    ran += 1
-    if progress and i < 2:
-      jax.block_until_ready(token)
-      marks.append(time.perf_counter() - start)
-    if stops and bool(done.all()):
-      out += [jnp.full((batch,), pad, jnp.int32)] * (max_new_tokens - 1 - i)
-      break
-  tokens = jax.block_until_ready(jnp.stack(out, axis=1))
-  if progress:
-    _report(batch, length, ran, marks, time.perf_counter() - start)
-  return tokens
-
-
-def _report(batch: int, length: int, new: int, marks: list[float], total_s: float) -> None:
-  """Prints the prefill time and the decode rate after the first step (which compiles)."""
-  line = f"generated {batch} x {new} tokens in {total_s:.2f} s: prefill {marks[0]:.2f} s "
-  line += f"({batch} x {length} prompt tokens)"
-  if new > 2:
-    rate = batch * (new - 2) / max(total_s - marks[1], 1e-9)
-    line += f", decode {rate:.1f} tokens/s after the first step ({marks[1] - marks[0]:.2f} s)"
-  print(line)
+  return pick

@@ -13,19 +13,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from jax_residency._src.models.decoding import check_max_new_tokens, decode, plain_or_placed, prompt
 from jax_residency._src.models.t5 import T5, T5Cache
 from jax_residency._src.models.t5_config import T5Config
 
 _UNSET: Any = object()
-
-
-def _call_plain(model: T5, *args: Any) -> Any:
-  return model(*args)
-
-
-_jitted_plain = nnx.jit(_call_plain)
 
 
 def generate_t5(
@@ -70,38 +63,21 @@ def generate_t5(
     >>> generate_t5(init_t5(cfg), [[5, 6, 7, 1]], max_new_tokens=3).shape
     (1, 3)
   """
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens}: generate at least one token")
-  if isinstance(model, T5):
-    cfg = model.config
-
-    def forward(*args: Any) -> Any:
-      return _jitted_plain(model, *args)
-  else:
-    if config is None:
-      raise ValueError("generate with a placed model needs config=<the model's T5Config>")
-    cfg, forward = config, model
+  check_max_new_tokens(max_new_tokens)
+  cfg, forward = plain_or_placed(model, T5, config, "T5Config")
   eos = cfg.eos_token_id if eos_token_id is _UNSET else eos_token_id
-  ids = jnp.asarray(input_ids, jnp.int32)
-  if ids.ndim == 1:
-    ids = ids[None]
+  ids, mask = prompt(input_ids, attention_mask)
   batch, source = ids.shape
-  mask = jnp.ones_like(ids) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
   cache = T5Cache.zeros(cfg, batch, source, max_len=max_new_tokens)
   start = jnp.full((batch, 1), cfg.decoder_start_token_id, jnp.int32)
   logits, cache = forward(ids, start, mask, cache, 0)
-  pad = jnp.int32(cfg.pad_token_id)
-  done = jnp.zeros((batch,), bool)
-  out: list[jax.Array] = []
-  for i in range(max_new_tokens):
-    if out:  # a decode step: the last token at position i
-      logits, cache = forward(None, out[-1][:, None], None, cache, jnp.asarray(i, jnp.int32))
-    token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-    if eos is not None:
-      token = jnp.where(done, pad, token)
-      done = done | (token == eos)
-    out.append(token)
-    if eos is not None and bool(done.all()):
-      out += [jnp.full((batch,), pad)] * (max_new_tokens - 1 - i)
-      break
-  return jnp.stack(out, axis=1)
+
+  def step(token: jax.Array, i: int, cache: T5Cache) -> tuple[jax.Array, T5Cache]:
+    # The last token, at position i; the decoder stack only.
+    return forward(None, token[:, None], None, cache, jnp.asarray(i, jnp.int32))
+
+  def pick(logits: jax.Array, i: int) -> jax.Array:
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+
+  stops = () if eos is None else (eos,)
+  return decode(logits, cache, step, pick, max_new_tokens, stops=stops, pad=cfg.pad_token_id)

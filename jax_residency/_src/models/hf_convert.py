@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flax import nnx
 
 from jax_residency._src.errors import ModelConfigError, StoreError
+from jax_residency._src.models.hf_loader import abstract_of
 from jax_residency._src.models.safetensors_files import SafetensorsFiles
 from jax_residency._src.plan.split import split_model
 from jax_residency._src.store.info import StoreInfo
@@ -109,8 +109,7 @@ def abstract_model(hf_config: Mapping[str, Any], *, dtype: Any = None, where: st
   config = family.get("config").from_hf(
     dict(hf_config), **({} if dtype is None else {"dtype": np.dtype(dtype).name})
   )
-  model_cls = family.get("model")
-  return nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
+  return abstract_of(family.get("model"), config)
 
 
 class _Tensor:
@@ -175,6 +174,69 @@ def _check_tensor(
     problems.append(f"{name}: shape {entry.shape}, expected {shape} (transposed: {transpose})")
 
 
+def _lazy_tensor(
+  files: SafetensorsFiles,
+  source: Any,
+  path: ParamPath,
+  shape: tuple[int, ...],
+  dtype: np.dtype,
+  layers: int | None,
+  problems: list[str],
+) -> _Tensor | None:
+  """The lazy array of parameter ``path`` (a stack of ``layers`` units, if given) from
+  its tensor map entry ``source``; ``None``, and every problem noted, if it cannot be."""
+  if source is None:
+    problems.append(f"{path_str(path)}: no checkpoint tensor maps to it")
+    return None
+  if layers is None:
+    _check_tensor(files, source.name, source.transpose, shape, problems)
+  else:
+    for i in range(layers):
+      _check_tensor(files, source.name.format(i=i), source.transpose, shape[1:], problems)
+  return _Tensor(files, source.name, source.transpose, shape, dtype, layers=layers)
+
+
+def _lazy_arrays(
+  src: Path, hf: Mapping[str, Any], where: str, dtype: Any
+) -> tuple[dict[ParamPath, Any], dict[ParamPath, dict[ParamPath, Any]]]:
+  """``(static, stacks)`` of the model ``hf`` describes, as lazy arrays (`_Tensor`) of
+  the checkpoint in ``src``, for :func:`~jax_residency._src.store.writer.save_store`.
+
+  Raises:
+    StoreError: tensors are missing or misshapen (every problem listed).
+  """
+  family = _family(hf, where)
+  config = family.get("config").from_hf(dict(hf))
+  tensor_map = family.get("tensor_map")
+  split = split_model(abstract_model(hf, dtype=dtype, where=where))
+  files = SafetensorsFiles(src)
+  static_map, unit_map = tensor_map(config)
+  problems: list[str] = []
+  static: dict[ParamPath, Any] = {}
+  for leaf in split.static_leaves():
+    source = static_map.get(leaf.path)
+    array = _lazy_tensor(files, source, leaf.path, leaf.shape, leaf.dtype, None, problems)
+    if array is not None:
+      static[leaf.path] = array
+  stacks: dict[ParamPath, dict[ParamPath, Any]] = {}
+  for stack in split.stacks:
+    arrays = stacks.setdefault(stack.path_prefix, {})
+    for leaf in split.stack_leaves(stack):
+      rel = split.unit_rel_path(leaf)
+      source = unit_map.get(rel)
+      array = _lazy_tensor(files, source, leaf.path, leaf.shape, leaf.dtype, stack.count, problems)
+      if array is not None:
+        arrays[rel] = array
+  if problems:
+    shown = "\n".join(f"  {p}" for p in problems[:20])
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    raise StoreError(
+      f"{src} does not hold the weights its config.json describes ({len(problems)} "
+      f"problem(s)); nothing was written:\n{shown}{more}"
+    )
+  return static, stacks
+
+
 def convert_hf(
   src_dir: str | os.PathLike[str],
   store: str | os.PathLike[str],
@@ -223,44 +285,7 @@ def convert_hf(
   if not config_file.is_file():
     raise FileNotFoundError(f"{src}: no config.json; point at a Hugging Face checkpoint directory")
   hf = json.loads(config_file.read_text())
-  family = _family(hf, str(config_file))
-  config = family.get("config").from_hf(dict(hf))
-  tensor_map = family.get("tensor_map")
-  model = abstract_model(hf, dtype=dtype, where=str(config_file))
-  split = split_model(model)
-  files = SafetensorsFiles(src)
-  static_map, unit_map = tensor_map(config)
-  problems: list[str] = []
-  static: dict[ParamPath, Any] = {}  # lazy arrays (_Tensor)
-  for leaf in split.static_leaves():
-    source = static_map.get(leaf.path)
-    if source is None:
-      problems.append(f"{path_str(leaf.path)}: no checkpoint tensor maps to it")
-      continue
-    _check_tensor(files, source.name, source.transpose, leaf.shape, problems)
-    static[leaf.path] = _Tensor(files, source.name, source.transpose, leaf.shape, leaf.dtype)
-  stacks: dict[ParamPath, dict[ParamPath, Any]] = {}
-  for stack in split.stacks:
-    arrays = stacks.setdefault(stack.path_prefix, {})
-    for leaf in split.stack_leaves(stack):
-      rel = split.unit_rel_path(leaf)
-      source = unit_map.get(rel)
-      if source is None:
-        problems.append(f"{path_str(leaf.path)}: no checkpoint tensor maps to it")
-        continue
-      for i in range(stack.count):
-        name = source.name.format(i=i)
-        _check_tensor(files, name, source.transpose, leaf.shape[1:], problems)
-      arrays[rel] = _Tensor(
-        files, source.name, source.transpose, leaf.shape, leaf.dtype, layers=stack.count
-      )
-  if problems:
-    shown = "\n".join(f"  {p}" for p in problems[:20])
-    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-    raise StoreError(
-      f"{src} does not hold the weights its config.json describes ({len(problems)} "
-      f"problem(s)); nothing was written:\n{shown}{more}"
-    )
+  static, stacks = _lazy_arrays(src, hf, str(config_file), dtype)
   return save_store(
     os.fspath(store),
     static=static,

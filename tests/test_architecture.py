@@ -3,6 +3,8 @@
 Every module of `jax_residency` (found with `pkgutil.walk_packages`) is parsed
 with `ast`, never run, and checked for:
 
+* privacy: no module uses another module's private (``_``) names;
+* functions: at most `MAX_FUNCTION_LINES` lines of code each;
 * layers: each part of `jax_residency._src` sits on one floor of `LAYERS`
   (docs/design.md, "Layers"), and imports only parts on floors below its own;
   the public modules (`jax_residency`, `jax_residency.errors`, ...) sit on top,
@@ -352,6 +354,59 @@ def test_functions_are_short() -> None:
   assert not too_long, (
     f"functions over {MAX_FUNCTION_LINES} lines of code; split them where a reader wants "
     "names for the parts:\n  " + "\n  ".join(too_long)
+  )
+
+
+def private_reaches(mod: Module, mods: Mapping[str, Module]) -> list[str]:
+  """Where ``mod`` uses another module's private name: ``from m import _name``, or
+  ``m._name`` with ``m`` a `jax_residency` module it imported."""
+  tree = ast.parse(mod.source(), mod.path)
+  aliases: set[str] = set()
+  out = []
+  for node in _import_nodes(tree):
+    if isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        parts = mod.package.split(".")
+        base = ".".join(parts[: len(parts) - node.level + 1]) + (f".{base}" if base else "")
+      if not base.startswith("jax_residency"):
+        continue
+      for a in node.names:
+        if f"{base}.{a.name}" in mods:
+          aliases.add(a.asname or a.name)
+        elif a.name.startswith("_") and not a.name.startswith("__"):
+          out.append(f"{mod.name}:{node.lineno}: from {base} import {a.name}")
+    else:
+      aliases.update(a.asname or a.name for a in node.names if a.name.startswith("jax_residency"))
+  for node in ast.walk(tree):
+    if (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.value, ast.Name)
+      and node.value.id in aliases
+      and node.attr.startswith("_")
+      and not node.attr.startswith("__")
+    ):
+      out.append(f"{mod.name}:{node.lineno}: {node.value.id}.{node.attr}")
+  return out
+
+
+def test_no_module_reaches_into_another_modules_private_names(tmp_path) -> None:
+  mods = modules()
+  fake = tmp_path / "fake.py"
+  fake.write_text(
+    "from jax_residency._src.testing import _max_diff\n"
+    "from jax_residency._src.store import writer as wr\n"
+    "wr._host(1)\nwr.save_store\n"
+  )
+  found = private_reaches(Module("jax_residency._src.fake", str(fake), False), mods)
+  assert [line.split(": ", 1)[1] for line in found] == [
+    "from jax_residency._src.testing import _max_diff",
+    "wr._host",
+  ], found
+  bad = [line for mod in mods.values() for line in private_reaches(mod, mods)]
+  assert not bad, (
+    "private names used across modules; make the name public in its module (or move the "
+    "code that needs it there):\n  " + "\n  ".join(sorted(bad))
   )
 
 

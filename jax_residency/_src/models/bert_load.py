@@ -5,8 +5,6 @@ here keeps all layers in one stacked module, so layer ``N``'s tensor becomes
 row ``N`` of the stacked parameter. ``torch.nn.Linear`` stores ``weight`` as
 ``(out, in)``; ``nnx.Linear``'s ``kernel`` is ``(in, out)``, so Linear weights
 are transposed. The pooler and ``embeddings.position_ids`` are not used.
-
-``safetensors`` is an optional dependency (``pip install 'jax-residency[models]'``).
 """
 
 from __future__ import annotations
@@ -21,16 +19,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jax_residency._src.models import hf_loader
 from jax_residency._src.models.bert import BertConfig, BertEncoder
 from jax_residency._src.models.hf_config import read_config
-from jax_residency._src.models.hf_loader import (
-  CheckpointMap,
-  HFTensor,
-  Loader,
-  abstract_of,
-  load_checkpoint,
-  params_from_hf,
-)
+from jax_residency._src.models.hf_loader import HFTensor
 from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.save import save
 from jax_residency._src.typing import ParamPath
@@ -92,12 +84,12 @@ def read_bert_config(path: str | Path) -> BertConfig:
   return BertConfig.from_hf(read_config(path, "BertConfig"))
 
 
-def _checkpoint_map(cfg: BertConfig) -> CheckpointMap:
+def _checkpoint_map(cfg: BertConfig) -> hf_loader.CheckpointMap:
   def ignored(name: str) -> bool:
     m = _LAYER_KEY.match(name)
     return bool(IGNORED.match(name)) or bool(m and int(m.group(1)) < cfg.num_layers)
 
-  return CheckpointMap(
+  return hf_loader.CheckpointMap(
     static={path: HFTensor(name, False) for path, name in EMBEDDING_NAMES.items()},
     stacks={
       "layers": (
@@ -119,13 +111,13 @@ def _unprefixed(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _abstract(cfg: BertConfig, *, sharded: bool = False, mesh: Mesh | None = None) -> BertEncoder:
   if mesh is None:
-    return abstract_of(BertEncoder, cfg, sharded=sharded)
+    return hf_loader.abstract_of(BertEncoder, cfg, sharded=sharded)
   with jax.set_mesh(mesh):
-    return abstract_of(BertEncoder, cfg, sharded=sharded)
+    return hf_loader.abstract_of(BertEncoder, cfg, sharded=sharded)
 
 
 #: How the loader reads a ``BertModel`` checkpoint (unsharded).
-LOADER = Loader(abstract=_abstract, checkpoint_map=_checkpoint_map, rename=_unprefixed)
+LOADER = hf_loader.Loader(abstract=_abstract, checkpoint_map=_checkpoint_map, rename=_unprefixed)
 
 
 def bert_params_from_hf(
@@ -138,7 +130,7 @@ def bert_params_from_hf(
   (task-head checkpoints) is stripped.
 
   Args:
-    tensors: name → array, as read from the checkpoint.
+    tensors: ``BertModel`` tensors by name, with or without a ``bert.`` prefix.
     cfg: the encoder's sizes; every tensor's shape is checked against them.
     strict: reject tensors that map to nothing (other than the pooler,
       ``position_ids``, and the tensors of the config's layers, whose names
@@ -146,14 +138,16 @@ def bert_params_from_hf(
       ``N >= cfg.num_layers``).
 
   Returns:
-    Parameter path (as in ``nnx.state(model)``) → array in ``cfg.dtype``.
+    The embeddings' parameters and the stacked ``layers.<path>`` ones, in ``cfg.dtype``.
 
   Raises:
-    MissingCheckpointParametersError: tensors the encoder needs are absent.
-    UnexpectedCheckpointParametersError: with ``strict``, unknown tensors.
-    CheckpointShapeMismatchError: a tensor has the wrong shape.
+    MissingCheckpointParametersError: an embedding's or a layer's tensor is absent.
+    UnexpectedCheckpointParametersError: with ``strict``, tensors of more
+      layers, or of nothing here.
+    CheckpointShapeMismatchError: a tensor's shape is not its parameter's (a
+      Linear weight's is named ``(transposed)``).
   """
-  return params_from_hf(tensors, cfg, LOADER, strict=strict)
+  return hf_loader.params_from_hf(tensors, cfg, LOADER, strict=strict)
 
 
 def load_bert_from_safetensors(
@@ -188,7 +182,7 @@ def load_bert_from_safetensors(
     )
   cfg = read_bert_config(path) if config is None else config
   if not sharded:
-    return load_checkpoint(path, cfg, LOADER, strict=strict)
+    return hf_loader.load_checkpoint(path, cfg, LOADER, strict=strict)
 
   def place(value: np.ndarray, leaf: Any) -> jax.Array:
     sharding = getattr(leaf, "sharding", None)
@@ -199,7 +193,7 @@ def load_bert_from_safetensors(
   on_mesh = dataclasses.replace(
     LOADER, abstract=lambda c: _abstract(c, sharded=True, mesh=mesh), place=place
   )
-  return load_checkpoint(path, cfg, on_mesh, strict=strict)
+  return hf_loader.load_checkpoint(path, cfg, on_mesh, strict=strict)
 
 
 def convert_bert(

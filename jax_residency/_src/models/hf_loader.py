@@ -292,6 +292,8 @@ def load_checkpoint(path: str | Path, cfg: C, loader: Loader[C, M], *, strict: b
 
   Raises:
     FileNotFoundError: no checkpoint at ``path``.
+    ModuleNotFoundError: ``safetensors`` is not installed (``pip install
+      'jax-residency[models]'``).
     UnexpectedCheckpointParametersError, MissingCheckpointParametersError,
     CheckpointShapeMismatchError: as :func:`params_from_hf`.
   """

@@ -8,8 +8,6 @@ says whether to transpose it (``torch.nn.Linear`` stores ``weight`` as
 tensor ``model.layers.<i>.<name>`` is row ``i`` of the stacked parameter. A
 converter can therefore move a checkpoint one tensor at a time; :func:`load_llama`
 uses the same map to build the model in memory.
-
-``safetensors`` is an optional dependency (``pip install 'jax-residency[models]'``).
 """
 
 from __future__ import annotations
@@ -20,15 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jax_residency._src.models import hf_loader
 from jax_residency._src.models.hf_config import read_config
-from jax_residency._src.models.hf_loader import (
-  CheckpointMap,
-  HFTensor,
-  Loader,
-  abstract_of,
-  load_checkpoint,
-  params_from_hf,
-)
+from jax_residency._src.models.hf_loader import HFTensor
 from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.models.llama import Llama
 from jax_residency._src.models.llama_config import LlamaConfig
@@ -100,17 +92,17 @@ def read_llama_config(path: str | Path, *, dtype: str = "float32") -> LlamaConfi
 
 
 def _abstract(cfg: LlamaConfig) -> Llama:
-  return abstract_of(Llama, cfg)
+  return hf_loader.abstract_of(Llama, cfg)
 
 
-def _checkpoint_map(cfg: LlamaConfig) -> CheckpointMap:
+def _checkpoint_map(cfg: LlamaConfig) -> hf_loader.CheckpointMap:
   static, unit = hf_tensor_map(cfg)
   n = cfg.num_hidden_layers
 
   def ignored(name: str) -> bool:
     return bool(IGNORED.match(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
-  return CheckpointMap(
+  return hf_loader.CheckpointMap(
     static=static,
     stacks={STACK: (n, unit)},
     ignored=ignored,
@@ -121,7 +113,7 @@ def _checkpoint_map(cfg: LlamaConfig) -> CheckpointMap:
 
 
 #: How the loader reads a Llama-family checkpoint.
-LOADER = Loader(abstract=_abstract, checkpoint_map=_checkpoint_map)
+LOADER = hf_loader.Loader(abstract=_abstract, checkpoint_map=_checkpoint_map)
 
 
 def llama_params_from_hf(
@@ -131,17 +123,19 @@ def llama_params_from_hf(
 
   Args:
     tensors: name → array, as read from the checkpoint.
-    cfg: the model's sizes; every tensor's shape is checked against them.
+    cfg: the model's sizes; every tensor's size is checked against them.
     strict: reject tensors that map to nothing (other than old checkpoints'
       rotary frequencies and a tied head's copy of the embedding).
 
   Returns:
-    Parameter path (as in ``nnx.state(model)``) → array in ``cfg.dtype``.
+    Parameter path (as in ``nnx.state(model)``) → array in ``cfg.dtype``; a
+    parameter of ``layers`` stacks its ``cfg.num_hidden_layers`` tensors.
 
   Raises:
-    MissingCheckpointParametersError: tensors the model needs are absent.
-    UnexpectedCheckpointParametersError: with ``strict``, unknown tensors.
-    CheckpointShapeMismatchError: a tensor does not fit its parameter.
+    MissingCheckpointParametersError: tensors :func:`hf_tensor_map` names are absent.
+    UnexpectedCheckpointParametersError: with ``strict``, tensors it does not name.
+    CheckpointShapeMismatchError: a tensor's size is not its parameter's, or
+      its shape (transposed, for a Linear weight) is not when its rank is.
 
   Example:
     >>> import jax_residency as jr
@@ -154,7 +148,7 @@ def llama_params_from_hf(
     ...   print(str(e).split(";")[0])
     the checkpoint lacks 10 tensors a LlamaForCausalLM of this config needs
   """
-  return params_from_hf(tensors, cfg, LOADER, strict=strict)
+  return hf_loader.params_from_hf(tensors, cfg, LOADER, strict=strict)
 
 
 def load_llama(
@@ -167,11 +161,12 @@ def load_llama(
   """Builds a :class:`Llama` holding a Hugging Face Llama, Mistral or Qwen2 checkpoint.
 
   Args:
-    path: a ``.safetensors`` file, or a directory with ``model.safetensors`` or
-      a sharded ``model.safetensors.index.json``.
-    config: the model's sizes; default: the ``config.json`` in (or beside) ``path``.
-    strict: reject tensors the model does not use (see :func:`llama_params_from_hf`).
-    dtype: parameter and compute dtype, with the default config.
+    path: the checkpoint, as transformers' ``save_pretrained`` writes it: a
+      ``.safetensors`` file, or a directory with ``model.safetensors`` or a
+      sharded ``model.safetensors.index.json``.
+    config: the decoder's sizes and variant; default: :func:`read_llama_config` of ``path``.
+    strict: reject tensors the decoder does not use (see :func:`llama_params_from_hf`).
+    dtype: parameter, compute and cache dtype, with the default config.
 
   Returns:
     The model; nothing is compiled to build it. Its weights are read into
@@ -183,7 +178,7 @@ def load_llama(
     >>> model = load_llama("tests/fixtures/llama_tiny_tied")  # doctest: +SKIP
   """
   cfg = read_llama_config(path, dtype=dtype) if config is None else config
-  return load_checkpoint(path, cfg, LOADER, strict=strict)
+  return hf_loader.load_checkpoint(path, cfg, LOADER, strict=strict)
 
 
 def init_llama(cfg: LlamaConfig, seed: int = 0) -> Llama:

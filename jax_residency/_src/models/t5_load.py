@@ -10,8 +10,6 @@ held by layer 0 of each stack, are static parameters of the model. Copies of
 ``shared.weight`` (``encoder.embed_tokens``, ``decoder.embed_tokens``, a tied
 ``lm_head``) are not read. Nor is a bias table of the decoder's first
 cross-attention, which some checkpoints hold: strict loading rejects it as unused.
-
-``safetensors`` is an optional dependency (``pip install 'jax-residency[models]'``).
 """
 
 from __future__ import annotations
@@ -23,15 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jax_residency._src.models import hf_loader
 from jax_residency._src.models.hf_config import read_config
-from jax_residency._src.models.hf_loader import (
-  CheckpointMap,
-  HFTensor,
-  Loader,
-  abstract_of,
-  load_checkpoint,
-  params_from_hf,
-)
+from jax_residency._src.models.hf_loader import HFTensor
 from jax_residency._src.models.init import seeded_weights
 from jax_residency._src.models.t5 import T5
 from jax_residency._src.models.t5_config import T5Config
@@ -92,14 +84,14 @@ def read_t5_config(path: str | Path, *, dtype: str = "float32") -> T5Config:
 
 
 def _abstract(cfg: T5Config) -> T5:
-  return abstract_of(T5, cfg)
+  return hf_loader.abstract_of(T5, cfg)
 
 
-def _checkpoint_map(cfg: T5Config) -> CheckpointMap:
+def _checkpoint_map(cfg: T5Config) -> hf_loader.CheckpointMap:
   def ignored(name: str) -> bool:
     return bool(IGNORED.match(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
-  return CheckpointMap(
+  return hf_loader.CheckpointMap(
     static=STATIC_TENSORS,
     stacks={
       "encoder_layers": (cfg.num_layers, ENCODER_LAYER_TENSORS),
@@ -133,7 +125,7 @@ def _fit(cfg: T5Config, tensors: Mapping[str, np.ndarray]) -> T5Config:
 
 
 #: How the loader reads a ``T5ForConditionalGeneration`` checkpoint.
-LOADER = Loader(abstract=_abstract, checkpoint_map=_checkpoint_map, fit=_fit)
+LOADER = hf_loader.Loader(abstract=_abstract, checkpoint_map=_checkpoint_map, fit=_fit)
 
 
 def t5_params_from_hf(
@@ -145,20 +137,23 @@ def t5_params_from_hf(
   encoder layer's copy); Linear weights are transposed to ``(in, out)``.
 
   Args:
-    tensors: name → array, as read from the checkpoint.
-    cfg: the model's sizes; every tensor's shape is checked against them.
+    tensors: ``T5ForConditionalGeneration`` tensors by name.
+    cfg: the model's sizes; every tensor's shape is checked against them, and
+      its ``feed_forward_proj`` says which feed-forward tensors are read.
     strict: reject tensors that map to nothing (other than the copies of
       ``shared.weight`` listed in the module docstring).
 
   Returns:
-    Parameter path (as in ``nnx.state(model)``) → array in ``cfg.dtype``.
+    Static and stacked parameters by path, in ``cfg.dtype``.
 
   Raises:
-    MissingCheckpointParametersError: tensors the model needs are absent.
-    UnexpectedCheckpointParametersError: with ``strict``, unknown tensors.
-    CheckpointShapeMismatchError: a tensor has the wrong shape.
+    MissingCheckpointParametersError: a layer's tensor, or a static one, is absent.
+    UnexpectedCheckpointParametersError: with ``strict``, tensors of more layers,
+      of the other feed-forward variant, or of nothing here.
+    CheckpointShapeMismatchError: a tensor's shape (transposed, for a Linear
+      weight) is not its parameter's.
   """
-  return params_from_hf(tensors, cfg, LOADER, strict=strict)
+  return hf_loader.params_from_hf(tensors, cfg, LOADER, strict=strict)
 
 
 def load_t5(
@@ -176,11 +171,10 @@ def load_t5(
   ``scale_decoder_outputs`` says whether to scale).
 
   Args:
-    path: a ``.safetensors`` file, or a directory with ``model.safetensors`` or
-      a sharded ``model.safetensors.index.json``.
-    config: the model's sizes; default: the ``config.json`` in (or beside) ``path``.
-    strict: reject tensors the model does not use (see :func:`t5_params_from_hf`).
-    dtype: parameter and compute dtype, with the default config.
+    path: a ``.safetensors`` file, or a checkpoint directory (one file or sharded).
+    config: the encoder–decoder's sizes; default: :func:`read_t5_config` of ``path``.
+    strict: reject tensors that map to nothing (see :func:`t5_params_from_hf`).
+    dtype: parameter, compute and cache dtype, with the default config.
 
   Returns:
     The model; nothing is compiled to build it.
@@ -190,7 +184,7 @@ def load_t5(
     >>> model = load_t5("tests/fixtures/t5_tiny_gated")  # doctest: +SKIP
   """
   cfg = read_t5_config(path, dtype=dtype) if config is None else config
-  return load_checkpoint(path, cfg, LOADER, strict=strict)
+  return hf_loader.load_checkpoint(path, cfg, LOADER, strict=strict)
 
 
 def init_t5(cfg: T5Config, seed: int = 0) -> T5:

@@ -1,7 +1,8 @@
 """The default persistent compilation cache (run/compile_cache.py) and the cache directory.
 
-In this process the suite has opted out (tests/conftest.py), so the tests here
-change JAX's configuration only inside the ``jax_config`` fixture, which puts it
+In this process the suite has opted out (tests/conftest.py) and compiles into its own
+temporary cache instead, so the tests here change JAX's configuration only inside the
+``jax_config`` fixture, which starts from JAX's defaults and puts the suite's settings
 back; the end-to-end check runs in subprocesses with a temporary cache directory.
 """
 
@@ -30,6 +31,15 @@ SETTINGS = (
 )
 
 
+#: JAX's own values of SETTINGS (the suite's conftest.py sets the first three).
+JAX_DEFAULTS = {
+  "jax_compilation_cache_dir": None,
+  "jax_persistent_cache_min_compile_time_secs": 1.0,
+  "jax_compilation_cache_max_size": -1,
+  "jax_enable_compilation_cache": True,
+}
+
+
 def read(name: str):
   return getattr(jax.config, name)
 
@@ -43,6 +53,9 @@ def jax_config(monkeypatch, tmp_path):
   monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "jr"))
   for name in SETTINGS:
     monkeypatch.delenv(name.upper(), raising=False)
+  for name, value in JAX_DEFAULTS.items():  # as a process that configured nothing starts
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
   try:
     yield tmp_path / "jr"
   finally:
@@ -53,8 +66,13 @@ def jax_config(monkeypatch, tmp_path):
 
 
 def test_the_suite_has_opted_out():
+  """The library's default cache is off; the suite compiles into its own temporary one."""
   assert compile_cache.opted_out()
-  assert read("jax_compilation_cache_dir") is None
+  assert compile_cache.enable_default_cache() is None
+  suite_cache = os.environ["JAX_RESIDENCY_TEST_XLA_CACHE"]
+  assert read("jax_compilation_cache_dir") == suite_cache
+  assert os.path.basename(suite_cache).startswith("jax-residency-tests-xla-")
+  assert os.path.commonpath([suite_cache, library_cache_dir()]) != library_cache_dir()
 
 
 @pytest.mark.parametrize(

@@ -66,8 +66,9 @@ class CheckpointMap:
     ignored: whether a tensor the model does not read is tolerated when strict.
     unused_note: who does not use the unused tensors (``"a T5 of this config
       does not use (...)"``), for the error.
-    unused_fix: what else to do about them, after ``pass strict=False to ignore them``.
     missing_note: who needs the missing tensors, and what to check.
+    unused_fix: what else to do about unused tensors, after ``pass strict=False
+      to ignore them``.
     reshape: a tensor of the parameter's size but another rank is reshaped
       (row-major) to it; otherwise a tensor must have the parameter's shape.
     mark_transposed: shape errors name a transposed tensor ``<name> (transposed)``.
@@ -77,8 +78,8 @@ class CheckpointMap:
   stacks: Mapping[str, tuple[int, Mapping[ParamPath, HFTensor]]]
   ignored: Callable[[str], bool]
   unused_note: str
-  unused_fix: str = ""
   missing_note: str
+  unused_fix: str = ""
   reshape: bool = False
   mark_transposed: bool = False
 

@@ -35,6 +35,7 @@ import jax_residency
 LAYERS: tuple[tuple[str, ...], ...] = (
   ("errors", "typing", "cache_dir", "version"),  # errors; type aliases; cache folder; version
   ("policy",),  # what the user asks for (pure Python)
+  ("quant",),  # quantization schemes: encoding on the host, decoding in JAX
   ("plan",),  # the model split, budgets, metadata, memory items, shardings, arguments
   ("loop",),  # the layer loop models call, and finding stacks by tracing
   ("report",),  # metric types, pass reports, samplers

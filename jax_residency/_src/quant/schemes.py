@@ -1,0 +1,205 @@
+"""How stored weights are quantized, and how one tensor is encoded and decoded.
+
+Two schemes, each a :class:`Quantization`:
+
+* ``"int8"``: symmetric, one float32 scale per output channel: a code ``c`` in
+  ``[-127, 127]`` decodes to ``c * scale``. A channel of zeros has scale 1.
+* ``"int4"``: asymmetric, in groups of ``group_size`` (32, 64 or 128; default
+  64) consecutive values along the input dimension, each group with a float32
+  ``scale`` and ``offset`` (its minimum): a code ``c`` in ``[0, 15]`` decodes to
+  ``c * scale + offset``. Two codes share a byte along the input dimension (the
+  even index in the low nibble, the odd one in the high nibble), so a group's
+  bytes never straddle two groups.
+
+"The input dimension" is the axis a layer contracts over: for a matrix applied
+as ``x @ w`` (an ``nnx.Linear`` kernel, ``(in, out)``) it is the first of the
+matrix's two axes, and an output channel is a column. Encoding takes it as
+``axis``; every other axis (a stacked layer axis in front, the output axis) keeps
+its scales apart. Encoding runs on the host in NumPy, once, when a store is
+written; decoding runs in JAX, inside the step that uses the weights, and is the
+definition of a quantized tensor's value: the same function gives the reference
+that placed models are compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_residency._src.errors import InvalidPolicyValueError, UnknownPolicyFieldError
+
+#: The schemes a store can use.
+SCHEMES = ("int8", "int4")
+#: The int4 group sizes a store can use, and the default.
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP_SIZE = 64
+#: The largest code magnitude of int8 (symmetric: -127..127; -128 is never used).
+INT8_MAX = 127
+#: The largest int4 code (asymmetric: 0..15).
+INT4_MAX = 15
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Quantization:
+  """A quantization scheme for a store's floating matrices.
+
+  Attributes:
+    scheme: ``"int8"`` or ``"int4"``.
+    group_size: int4 only: values per group along the input dimension (32, 64
+      or 128); ``None`` takes 64. Must be ``None`` for int8.
+
+  Example:
+    >>> Quantization.of("int4")
+    Quantization(scheme='int4', group_size=64)
+    >>> Quantization.of({"scheme": "int8"}).to_dict()
+    {'scheme': 'int8'}
+  """
+
+  scheme: str
+  group_size: int | None = None
+
+  def __post_init__(self) -> None:
+    if self.scheme not in SCHEMES:
+      raise InvalidPolicyValueError(
+        f"quantize={self.scheme!r} is not a quantization scheme; use one of {SCHEMES}."
+      )
+    if self.scheme == "int8":
+      if self.group_size is not None:
+        raise InvalidPolicyValueError(
+          f"group_size={self.group_size!r}: int8 has one scale per output channel, no "
+          "groups; leave group_size out."
+        )
+      return
+    size = DEFAULT_INT4_GROUP_SIZE if self.group_size is None else self.group_size
+    if isinstance(size, bool) or size not in INT4_GROUP_SIZES:
+      raise InvalidPolicyValueError(
+        f"group_size={self.group_size!r} is not an int4 group size; use one of "
+        f"{INT4_GROUP_SIZES} (default {DEFAULT_INT4_GROUP_SIZE})."
+      )
+    object.__setattr__(self, "group_size", size)
+
+  @classmethod
+  def of(cls, value: str | Mapping[str, Any] | Quantization) -> Quantization:
+    """A scheme from its name, its `to_dict` form, or itself."""
+    if isinstance(value, Quantization):
+      return value
+    if isinstance(value, str):
+      return cls(scheme=value)
+    if isinstance(value, Mapping):
+      unknown = sorted(set(value) - {"scheme", "group_size"})
+      if unknown:
+        raise UnknownPolicyFieldError(
+          f"quantize={dict(value)!r} has unknown fields {unknown}; it takes 'scheme' and, for "
+          "int4, 'group_size'."
+        )
+      if "scheme" not in value:
+        raise InvalidPolicyValueError(f"quantize={dict(value)!r} names no 'scheme'.")
+      return cls(scheme=value["scheme"], group_size=value.get("group_size"))
+    raise InvalidPolicyValueError(
+      f"quantize={value!r} is not a quantization; pass 'int8', 'int4' or "
+      "{'scheme': 'int4', 'group_size': 128}."
+    )
+
+  def to_dict(self) -> dict[str, Any]:
+    """The JSON form a store's sidecar records; `of` reads it back."""
+    out: dict[str, Any] = {"scheme": self.scheme}
+    if self.group_size is not None:
+      out["group_size"] = self.group_size
+    return out
+
+  def check(self, shape: tuple[int, ...], axis: int, name: str) -> None:
+    """Raises `InvalidPolicyValueError` naming the tensor when this scheme cannot encode a
+    tensor of ``shape`` along ``axis`` (int4: the group size must divide the input
+    dimension)."""
+    if len(shape) < 2 or not -len(shape) <= axis < len(shape):
+      raise InvalidPolicyValueError(
+        f"{name}: shape {shape} has no input axis {axis}; only matrices (and stacks of "
+        "them) are quantized."
+      )
+    n = shape[axis]
+    if self.scheme == "int4" and self.group_size is not None and n % self.group_size:
+      raise InvalidPolicyValueError(
+        f"{name}: group_size={self.group_size} does not divide its input dimension {n} "
+        f"(shape {shape}); choose a group size among {INT4_GROUP_SIZES} that divides {n}, "
+        "or int8."
+      )
+
+  def stored_nbytes(self, shape: tuple[int, ...], axis: int) -> int:
+    """Bytes of a tensor of ``shape`` at rest under this scheme: codes, scales, offsets."""
+    n = int(np.prod(shape, dtype=np.int64))
+    lanes = n // shape[axis]  # one scale per output channel (and per stacked layer)
+    if self.scheme == "int8":
+      return n + 4 * lanes
+    assert self.group_size is not None
+    groups = lanes * (shape[axis] // self.group_size)
+    return n // 2 + 8 * groups
+
+
+class Quantized(NamedTuple):
+  """One tensor at rest: its integer codes and the float32 numbers that decode them.
+
+  Attributes:
+    codes: int8, the tensor's shape (int8); or uint8 with the input axis halved,
+      two codes per byte (int4).
+    scale: float32; the tensor's shape with the input axis 1 (int8) or one per
+      group (int4).
+    offset: float32, shaped as ``scale`` (int4); ``None`` for int8.
+  """
+
+  codes: Any
+  scale: Any
+  offset: Any = None
+
+
+def quantize(w: Any, q: Quantization, *, axis: int, name: str = "tensor") -> Quantized:
+  """Encodes ``w`` (any floating dtype; computed in float32) under ``q`` along ``axis``.
+
+  Raises:
+    InvalidPolicyValueError: ``w`` is not a floating matrix (or stack of them), or
+      its input dimension does not split into ``q``'s groups; the message names
+      ``name``.
+  """
+  w = np.asarray(w)
+  if not np.issubdtype(w.dtype, np.floating) and w.dtype.name != "bfloat16":
+    raise InvalidPolicyValueError(
+      f"{name}: dtype {w.dtype} is not floating; only floating matrices are quantized."
+    )
+  q.check(tuple(w.shape), axis, name)
+  w = np.moveaxis(w.astype(np.float32), axis, -1)
+  if q.scheme == "int8":
+    amax = np.max(np.abs(w), axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(w / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return Quantized(np.moveaxis(codes, -1, axis), np.moveaxis(scale, -1, axis))
+  assert q.group_size is not None
+  n, g = w.shape[-1], q.group_size
+  groups = w.reshape(*w.shape[:-1], n // g, g)
+  low = groups.min(axis=-1, keepdims=True)
+  span = groups.max(axis=-1, keepdims=True) - low
+  scale = np.where(span > 0, span / INT4_MAX, 1.0).astype(np.float32)
+  codes = np.clip(np.rint((groups - low) / scale), 0, INT4_MAX).astype(np.uint8)
+  codes = codes.reshape(*w.shape[:-1], n)
+  packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+  return Quantized(
+    np.moveaxis(packed, -1, axis),
+    np.moveaxis(scale[..., 0], -1, axis),
+    np.moveaxis(low[..., 0].astype(np.float32), -1, axis),
+  )
+
+
+def dequantize(t: Quantized, q: Quantization, *, axis: int, dtype: Any = jnp.float32) -> Any:
+  """The value of a quantized tensor (a JAX array of ``dtype``), traceable under ``jit``."""
+  codes = jnp.moveaxis(jnp.asarray(t.codes), axis, -1)
+  scale = jnp.moveaxis(jnp.asarray(t.scale), axis, -1)
+  if q.scheme == "int8":
+    return jnp.moveaxis(codes.astype(jnp.float32) * scale, -1, axis).astype(dtype)
+  assert q.group_size is not None and t.offset is not None
+  offset = jnp.moveaxis(jnp.asarray(t.offset), axis, -1)
+  both = jnp.stack([codes & 0xF, codes >> 4], axis=-1)  # (..., n/2, 2): even, odd
+  values = both.reshape(*codes.shape[:-1], -1, q.group_size).astype(jnp.float32)
+  values = values * scale[..., None] + offset[..., None]
+  return jnp.moveaxis(values.reshape(*codes.shape[:-1], -1), -1, axis).astype(dtype)

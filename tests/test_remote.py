@@ -137,13 +137,14 @@ def call_cli(*argv: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_parity_over_http_and_fetched_bytes_match_bytes_served(
-  store, tokens, expected, server, name
+  store, tokens, expected, server, traffic, name
 ):
   policy = POLICIES[name]
   dense = isinstance(policy, jr.DenseDiskStream)
   with jr.place(abstract(), policy, store=server.url, mesh=MESH1) as placed:
     outs = [placed(tokens) for _ in range(2)]  # cold, then with whatever the caches kept
   report = placed.report()  # closed: no read-ahead still in flight
+  traffic.drain()  # the server counts a chunk after sending it: the client may be done first
   served = server.bytes_served
   with jr.place(abstract(), policy, store=store, mesh=MESH1) as local:
     local_out = local(tokens)
@@ -160,7 +161,7 @@ def test_parity_over_http_and_fetched_bytes_match_bytes_served(
     assert report.total.fetched_bytes == sum(p.fetched_bytes for p in report.passes)
 
 
-def test_flaky_server_keeps_parity_through_retries(tokens, expected, server):
+def test_flaky_server_keeps_parity_through_retries(tokens, expected, server, traffic):
   server.fail = lambda n: n % 3 == 0  # every third request answers 503
   reads = jr.ReadOptions(retries=3, **QUICK)
   policy = POLICIES["dense_direct"]
@@ -169,6 +170,7 @@ def test_flaky_server_keeps_parity_through_retries(tokens, expected, server):
       placed.clear_caches()  # every pass reads every unit over HTTP
       np.testing.assert_array_equal(placed(tokens), expected[False])
   assert server.failed > 0
+  traffic.drain()  # every chunk sent is counted
   assert placed.report().fetched_bytes == server.bytes_served  # a 503 carries no body
 
 
@@ -346,7 +348,7 @@ def test_save_to_http_says_read_only(model, server, where):
 # --- the CLI over HTTP ----------------------------------------------------------
 
 
-def test_cli_inspect_plan_and_verify_over_http(store, server):
+def test_cli_inspect_plan_and_verify_over_http(store, server, traffic):
   urls = (server.url, store)
   code, out, err = call_cli("inspect", server.url, "--json")
   assert code == 0, err
@@ -374,6 +376,7 @@ def test_cli_inspect_plan_and_verify_over_http(store, server):
   # live in the index nodes, compressed), and no more than the data files hold.
   values = sum(e.length for e in ocdbt_extents(store).values())
   data = sum(f.stat().st_size for f in pathlib.Path(store).rglob("d/*"))
+  traffic.drain()  # every chunk sent is counted
   assert values <= server.bytes_served <= data
   code, out, err = call_cli("verify", server.url)
   assert code == 0 and "no damage found" in out, err

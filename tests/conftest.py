@@ -10,11 +10,12 @@ of its own instead (below).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 N_DEVICES = 8
@@ -335,7 +336,129 @@ def mlir() -> type[Mlir]:
 
 
 @pytest.fixture(scope="session")
+def seeded_linen() -> Callable[..., Any]:
+  """``seeded_linen(model, *args)``: seeded variables for the Linen ``model`` called on
+  ``args``, built without compiling its initialiser (as :func:`build_linen`)."""
+
+  def variables(model: nn.Module, *args: Any, seed: int = 0) -> Any:
+    return _fill(jax.eval_shape(model.init, jax.random.key(0), *args), seed)
+
+  return variables
+
+
+@pytest.fixture(scope="session")
 def seeded_nnx() -> Callable[..., Any]:
   """:func:`build_nnx`: ``seeded_nnx(make, seed=0)`` is ``make()`` with seeded weights,
   built without compiling the model's initialiser."""
   return build_nnx
+
+
+# --- shared models and stores: built once per session, read by many tests --------------
+#
+# A worker builds each toy model and writes each store once, however many test files use
+# it. Shared objects are read, never changed: a test that damages, rewrites or overwrites
+# a store copies it first (``shutil.copytree(store, tmp_path / ...)``), and no test
+# updates a shared model's variables or donates its arrays. Both are checked when the
+# session ends: a model must hold the values it was built with, no array deleted, and a
+# store the same files with the same bytes.
+
+
+def _unchanged_model(model: Any, values: list[np.ndarray]) -> bool:
+  """Whether ``model`` holds ``values`` (a copy taken when it was built), none deleted.
+  (``nnx.jit`` puts new arrays with the same values back into a module it was given.)"""
+  now = jax.tree.leaves(nnx.state(model))
+  return len(now) == len(values) and all(
+    not a.is_deleted() and a.dtype == b.dtype and np.array_equal(a, b)
+    for a, b in zip(now, values, strict=True)
+  )
+
+
+def _store_digest(path: str) -> dict[str, str]:
+  """Each file of the store directory (relative path) with a hash of its bytes."""
+  files = {}
+  for root, _, names in os.walk(path):
+    for name in names:
+      full = os.path.join(root, name)
+      with open(full, "rb") as f:
+        files[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+  return files
+
+
+@pytest.fixture(scope="session")
+def toy_model() -> Iterator[Callable[..., ToyTransformer]]:
+  """``toy_model(cfg, seed=0, mesh=None, seeded=False)``: ``ToyTransformer(cfg,
+  rngs=nnx.Rngs(seed))``, built once per session; with ``mesh``, the ``sharded=True``
+  toy built under ``jax.set_mesh(mesh)``. ``seeded=True``: the same module with seeded
+  numpy weights instead (:func:`build_nnx`: no initialiser compiled). Shared: never
+  update its variables or donate its arrays."""
+  built: dict[tuple[Any, ...], tuple[ToyTransformer, list[np.ndarray]]] = {}
+
+  def make(
+    cfg: ToyConfig, seed: int = 0, *, mesh: Mesh | None = None, seeded: bool = False
+  ) -> ToyTransformer:
+    key = (cfg, seed, mesh, seeded)
+    if key not in built:
+      sharded = mesh is not None
+      if seeded:
+        model = build_nnx(
+          lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0), sharded=sharded), seed=seed, mesh=mesh
+        )
+      elif mesh is None:
+        model = ToyTransformer(cfg, rngs=nnx.Rngs(seed))
+      else:
+        with jax.set_mesh(mesh):
+          model = ToyTransformer(cfg, rngs=nnx.Rngs(seed), sharded=True)
+      built[key] = (model, [np.array(a) for a in jax.tree.leaves(nnx.state(model))])
+    return built[key][0]
+
+  yield make
+  changed = [key for key, (model, leaves) in built.items() if not _unchanged_model(model, leaves)]
+  assert not changed, f"a test changed a shared toy model (conftest.toy_model): {changed}"
+
+
+@pytest.fixture(scope="session")
+def saved_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Any]]:
+  """``saved_store(key, model, **save_kwargs)``: ``jr.save(model, path, progress=False,
+  **save_kwargs)`` into a new directory the first time ``key`` is asked for; every call
+  with ``key`` returns what that save returned (a :class:`jax_residency.StoreInfo`; its
+  ``path`` is the store). ``saved_store(key, write=fn)`` writes with ``fn(path)`` instead
+  and returns what ``fn`` returns (a converter's ``StoreInfo``, say).
+
+  ``key`` names what is saved (the model and its weights, and how it is written), so two
+  tests asking for the same key get the same store. Shared: read it; copy it
+  (``shutil.copytree``) before damaging or rewriting it."""
+  saved: dict[Any, tuple[Any, str, dict[str, str]]] = {}
+
+  def save(
+    key: Any,
+    model: Any = None,
+    *,
+    write: Callable[[str], Any] | None = None,
+    **save_kwargs: Any,
+  ) -> Any:
+    if key not in saved:
+      path = str(tmp_path_factory.mktemp("saved") / "store")
+      if write is None:
+        info = jr.save(model, path, progress=False, **save_kwargs)
+      else:
+        info = write(path)
+      saved[key] = (info, path, _store_digest(path))
+    return saved[key][0]
+
+  yield save
+  changed = [key for key, (_, path, digest) in saved.items() if _store_digest(path) != digest]
+  assert not changed, f"a test wrote to a shared store (conftest.saved_store): {changed}"
+
+
+@pytest.fixture(scope="session")
+def toy_store(
+  toy_model: Callable[..., ToyTransformer], saved_store: Callable[..., Any]
+) -> Callable[..., str]:
+  """``toy_store(cfg, seed=0, mesh=None, seeded=False)``: the path of that
+  ``toy_model``'s store (``jr.save`` with its defaults), written once per session."""
+
+  def path(cfg: ToyConfig, seed: int = 0, *, mesh: Mesh | None = None, seeded: bool = False) -> str:
+    model = toy_model(cfg, seed, mesh=mesh, seeded=seeded)
+    return saved_store(("toy", cfg, seed, mesh, seeded), model).path
+
+  return path

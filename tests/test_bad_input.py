@@ -31,17 +31,20 @@ TINY = ToyConfig(vocab=16, d_model=8, n_heads=2, d_ff=16, n_layers=2)
 
 
 @pytest.fixture(scope="module")
-def model() -> ToyTransformer:
-  return ToyTransformer(TINY, rngs=nnx.Rngs(0))
+def model(toy_model) -> ToyTransformer:
+  return toy_model(TINY)
 
 
 @pytest.fixture(scope="module")
-def template(model, tmp_path_factory) -> str:
+def template(model, saved_store) -> str:
   """A tiny store written by `jr.save`, with the model record `run` reads; copy, then break."""
-  path = str(tmp_path_factory.mktemp("template") / "store")
-  jr.save(model, path, progress=False)
-  records.write_model_record(path, TINY, 0)
-  return path
+
+  def write(path: str) -> jr.StoreInfo:
+    info = jr.save(model, path, progress=False)
+    records.write_model_record(path, TINY, 0)
+    return info
+
+  return saved_store(("toy", TINY, 0, None, False, "with its model record"), write=write).path
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from damage import chunk_extent, delete_chunk_file, flip_bit, truncate_chunk_file
 from flax import nnx
+from policies import dense
 
 import jax_residency as jr
 from jax_residency import testing
@@ -46,8 +47,8 @@ WAIT = 30.0  # seconds: a bound on waits that end at once unless something hangs
 
 
 @pytest.fixture(scope="module")
-def model(seeded_nnx):
-  return seeded_nnx(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
+def model(toy_model):
+  return toy_model(CFG, seeded=True)
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +62,15 @@ def expected(model, tokens):
 
 
 @pytest.fixture(scope="module")
-def store(model, tmp_path_factory):
+def store(model, saved_store):
   """The model's store, with the record `jax-residency run` reads."""
-  path = str(tmp_path_factory.mktemp("faults") / "store")
-  jr.save(model, path, progress=False)
-  records.write_model_record(path, CFG, 0)
-  return path
 
+  def write(path: str) -> jr.StoreInfo:
+    info = jr.save(model, path, progress=False)
+    records.write_model_record(path, CFG, 0)
+    return info
 
-def dense(host: int | str) -> jr.DenseDiskStream:
-  return jr.DenseDiskStream(host_budget_bytes=host)
+  return saved_store(("toy", CFG, 0, None, True, "with its model record"), write=write).path
 
 
 def worker_threads() -> int:

@@ -51,10 +51,8 @@ def expected(model: CountingGPT, prompt: jax.Array) -> jax.Array:
 
 
 @pytest.fixture(scope="module")
-def store(model: CountingGPT, tmp_path_factory: pytest.TempPathFactory) -> str:
-  path = str(tmp_path_factory.mktemp("gpt") / "store")
-  jr.save(model, path, progress=False)
-  return path
+def store(model: CountingGPT, saved_store) -> str:
+  return saved_store(("gpt", CFG, 0), model).path
 
 
 def policy(name: str, unit: int) -> jr.LayerWeightResidency:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from damage import damaged_copy
-from flax import nnx
+from policies import dense
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
@@ -19,7 +19,7 @@ from jax_residency._src.cli import main as cli
 from jax_residency._src.store import mapped, writer
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store.verify import verify_store
-from jax_residency.toy import ToyConfig, ToyTransformer
+from jax_residency.toy import ToyConfig
 
 # Kernels of 16-64 KiB: stored out of line in the OCDBT data files, so mappable.
 CFG = ToyConfig(vocab=64, d_model=64, n_heads=4, d_ff=128, n_layers=4)
@@ -28,10 +28,6 @@ KERNEL = "layers.up.kernel"  # (4, 64, 128) float32: 32 KiB per unit
 
 
 model, tokens, store = toy_fixtures(CFG)
-
-
-def dense(host: int | str) -> jr.DenseDiskStream:
-  return jr.DenseDiskStream(host_budget_bytes=host)
 
 
 def test_saved_stores_carry_checksums_and_still_map(store):
@@ -136,23 +132,25 @@ def test_verify_reports_a_missing_data_file_as_unreadable(store, tmp_path):
   assert not any(d.corrupt for d in result.damaged)
 
 
-def test_inspect_says_whether_a_store_has_checksums(store, tmp_path, monkeypatch, capsys):
+def test_inspect_says_whether_a_store_has_checksums(model, store, tmp_path, monkeypatch, capsys):
   assert cli.main(["inspect", store]) == 0
   assert re.search(r"^checksums +crc32c on every chunk", capsys.readouterr().out, re.M)
   monkeypatch.setattr(writer, "WRITE_CHECKSUMS", False)
   plain = str(tmp_path / "plain")
-  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(0)), plain, progress=False)
+  jr.save(model, plain, progress=False)
   assert cli.main(["inspect", plain]) == 0
   assert re.search(r"^checksums +none", capsys.readouterr().out, re.M)
 
 
-def test_a_store_replaced_under_a_live_placement_fails_clearly(model, tokens, store, tmp_path):
+def test_a_store_replaced_under_a_live_placement_fails_clearly(
+  model, tokens, store, tmp_path, toy_model
+):
   """A placement serves the store it opened: once the store on disk is replaced (or
   rewritten in place), the next read from disk raises StoreReplacedError; weights read
   before (FullyResident's, at placement) keep serving; placing again reads the new one."""
   path = str(tmp_path / "live")
   shutil.copytree(store, path)
-  other = ToyTransformer(CFG, rngs=nnx.Rngs(7))
+  other = toy_model(CFG, seed=7)
   old, new = model(tokens), other(tokens)
   streamed = jr.place(model, dense(0), store=path, mesh=MESH1)
   resident = jr.place(model, jr.FullyResident(), store=path, mesh=MESH1)

@@ -9,7 +9,6 @@ import os
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
@@ -17,7 +16,7 @@ from jax_residency import testing
 from jax_residency._src.store import mapped
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.stream.engine import release_dropped_buffers
-from jax_residency.toy import ToyConfig, ToyTransformer
+from jax_residency.toy import ToyConfig
 
 # Kernels of 16-64 KiB: stored out of line in the OCDBT data files, so mappable.
 CFG = ToyConfig(vocab=64, d_model=64, n_heads=4, d_ff=128, n_layers=4)
@@ -90,12 +89,12 @@ def test_unaligned_chunks_are_read_instead(store, monkeypatch):
   assert opened.mapped_bytes_total == 0
 
 
-def test_opt_out_and_remote_stores_copy(store, monkeypatch):
+def test_opt_out_and_remote_stores_copy(store, monkeypatch, toy_model):
   monkeypatch.setenv(mapped.MAPPED_READS_ENV, "0")
   assert not st.UnitStore.open(store).use_mapped_reads()
   monkeypatch.delenv(mapped.MAPPED_READS_ENV)
   path = "memory://test_mapped/remote"
-  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(1)), path, progress=False)
+  jr.save(toy_model(CFG, seed=1), path, progress=False)
   assert not st.UnitStore.open(path).use_mapped_reads()
 
 
@@ -118,14 +117,14 @@ def test_truncated_chunk_file_is_a_store_error_not_a_crash(model, tmp_path):
     opened.read_unit(3)
 
 
-def test_mapped_arrays_keep_their_values_when_the_store_is_replaced(tmp_path):
+def test_mapped_arrays_keep_their_values_when_the_store_is_replaced(model, tmp_path, toy_model):
   path = str(tmp_path / "toy")
-  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(0)), path, progress=False)
+  jr.save(model, path, progress=False)
   opened = st.UnitStore.open(path)
   assert opened.use_mapped_reads()
   unit = opened.read_unit(0)
   before = {k: np.array(v) for k, v in unit.items()}
-  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(5)), path, overwrite=True, progress=False)
+  jr.save(toy_model(CFG, seed=5), path, overwrite=True, progress=False)
   for key, value in before.items():
     np.testing.assert_array_equal(unit[key], value)
 
@@ -160,12 +159,11 @@ def test_stream_parity_and_accounting_with_and_without_mapping(
     assert report.total.mapped_bytes == 0
 
 
-def test_odd_sized_values_do_not_shift_the_others_off_alignment(tmp_path):
+def test_odd_sized_values_do_not_shift_the_others_off_alignment(toy_store):
   """Biases of 1056 bytes (not a multiple of 64, too big to be inline) are written
   alone, so every other chunk still lies at an offset XLA can alias."""
   cfg = ToyConfig(vocab=64, d_model=264, n_heads=4, d_ff=512, n_layers=3)
-  path = str(tmp_path / "odd")
-  jr.save(ToyTransformer(cfg, rngs=nnx.Rngs(0)), path, progress=False)
+  path = toy_store(cfg, seeded=True)  # sizes matter here, not values
   opened = st.UnitStore.open(path)
   assert opened.use_mapped_reads()
   mapper = opened._stacks[0].mapper

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from policies import dense
 
 import jax_residency as jr
 from jax_residency import testing
@@ -19,17 +20,6 @@ CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=8)
 UNIT = CFG.unit_bytes()
 MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
 UNITS = [1000] * 6
-
-
-def dense(host: int | None, lookahead: int = 2, device: int | None = None) -> jr.DenseDiskStream:
-  return jr.DenseDiskStream(
-    jr.DenseDiskStreamLoadOptions(
-      device_budget_bytes=device,
-      host_budget_bytes=host,
-      host_lookahead=lookahead if host != 0 else 0,
-      background_queue_capacity=2 if host != 0 else 0,
-    )
-  )
 
 
 def check(policy: jr.LayerWeightResidency, *, device_is_host: bool) -> plan.ModelMetadata:
@@ -45,22 +35,22 @@ def check(policy: jr.LayerWeightResidency, *, device_is_host: bool) -> plan.Mode
 
 def test_staging_counts_against_the_host_budget_on_an_accelerator():
   # lookahead 2 units + one unit in transit to the device: exactly enough passes.
-  meta = check(dense(3000), device_is_host=False)
+  meta = check(dense(3000, device=None), device_is_host=False)
   assert meta.item_bytes("staging") == 1000
   assert meta.item_bytes("host cache") == 2000
   assert meta.planned_host_bytes == 3000  # the whole host budget, no more
   with pytest.raises(jr.HostBudgetTooSmallError) as e:
-    check(dense(2999), device_is_host=False)
+    check(dense(2999, device=None), device_is_host=False)
   err = e.value
   assert (err.window, err.staging, err.required, err.budget) == (2000, 1000, 3000, 2999)
   assert "staging=1000" in str(err) and "required=3000" in str(err)
 
 
 def test_on_cpu_a_read_buffer_is_the_device_array_so_there_is_no_staging():
-  meta = check(dense(2000), device_is_host=True)
+  meta = check(dense(2000, device=None), device_is_host=True)
   assert meta.item_bytes("staging") == 0
   with pytest.raises(jr.HostBudgetTooSmallError) as e:
-    check(dense(1999), device_is_host=True)
+    check(dense(1999, device=None), device_is_host=True)
   assert (e.value.required, e.value.staging) == (2000, 0)
 
 
@@ -72,7 +62,7 @@ def test_device_budget_error_carries_its_numbers():
 
 
 def test_direct_mode_staging_on_an_accelerator_is_a_named_overhead():
-  meta = check(dense(0), device_is_host=False)
+  meta = check(dense(0, device=None), device_is_host=False)
   staging = next(m for m in meta.memory if m.name == "staging")
   assert staging.nbytes == 1000 and staging.counted_in == plan.OVERHEAD
   assert meta.overhead_bytes == 1000 + 1000 + plan.STORE_INDEX_CACHE_BYTES  # + mapped pages
@@ -88,8 +78,8 @@ def test_direct_mode_staging_on_an_accelerator_is_a_named_overhead():
       3010,
       6000,
     ),
-    (dense(None), 2010, 6000),
-    (dense(2500), 2010, 2500),
+    (dense(None, device=None), 2010, 6000),
+    (dense(2500, device=None), 2010, 2500),
   ],
 )
 def test_planned_bytes_add_up_the_items(policy, device, host):
@@ -108,15 +98,13 @@ def test_planned_bytes_add_up_the_items(policy, device, host):
 
 
 @pytest.fixture(scope="module")
-def model():
-  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
+def model(toy_model):
+  return toy_model(CFG)
 
 
 @pytest.fixture(scope="module")
-def store(model, tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("stores") / "toy")
-  jr.save(model, path, progress=False)
-  return path
+def store(toy_store):
+  return toy_store(CFG)
 
 
 def slab_bytes(model) -> int:

@@ -86,11 +86,13 @@ def checkpoint() -> Path:
 
 
 @pytest.fixture(scope="module")
-def store(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-  path = str(tmp_path_factory.mktemp("minilm") / "store")
-  info = models.convert_minilm(checkpoint, path, progress=False)
+def store(checkpoint: Path, saved_store) -> str:
+  def write(path: str) -> jr.StoreInfo:
+    return models.convert_minilm(checkpoint, path, progress=False)
+
+  info = saved_store("all-MiniLM-L6-v2 converted", write=write)
   assert info.unit_count == 6 and info.unit_nbytes == UNIT
-  return path
+  return info.path
 
 
 # --- the checkpoint and its inputs -----------------------------------------------

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
+from policies import dense
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
@@ -22,23 +23,6 @@ UNIT = CFG.unit_bytes()
 MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
 
 
-def dense(host_units: int, lookahead: int, *, lfu: bool = False, device: int | None = None):
-  policy = (
-    jr.CacheEvictionPolicy.LEAST_FREQUENTLY_USED
-    if lfu
-    else jr.CacheEvictionPolicy.LEAST_RECENTLY_USED
-  )
-  return jr.DenseDiskStream(
-    jr.DenseDiskStreamLoadOptions(
-      device_budget_bytes=device if device is not None else 64 * 2**20,
-      host_budget_bytes=host_units * UNIT,
-      host_lookahead=lookahead,
-      background_queue_capacity=2 if host_units else 0,
-      eviction_policy=policy,
-    )
-  )
-
-
 model, tokens, store = toy_fixtures(CFG)
 
 
@@ -48,28 +32,32 @@ model, tokens, store = toy_fixtures(CFG)
 )
 def test_parity_with_plain_model(model, tokens, store, host_units, lookahead, lfu):
   expected = model(tokens)
-  with jr.place(model, dense(host_units, lookahead, lfu=lfu), store=store, mesh=MESH1) as placed:
+  with jr.place(
+    model, dense(host_units * UNIT, lookahead, lfu=lfu), store=store, mesh=MESH1
+  ) as placed:
     for _ in range(2):  # cold, then with whatever the caches kept
       np.testing.assert_array_equal(placed(tokens), expected)
 
 
-def test_parity_linen(tokens, tmp_path):
+def test_parity_linen(tokens, seeded_linen, saved_store):
   lm = LinenToyTransformer(CFG)
-  variables = lm.init(jax.random.key(0), tokens)
-  path = str(tmp_path / "linen")
-  jr.save(lm, path, params=variables, progress=False)
-  with jr.place(lm, dense(3, 2), params=variables, store=path, mesh=MESH1) as placed:
+  variables = seeded_linen(lm, tokens)
+  path = saved_store("test_stream-linen", lm, params=variables).path
+  with jr.place(lm, dense(3 * UNIT, 2), params=variables, store=path, mesh=MESH1) as placed:
     np.testing.assert_array_equal(placed(tokens), lm.apply(variables, tokens))
 
 
-def test_parity_on_a_sharded_mesh(tokens, tmp_path):
-  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  with jax.set_mesh(mesh):
-    sharded = ToyTransformer(CFG, rngs=nnx.Rngs(0), sharded=True)
-  path = str(tmp_path / "sharded")
-  jr.save(sharded, path, progress=False)
+@pytest.fixture(scope="module")
+def mesh_2x4():
+  return jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def test_parity_on_a_sharded_mesh(tokens, mesh_2x4, toy_model, toy_store):
+  mesh = mesh_2x4
+  sharded = toy_model(CFG, mesh=mesh, seeded=True)
+  path = toy_store(CFG, mesh=mesh, seeded=True)
   expected = sharded(tokens)
-  with jr.place(sharded, dense(3, 2), store=path, mesh=mesh) as placed:
+  with jr.place(sharded, dense(3 * UNIT, 2), store=path, mesh=mesh) as placed:
     out = placed(tokens)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -96,7 +84,7 @@ def test_accelerator_step_path_keeps_parity(
 
   monkeypatch.setattr(staged, "_compile_step", spy)
   expected = model(tokens)
-  with jr.place(model, dense(host_units, lookahead), store=store, mesh=MESH1) as placed:
+  with jr.place(model, dense(host_units * UNIT, lookahead), store=store, mesh=MESH1) as placed:
     for _ in range(2):
       np.testing.assert_allclose(placed(tokens), expected, rtol=1e-5, atol=1e-5)
   assert whiles == [False]  # one step program, compiled once, without the loop
@@ -106,13 +94,13 @@ def test_memory_store_and_abstract_model(model, tokens):
   path = "memory://stream-test/toy"
   jr.save(model, path, progress=False)
   abstract = nnx.eval_shape(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)))
-  with jr.place(abstract, dense(2, 1), store=path, mesh=MESH1) as placed:
+  with jr.place(abstract, dense(2 * UNIT, 1), store=path, mesh=MESH1) as placed:
     np.testing.assert_array_equal(placed(tokens), model(tokens))
 
 
 def test_exact_counters_two_passes(model, tokens, store):
   """8 units, host budget of 3 units, lookahead 2, device window 2, two passes."""
-  with jr.place(model, dense(3, 2), store=store, mesh=MESH1) as placed:
+  with jr.place(model, dense(3 * UNIT, 2), store=store, mesh=MESH1) as placed:
     placed(tokens)
     placed(tokens)
     report = placed.report()
@@ -137,7 +125,7 @@ def test_exact_counters_two_passes(model, tokens, store):
 
 
 def test_host_cache_holding_every_unit_reads_once(model, tokens, store):
-  with jr.place(model, dense(8, 2), store=store, mesh=MESH1) as placed:
+  with jr.place(model, dense(8 * UNIT, 2), store=store, mesh=MESH1) as placed:
     placed(tokens)
     placed(tokens[:, :1])  # a decode pass
     report = placed.report()
@@ -159,7 +147,7 @@ def test_direct_disk_to_device_has_no_thread_and_no_host_cache(model, tokens, st
 
 
 def test_close_joins_the_worker(model, tokens, store):
-  placed = jr.place(model, dense(3, 2), store=store, mesh=MESH1)
+  placed = jr.place(model, dense(3 * UNIT, 2), store=store, mesh=MESH1)
   placed(tokens)
   assert any(t.name.startswith("jax-residency") for t in threading.enumerate())
   placed.close()
@@ -169,7 +157,7 @@ def test_close_joins_the_worker(model, tokens, store):
 
 
 def test_failed_pass_commits_nothing_and_recovers(model, tokens, store, monkeypatch):
-  with jr.place(model, dense(3, 2), store=store, mesh=MESH1) as placed:
+  with jr.place(model, dense(3 * UNIT, 2), store=store, mesh=MESH1) as placed:
     placed(tokens)
     before = placed.report()
     from jax_residency._src.store import unit_store as store_mod
@@ -200,23 +188,21 @@ def test_budget_checks_before_reading(model, store):
   )
   need = static + 2 * UNIT
   with pytest.raises(jr.DeviceBudgetTooSmallError, match=f"required={need}"):
-    jr.place(model, dense(3, 2, device=need - 1), store=store, mesh=MESH1)
-  jr.place(model, dense(3, 2, device=need), store=store, mesh=MESH1).close()
+    jr.place(model, dense(3 * UNIT, 2, device=need - 1), store=store, mesh=MESH1)
+  jr.place(model, dense(3 * UNIT, 2, device=need), store=store, mesh=MESH1).close()
   with pytest.raises(jr.HostBudgetTooSmallError):
-    jr.place(model, dense(2, 3), store=store, mesh=MESH1)
+    jr.place(model, dense(2 * UNIT, 3), store=store, mesh=MESH1)
 
 
 def test_missing_store_is_a_clear_error(model, tmp_path):
   with pytest.raises(jr.StoreNotFoundError, match="nope"):
-    jr.place(model, dense(3, 2), store=str(tmp_path / "nope"), mesh=MESH1)
+    jr.place(model, dense(3 * UNIT, 2), store=str(tmp_path / "nope"), mesh=MESH1)
 
 
-def test_wrong_model_lists_every_bad_path(tokens, store):
-  other = ToyTransformer(
-    ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=32, n_layers=8), rngs=nnx.Rngs(0)
-  )
+def test_wrong_model_lists_every_bad_path(tokens, store, toy_model):
+  other = toy_model(ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=32, n_layers=8), seeded=True)
   with pytest.raises(jr.CheckpointShapeMismatchError) as info:
-    jr.place(other, dense(3, 2), store=store, mesh=MESH1)
+    jr.place(other, dense(3 * UNIT, 2), store=store, mesh=MESH1)
   msg = str(info.value)
   assert "up" in msg and "down" in msg
 
@@ -233,7 +219,7 @@ def test_traced_once_per_input_shape(model, tokens, store, monkeypatch):
     return real_call(self, x)
 
   monkeypatch.setattr(toy.Block, "__call__", counting)
-  with jr.place(model, dense(3, 2), store=store, mesh=MESH1) as placed:
+  with jr.place(model, dense(3 * UNIT, 2), store=store, mesh=MESH1) as placed:
     for _ in range(3):
       placed(tokens)
     assert traces["n"] == 1
@@ -276,21 +262,21 @@ def test_from_local_box_places_what_the_process_read():
   assert out.sharding == sharding
 
 
-def test_sliced_reads_path_keeps_parity(tokens, tmp_path, monkeypatch):
+def test_sliced_reads_path_keeps_parity(tokens, mesh_2x4, toy_model, toy_store, monkeypatch):
   """Force the multi-process read path (index reads + per-shard assembly)."""
   from jax_residency._src.stream import stack_units
 
   monkeypatch.setattr(
     stack_units, "addressable_box", lambda s, shape: tuple(slice(0, n) for n in shape)
   )
-  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  with jax.set_mesh(mesh):
-    sharded = ToyTransformer(CFG, rngs=nnx.Rngs(0), sharded=True)
-  path = str(tmp_path / "sliced")
-  jr.save(sharded, path, progress=False)
+  mesh = mesh_2x4
+  sharded = toy_model(CFG, mesh=mesh, seeded=True)
+  path = toy_store(CFG, mesh=mesh, seeded=True)
   expected = sharded(tokens)
   for host_units in (0, 3):
-    with jr.place(sharded, dense(host_units, 2 if host_units else 0), store=path, mesh=mesh) as p:
+    with jr.place(
+      sharded, dense(host_units * UNIT, 2 if host_units else 0), store=path, mesh=mesh
+    ) as p:
       np.testing.assert_allclose(p(tokens), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -337,13 +323,12 @@ class _ReverseStack(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def reverse_stack(tmp_path_factory):
+def reverse_stack(seeded_linen, saved_store):
   model = _ReverseStack()
   x = jax.random.normal(jax.random.key(0), (3, 16))
   extra = jax.random.normal(jax.random.key(1), (5, 3, 16))
-  variables = model.init(jax.random.key(2), x, extra)
-  path = str(tmp_path_factory.mktemp("reverse") / "store")
-  jr.save(model, path, params=variables, progress=False)
+  variables = seeded_linen(model, x, extra)
+  path = saved_store("test_stream-reverse_stack", model, params=variables).path
   unit = sum(a.nbytes for a in jax.tree.leaves(variables)) // 5
   return model, variables, (x, extra), path, unit
 
@@ -380,15 +365,14 @@ def test_reversed_loop_streams_in_loop_order(reverse_stack):
   assert report.worker.submitted >= 3  # units 3..1 were read ahead, not on demand
 
 
-def test_scan_units_reverse_under_every_policy(reversed_stack, tmp_path):
+def test_scan_units_reverse_under_every_policy(reversed_stack, saved_store):
   model = reversed_stack
   x = jax.random.normal(jax.random.key(1), (2, 16))
   h = x  # the loop runs layer 3 first
   for i in reversed(range(4)):
     h = jnp.tanh(h @ model.layers.kernel[i] + model.layers.bias[i])
   np.testing.assert_allclose(model(x), h, rtol=1e-6, atol=1e-6)
-  path = str(tmp_path / "store")
-  jr.save(model, path, progress=False)
+  path = saved_store("conftest-reversed_stack", model).path
   policies = [
     jr.FullyResident(),
     jr.LayerwiseHost(jr.LayerwiseLoadOptions(offload=jr.OffloadConfig(prefetch_depth=2))),
@@ -403,12 +387,11 @@ def test_scan_units_reverse_under_every_policy(reversed_stack, tmp_path):
       np.testing.assert_allclose(placed(x), h, rtol=1e-6, atol=1e-6)
 
 
-def test_bfloat16_model_under_every_policy(tokens, tmp_path):
+def test_bfloat16_model_under_every_policy(tokens, toy_model, toy_store):
   """Half-precision weights are stored, placed and streamed as they are."""
   cfg = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4, dtype="bfloat16")
-  model = ToyTransformer(cfg, rngs=nnx.Rngs(0))
-  path = str(tmp_path / "bf16")
-  jr.save(model, path, progress=False)
+  model = toy_model(cfg, seeded=True)
+  path = toy_store(cfg, seeded=True)
   jitted, eager = nnx.jit(lambda m, t: m(t))(model, tokens), model(tokens)
   unit = cfg.unit_bytes()
   dense_policy = jr.DenseDiskStream(

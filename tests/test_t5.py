@@ -243,10 +243,10 @@ POLICIES = ["fully-resident", "layerwise-host", "dense"]
 
 
 @pytest.fixture(scope="module")
-def store(gated, tmp_path_factory: pytest.TempPathFactory) -> jr.StoreInfo:
+def store(gated, saved_store) -> jr.StoreInfo:
   """Both stacks in one store (the ones ``T5`` declares)."""
   model, _ = gated
-  return jr.save(model, str(tmp_path_factory.mktemp("t5") / "both"), progress=False)
+  return saved_store("t5_tiny_gated", model)
 
 
 def placed(model: CountingT5, name: str, store: jr.StoreInfo, **kw: Any):

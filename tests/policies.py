@@ -1,0 +1,40 @@
+"""The suite's one `DenseDiskStream` builder. Imported by name (``conftest.py`` puts this
+directory on ``sys.path``)::
+
+  from policies import dense
+
+  dense(0)  # direct disk to device: no host cache, no read-ahead thread
+  dense(3 * UNIT, 2)  # a host cache of three units, two units read ahead
+  dense(2000, device=None)  # an unbounded device budget
+"""
+
+from __future__ import annotations
+
+import jax_residency as jr
+from jax_residency._src.policy.options import DEFAULT_DENSE_DEVICE_BUDGET_BYTES
+
+
+def dense(
+  host: int | str | None,
+  lookahead: int | None = None,
+  *,
+  device: int | str | None = DEFAULT_DENSE_DEVICE_BUDGET_BYTES,
+  lfu: bool = False,
+) -> jr.DenseDiskStream:
+  """A `DenseDiskStream` with ``host_budget_bytes=host`` (``None``: unbounded).
+
+  Args:
+    host: bytes of the host unit cache; 0 reads from disk straight to the device.
+    lookahead: units read ahead into the host cache. ``None`` follows the host budget
+      as the library does: 2 with a host cache, 0 without; so does the read-ahead
+      queue (``background_queue_capacity``), always.
+    device: the device budget in bytes (``None``: unbounded); the library's default
+      (4 GiB) if left out.
+    lfu: evict the least frequently used unit first instead of the least recently used.
+  """
+  fields: dict = {"host_budget_bytes": host, "device_budget_bytes": device}
+  if lookahead is not None:
+    fields["host_lookahead"] = lookahead
+  if lfu:
+    fields["eviction_policy"] = jr.CacheEvictionPolicy.LEAST_FREQUENTLY_USED
+  return jr.DenseDiskStream(**fields)

@@ -1,6 +1,11 @@
 """One process of the two-process dense-stream test (run by test_multiprocess.py).
 
 Usage: python multiprocess_worker.py PROCESS_ID PORT STORE OUT_DIR
+
+Places the store once per host budget in ``$HOST_BUDGETS`` (comma-separated bytes), one
+after the other in this one process, and writes ``out{pid}-{budget}.npy`` (the gathered
+output) and ``reads{pid}-{budget}.json`` (the read index of every unit read, and the
+bytes read) for each.
 """
 
 from __future__ import annotations
@@ -38,19 +43,22 @@ def main(pid: int, port: int, store: str, out_dir: str) -> None:
     return real(self, i, index=index)
 
   store_mod.UnitStore.read_unit_async = spy
-  options = jr.DenseDiskStreamLoadOptions(
-    device_budget_bytes="64MiB",
-    host_budget_bytes=int(os.environ["HOST_BUDGET"]),
-    host_lookahead=2 if int(os.environ["HOST_BUDGET"]) else 0,
-    background_queue_capacity=2 if int(os.environ["HOST_BUDGET"]) else 0,
-  )
   tokens = np.arange(12, dtype=np.int32).reshape(2, 6) % cfg.vocab
-  with jr.place(abstract, jr.DenseDiskStream(options), store=store, mesh=mesh) as placed:
-    out = multihost_utils.process_allgather(placed(tokens), tiled=True)
-    bytes_read = placed.report().last.bytes_read
-  np.save(os.path.join(out_dir, f"out{pid}.npy"), np.asarray(out))
-  with open(os.path.join(out_dir, f"reads{pid}.json"), "w") as f:
-    json.dump({"reads": reads, "bytes_read": bytes_read}, f)
+  for host_budget in (int(b) for b in os.environ["HOST_BUDGETS"].split(",")):
+    options = jr.DenseDiskStreamLoadOptions(
+      device_budget_bytes="64MiB",
+      host_budget_bytes=host_budget,
+      host_lookahead=2 if host_budget else 0,
+      background_queue_capacity=2 if host_budget else 0,
+    )
+    reads.clear()
+    with jr.place(abstract, jr.DenseDiskStream(options), store=store, mesh=mesh) as placed:
+      out = multihost_utils.process_allgather(placed(tokens), tiled=True)
+      bytes_read = placed.report().last.bytes_read
+    name = f"{pid}-{host_budget}"
+    np.save(os.path.join(out_dir, f"out{name}.npy"), np.asarray(out))
+    with open(os.path.join(out_dir, f"reads{name}.json"), "w") as f:
+      json.dump({"reads": reads, "bytes_read": bytes_read}, f)
 
 
 if __name__ == "__main__":

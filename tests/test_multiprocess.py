@@ -17,10 +17,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-import jax_residency as jr
-from jax_residency.toy import ToyConfig, ToyTransformer
+from jax_residency.toy import ToyConfig
 
 CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4)
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
@@ -32,24 +30,28 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="gloo CPU collectives are tested on Linux")
-@pytest.mark.parametrize("host_units", [0, 2])
-def test_each_process_reads_only_its_shards(tmp_path, host_units):
+#: Host budgets, in units: no host cache (direct), and a cache of two units.
+HOST_UNITS = (0, 2)
+
+
+@pytest.fixture(scope="module")
+def outputs(toy_model, saved_store, tmp_path_factory):
+  """One pair of worker processes places the store under every budget of HOST_UNITS in
+  turn; returns the plain model's output and the directory of what the workers wrote."""
   mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
-  with jax.set_mesh(mesh):
-    model = ToyTransformer(CFG, rngs=nnx.Rngs(0), sharded=True)
-  store = str(tmp_path / "store")
-  jr.save(model, store, progress=False)
+  model = toy_model(CFG, mesh=mesh)
+  store = saved_store(("toy", CFG, 0, mesh, False), model).path
   tokens = np.arange(12, dtype=np.int32).reshape(2, 6) % CFG.vocab
   expected = np.asarray(model(tokens))
+  out_dir = tmp_path_factory.mktemp("multiprocess")
   env = dict(os.environ)
   env["TOY_CONFIG"] = json.dumps(dataclasses.asdict(CFG))
-  env["HOST_BUDGET"] = str(host_units * CFG.unit_bytes())
+  env["HOST_BUDGETS"] = ",".join(str(units * CFG.unit_bytes()) for units in HOST_UNITS)
   env.pop("XLA_FLAGS", None)
   port = _free_port()
   procs = [
     subprocess.Popen(
-      [sys.executable, WORKER, str(pid), str(port), store, str(tmp_path)],
+      [sys.executable, WORKER, str(pid), str(port), store, str(out_dir)],
       env=env,
       stdout=subprocess.DEVNULL,
       stderr=subprocess.PIPE,
@@ -63,10 +65,18 @@ def test_each_process_reads_only_its_shards(tmp_path, host_units):
     for p in procs:
       p.kill()
   assert [p.returncode for p in procs] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+  return expected, out_dir
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo CPU collectives are tested on Linux")
+@pytest.mark.parametrize("host_units", HOST_UNITS)
+def test_each_process_reads_only_its_shards(outputs, host_units):
+  expected, out_dir = outputs
   halves = []
   for pid in range(2):
-    np.testing.assert_allclose(np.load(tmp_path / f"out{pid}.npy"), expected, atol=1e-5)
-    with open(tmp_path / f"reads{pid}.json") as f:
+    name = f"{pid}-{host_units * CFG.unit_bytes()}"
+    np.testing.assert_allclose(np.load(out_dir / f"out{name}.npy"), expected, atol=1e-5)
+    with open(out_dir / f"reads{name}.json") as f:
       record = json.load(f)
     index = record["reads"][0]
     # down.kernel (d_ff, d_model) is sharded over "model" on axis 0: each process reads half.

@@ -13,29 +13,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import jax_residency as jr
 from jax_residency import testing
-from jax_residency.toy import ToyConfig, ToyTransformer
+from jax_residency.toy import ToyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=3)
 TOKENS = jnp.zeros((1, 5), jnp.int32)
 
 
-def test_parity_holds_bit_for_bit_for_nnx_and_linen(linen_toy, tokens):
-  model = ToyTransformer(CFG, rngs=nnx.Rngs(0))
+def test_parity_holds_bit_for_bit_for_nnx_and_linen(linen_toy, tokens, toy_model):
+  model = toy_model(CFG)
   assert set(testing.assert_policy_parity(model, TOKENS).values()) == {0.0}
   linen, variables = linen_toy
   diffs = testing.assert_policy_parity(linen, tokens, params=variables)
   assert set(diffs.values()) == {0.0}
 
 
-def test_parity_fails_naming_the_policy_whose_outputs_differ(tmp_path):
-  model = ToyTransformer(CFG, rngs=nnx.Rngs(0))
-  other = str(tmp_path / "other")  # a store of another model of the same shape
-  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(1)), other, progress=False)
+def test_parity_fails_naming_the_policy_whose_outputs_differ(toy_model, toy_store):
+  model = toy_model(CFG)
+  other = toy_store(CFG, seed=1)  # a store of another model of the same shape
   policies = {"resident": jr.FullyResident(), "streamed": jr.DenseDiskStream(host_budget_bytes=0)}
   with pytest.raises(AssertionError, match=r"atol=0\.0 under streamed:") as e:
     testing.assert_policy_parity(model, TOKENS, policies=policies, store=other)
@@ -50,8 +48,8 @@ def test_parity_never_compares_outputs_of_different_shapes_by_broadcasting():
     _max_diff("lh", jnp.zeros((2, 3)), jnp.zeros(3))
 
 
-def test_memory_kinds_pass_per_policy_and_fail_on_a_misplaced_array():
-  model = ToyTransformer(CFG, rngs=nnx.Rngs(0))
+def test_memory_kinds_pass_per_policy_and_fail_on_a_misplaced_array(toy_model):
+  model = toy_model(CFG)
   with jr.place(model, jr.FullyResident()) as placed:
     assert set(testing.assert_memory_kinds(placed)) == {"device"}
   with jr.place(model, jr.LayerwiseHost()) as placed:
@@ -69,8 +67,8 @@ def test_memory_kinds_pass_per_policy_and_fail_on_a_misplaced_array():
       testing.assert_memory_kinds(fake)
 
 
-def test_within_budgets_passes_and_fails_on_a_pass_over_the_plan():
-  model = ToyTransformer(CFG, rngs=nnx.Rngs(0))
+def test_within_budgets_passes_and_fails_on_a_pass_over_the_plan(toy_model):
+  model = toy_model(CFG)
   with jr.place(model, jr.LayerwiseHost(prefetch_depth=2)) as placed:
     placed(TOKENS)
     testing.assert_within_budgets(placed)

@@ -381,11 +381,10 @@ def test_default_mesh_follows_set_mesh_and_sharded_arrays(nnx_toy_sharded, mesh_
     )
 
 
-def test_default_mesh_keeps_a_one_device_mesh_the_model_is_sharded_over(cfg, tokens):
+def test_default_mesh_keeps_a_one_device_mesh_the_model_is_sharded_over(cfg, tokens, toy_model):
   """Partitioning names resolve against the mesh the model was built on, even one device."""
   mesh = Mesh(np.array(jax.devices()[2:3]), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
-  with jax.set_mesh(mesh):
-    model = ToyTransformer(cfg, rngs=nnx.Rngs(0), sharded=True)
+  model = toy_model(cfg, mesh=mesh, seeded=True)  # built under jax.set_mesh(mesh)
   with jr.place(model, layerwise(2)) as placed:
     assert placed.mesh == mesh
     np.testing.assert_array_equal(placed(tokens), nnx.jit(lambda m, t: m(t))(model, tokens))

@@ -11,6 +11,7 @@ each array once. A ``CheckpointManager`` root stands for its latest complete ste
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import shutil
@@ -43,7 +44,9 @@ DENSE = ("dense_cached", "dense_direct")
 UNIT_TENSORS = 12  # the toy layer's parameters: qkv, out, up, down kernels and biases, 2 norms
 
 
+@functools.cache
 def model(seed: int = 0) -> ToyTransformer:
+  """The toy of ``nnx.Rngs(seed)``, built once per module: read it, never change it."""
   return ToyTransformer(CFG, rngs=nnx.Rngs(seed))
 
 
@@ -197,9 +200,9 @@ def test_step_items_are_chosen_or_named(tmp_path):
   assert f"{root}/3/params" in str(e.value) and f"{root}/3/ema" in str(e.value)
 
 
-def test_linen_params_checkpoint_places(tmp_path):
+def test_linen_params_checkpoint_places(tmp_path, seeded_linen):
   linen = LinenToyTransformer(CFG)
-  variables = linen.init(jax.random.key(0), TOKENS)
+  variables = seeded_linen(linen, TOKENS)
   path = save_standard(str(tmp_path / "linen"), variables)
   want = linen.apply(variables, TOKENS)
   for policy in (jr.DenseDiskStream(host_budget_bytes=0), jr.FullyResident()):

@@ -243,6 +243,36 @@ def build_linen(model: nn.Module, x: jax.Array, *, seed: int = 0) -> Any:
   return _fill(jax.eval_shape(model.init, jax.random.key(0), x), seed)
 
 
+# --- the order files run in ----------------------------------------------------
+#
+# pyproject.toml runs the suite with ``--dist loadfile --no-loadscope-reorder``: an xdist
+# worker takes a whole file (its module fixtures built once, not once per worker) and
+# the files go out in collection order. The slowest files go first, so that the two
+# workers end together instead of one waiting on a long file picked up last; the rest
+# keep pytest's order. Seconds: one file's tests on one of two busy cores.
+SLOWEST_FIRST = (
+  "tests/test_llama.py",  # 130 s
+  "tests/test_notebooks.py",  # 75 s: five notebook kernels
+  "tests/test_t5.py",  # 50 s
+  "tests/test_gpt.py",  # 50 s
+  "tests/test_placement.py",  # 35 s
+  "tests/test_stream.py",  # 30 s
+  "tests/test_cli.py",  # 25 s
+  "tests/test_testing.py",  # 25 s: a pytest subprocess
+  "tests/test_compile_cache.py",  # 20 s: three subprocesses
+  "tests/test_minilm.py",  # 20 s
+  "tests/test_lint.py",  # 20 s: mypy with a cold cache
+  "tests/test_multiprocess.py",  # 15 s: two processes
+  "tests/test_orbax.py",  # 15 s
+  "tests/test_stacks.py",  # 15 s
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+  rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 # --- fixtures ----------------------------------------------------------------
 
 

@@ -172,8 +172,8 @@ CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4)
 
 
 @pytest.fixture(scope="module")
-def toy() -> ToyTransformer:
-  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
+def toy(toy_model) -> ToyTransformer:
+  return toy_model(CFG)
 
 
 def test_device_budget_error_carries_its_numbers(toy):

@@ -207,18 +207,25 @@ def run_child(cache: Path, mode: str) -> dict:
   return json.loads(line.removeprefix("RESULT "))
 
 
-def test_a_second_process_loads_the_first_pass_from_the_cache(tmp_path):
-  first = run_child(tmp_path, "explicit")
-  second = run_child(tmp_path, "explicit")
-  assert first["cache_dir"] == second["cache_dir"] == str(tmp_path / "xla")
-  assert any((tmp_path / "xla").iterdir())
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, dict, dict]:
+  """Two processes, one after the other, with one cache directory: the first leaves the
+  cache to place() (as a user does), the second turns it on itself before compiling."""
+  cache = tmp_path_factory.mktemp("compile_cache")
+  return cache, run_child(cache, "via-place"), run_child(cache, "explicit")
+
+
+def test_place_turns_the_cache_on(two_processes):
+  cache, first, _ = two_processes
+  assert first["cache_dir"] == str(cache / "xla")
+
+
+def test_a_second_process_loads_the_first_pass_from_the_cache(two_processes):
+  cache, first, second = two_processes
+  assert first["cache_dir"] == second["cache_dir"] == str(cache / "xla")
+  assert any((cache / "xla").iterdir())
   for policy in ("fully_resident", "dense_disk_stream"):
     cold, warm = first[policy], second[policy]
     assert cold["requests"] > 0 and cold["hits"] == 0, cold  # compiled, written
     assert warm["hits"] == warm["requests"] > 0, warm  # every program loaded, none compiled
     assert 0 < warm["compile_seconds"] <= warm["seconds"]  # loading counts as compile time
-
-
-def test_place_turns_the_cache_on(tmp_path):
-  result = run_child(tmp_path, "via-place")
-  assert result["cache_dir"] == str(tmp_path / "xla")

@@ -174,10 +174,8 @@ def tied() -> models.GPT:
 
 
 @pytest.fixture(scope="module")
-def tied_store(tied: models.GPT, tmp_path_factory: pytest.TempPathFactory) -> str:
-  path = str(tmp_path_factory.mktemp("gpt-tied") / "store")
-  jr.save(tied, path, progress=False)
-  return path
+def tied_store(tied: models.GPT, saved_store) -> str:
+  return saved_store(("gpt", TIED, 0), tied).path
 
 
 def test_a_tied_head_is_the_embedding_transposed(tied, model, prompt):

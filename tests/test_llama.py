@@ -351,12 +351,8 @@ def mesh_of(devices: int) -> jax.sharding.Mesh:
 
 
 @pytest.fixture(scope="module")
-def stores(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[str, jr.StoreInfo]:
-  root = tmp_path_factory.mktemp("llama")
-  return {
-    name: jr.save(model, str(root / name), progress=False)
-    for name, (model, _) in checkpoints.items()
-  }
+def stores(checkpoints, saved_store) -> dict[str, jr.StoreInfo]:
+  return {name: saved_store(("llama", name), model) for name, (model, _) in checkpoints.items()}
 
 
 #: Every policy on the 8-device mesh for every fixture; on 1 device for the Llama 3 one.

@@ -24,7 +24,7 @@ TOKENS = jnp.zeros((1, 5), jnp.int32)
 
 
 def test_parity_holds_bit_for_bit_for_nnx_and_linen(linen_toy, tokens, toy_model):
-  model = toy_model(CFG)
+  model = toy_model(CFG, seeded=True)
   assert set(testing.assert_policy_parity(model, TOKENS).values()) == {0.0}
   linen, variables = linen_toy
   diffs = testing.assert_policy_parity(linen, tokens, params=variables)
@@ -32,8 +32,8 @@ def test_parity_holds_bit_for_bit_for_nnx_and_linen(linen_toy, tokens, toy_model
 
 
 def test_parity_fails_naming_the_policy_whose_outputs_differ(toy_model, toy_store):
-  model = toy_model(CFG)
-  other = toy_store(CFG, seed=1)  # a store of another model of the same shape
+  model = toy_model(CFG, seeded=True)
+  other = toy_store(CFG, seed=1, seeded=True)  # a store of another model of the same shape
   policies = {"resident": jr.FullyResident(), "streamed": jr.DenseDiskStream(host_budget_bytes=0)}
   with pytest.raises(AssertionError, match=r"atol=0\.0 under streamed:") as e:
     testing.assert_policy_parity(model, TOKENS, policies=policies, store=other)
@@ -49,7 +49,7 @@ def test_parity_never_compares_outputs_of_different_shapes_by_broadcasting():
 
 
 def test_memory_kinds_pass_per_policy_and_fail_on_a_misplaced_array(toy_model):
-  model = toy_model(CFG)
+  model = toy_model(CFG, seeded=True)
   with jr.place(model, jr.FullyResident()) as placed:
     assert set(testing.assert_memory_kinds(placed)) == {"device"}
   with jr.place(model, jr.LayerwiseHost()) as placed:
@@ -68,7 +68,7 @@ def test_memory_kinds_pass_per_policy_and_fail_on_a_misplaced_array(toy_model):
 
 
 def test_within_budgets_passes_and_fails_on_a_pass_over_the_plan(toy_model):
-  model = toy_model(CFG)
+  model = toy_model(CFG, seeded=True)
   with jr.place(model, jr.LayerwiseHost(prefetch_depth=2)) as placed:
     placed(TOKENS)
     testing.assert_within_budgets(placed)

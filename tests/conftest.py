@@ -10,7 +10,6 @@ of its own instead (below).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -69,6 +68,7 @@ from jax_residency.toy import LinenToyTransformer, ToyConfig, ToyTransformer  # 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hlo import Mlir  # noqa: E402
+from store_files import store_digest  # noqa: E402 - after the sys.path entry above
 
 M = TypeVar("M")
 
@@ -404,17 +404,6 @@ def _unchanged_model(model: Any, values: list[np.ndarray]) -> bool:
   )
 
 
-def _store_digest(path: str) -> dict[str, str]:
-  """Each file of the store directory (relative path) with a hash of its bytes."""
-  files = {}
-  for root, _, names in os.walk(path):
-    for name in names:
-      full = os.path.join(root, name)
-      with open(full, "rb") as f:
-        files[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
-  return files
-
-
 @pytest.fixture(scope="session")
 def toy_model() -> Iterator[Callable[..., ToyTransformer]]:
   """``toy_model(cfg, seed=0, mesh=None, seeded=False)``: ``ToyTransformer(cfg,
@@ -473,11 +462,11 @@ def saved_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[.
         info = jr.save(model, path, progress=False, **save_kwargs)
       else:
         info = write(path)
-      saved[key] = (info, path, _store_digest(path))
+      saved[key] = (info, path, store_digest(path))
     return saved[key][0]
 
   yield save
-  changed = [key for key, (_, path, digest) in saved.items() if _store_digest(path) != digest]
+  changed = [key for key, (_, path, digest) in saved.items() if store_digest(path) != digest]
   assert not changed, f"a test wrote to a shared store (conftest.saved_store): {changed}"
 
 

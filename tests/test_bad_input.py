@@ -16,6 +16,7 @@ import shutil
 import pytest
 import tensorstore as ts
 from flax import nnx
+from store_files import store_digest
 
 import jax_residency as jr
 from jax_residency._src import errors
@@ -54,16 +55,6 @@ def store(template, tmp_path) -> str:
   return path
 
 
-def _snapshot(path: str) -> dict[str, bytes]:
-  files = {}
-  for root, _, names in os.walk(path):
-    for name in names:
-      full = os.path.join(root, name)
-      with open(full, "rb") as f:
-        files[os.path.relpath(full, path)] = f.read()
-  return files
-
-
 def _call(*argv: str) -> tuple[int, str, str]:
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -96,13 +87,13 @@ def _assert_one_line_error(code: int, err: str, *fragments: str) -> None:
 def test_save_refuses_a_flag_that_is_not_a_bool_and_leaves_the_store_alone(
   model, store, kwargs, fragments
 ):
-  before = _snapshot(store)
+  before = store_digest(store)
   with pytest.raises(errors.StoreError) as e:
     jr.save(model, store, **kwargs)
   for fragment in fragments:
     assert fragment in str(e.value)
   assert "nothing was written" in str(e.value)
-  assert _snapshot(store) == before
+  assert store_digest(store) == before
 
 
 @pytest.mark.parametrize(

@@ -52,11 +52,14 @@ class BudgetTooSmallError(PlacementError):
   Example:
     >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 4, 4)))))  # 2 x 64 B
-    >>> try:
-    ...   jr.place(net, jr.LayerwiseHost(host_budget_bytes=100), units="layers")
-    ... except jr.BudgetTooSmallError as e:
-    ...   print(type(e).__name__, e.required, e.budget)
+    >>> tight = (jr.LayerwiseHost(host_budget_bytes=100), jr.FullyResident(device_budget_bytes=100))
+    >>> for policy in tight:
+    ...   try:
+    ...     jr.place(net, policy, units="layers")
+    ...   except jr.BudgetTooSmallError as e:  # either tier's
+    ...     print(type(e).__name__, e.required, e.budget)
     HostBudgetTooSmallError 128 100
+    DeviceBudgetTooSmallError 128 100
   """
 
   def __init__(

@@ -197,16 +197,17 @@ class CheckpointMismatchError(StoreError):
 
   Raised by `place` with ``store=`` before any weight is read, listing every path.
 
+  Catch it to handle every such mismatch at once; each subclass's example raises it.
+
   Example:
-    >>> import tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
-    >>> net = lambda width: nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, width, width)))))
-    >>> path = tempfile.mkdtemp() + "/net"
-    >>> _ = jr.save(net(4), path, units="layers", progress=False)
-    >>> try:
-    ...   jr.place(net(8), store=path)
-    ... except jr.errors.CheckpointMismatchError as e:
-    ...   print(type(e).__name__, isinstance(e, jr.StoreError))
-    CheckpointShapeMismatchError True
+    >>> import jax_residency as jr
+    >>> for kind in sorted(c.__name__ for c in jr.errors.CheckpointMismatchError.__subclasses__()):
+    ...   print(kind)
+    CheckpointShapeMismatchError
+    MissingCheckpointParametersError
+    UnexpectedCheckpointParametersError
+    >>> issubclass(jr.errors.CheckpointMismatchError, jr.StoreError)
+    True
   """
 
 

@@ -32,18 +32,19 @@ def scan(target: type[nn.Module], **scan_kwargs: Any) -> type[nn.Module]:
     A module class: ``nn.scan(target, **scan_kwargs)`` outside a placement.
 
   Example:
-    >>> import jax, jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp, jax_residency as jr
     >>> from flax import linen as nn
-    >>> import jax_residency as jr
-    >>> class Block(nn.Module):
+    >>> class Block(nn.Module):  # a carry in, a carry and one output per layer out
     ...   @nn.compact
     ...   def __call__(self, h, _):
-    ...     return jnp.tanh(nn.Dense(4)(h)), None
+    ...     h = jax.nn.relu(nn.Dense(4)(h))
+    ...     return h, h.mean()
     >>> Stack = jr.linen.scan(Block, variable_axes={"params": 0},
     ...                       split_rngs={"params": True}, length=3)
     >>> variables = Stack().init(jax.random.key(0), jnp.ones((2, 4)), None)
-    >>> variables["params"]["Dense_0"]["kernel"].shape
-    (3, 4, 4)
+    >>> _, means = Stack().apply(variables, jnp.ones((2, 4)), None)
+    >>> variables["params"]["Dense_0"]["kernel"].shape, means.shape  # stacked: axis 0 = layer
+    ((3, 4, 4), (3,))
   """
   scanned: Any = nn.scan(target, **scan_kwargs)
   in_axes = scan_kwargs.get("in_axes", 0)

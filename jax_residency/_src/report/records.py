@@ -49,17 +49,13 @@ class TimelinePoint:
     host_bytes: unit bytes held in the host cache.
     device_bytes: unit bytes held on the device.
 
+  ``PassReport.timeline`` holds one per step (its example runs a pass).
+
   Example:
-    >>> import jax.numpy as jnp, jax_residency as jr
-    >>> from flax import nnx
-    >>> from jax_residency.toy import ToyConfig, ToyTransformer
-    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
-    >>> info = jr.save(model, "memory://timeline_point/toy", progress=False)  # or a directory
-    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes="1MiB"), store=info.path) as p:
-    ...   _ = p(jnp.zeros((1, 4), jnp.int32))
-    ...   points = p.report().last.timeline  # one per step of the unit loop
-    >>> [(t.unit, 0 < t.device_bytes <= p.metadata.device_window_bytes) for t in points]
-    [(0, True), (1, True)]
+    >>> import jax_residency as jr
+    >>> point = jr.TimelinePoint(seconds=0.125, unit=1, host_bytes=3 << 20, device_bytes=2 << 20)
+    >>> point.unit, point.seconds, point.device_bytes >> 20  # MiB on the device
+    (1, 0.125, 2)
   """
 
   seconds: float
@@ -146,6 +142,9 @@ class PassReport(_Moved):
     ...   last = p.report().last
     >>> last.index, last.phase, last.tokens, last.bytes_read == info.total_unit_bytes
     (0, 'prefill', 4, True)
+    >>> window = p.metadata.device_window_bytes  # one timeline point per step of the unit loop
+    >>> [(t.unit, 0 < t.device_bytes <= window) for t in last.timeline]
+    [(0, True), (1, True)]
   """
 
   index: int
@@ -187,18 +186,16 @@ class Totals(_Moved, Metrics):
   ``peak_rss_bytes``, ``minor_faults`` and ``major_faults`` come from the
   passes' process samples and are ``None`` when no pass had one.
 
+  ``placed.report()`` holds three: ``prefill``, ``decode`` and ``total``.
+  ``Totals.of(pass_report)`` is one pass's; ``+`` merges two.
+
   Example:
-    >>> import jax.numpy as jnp, jax_residency as jr
-    >>> from flax import nnx
-    >>> from jax_residency.toy import ToyConfig, ToyTransformer
-    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
-    >>> info = jr.save(model, "memory://totals/toy", progress=False)  # or a directory
-    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes="1MiB"), store=info.path) as p:
-    ...   for n in (4, 1, 1):  # a prefill pass (4 tokens), then two decode passes
-    ...     _ = p(jnp.zeros((1, n), jnp.int32))
-    ...   report = p.report()
-    >>> report.prefill.passes, report.decode.passes, report.total.bytes_read > 0
-    (1, 2, True)
+    >>> import jax_residency as jr
+    >>> prefill = jr.Totals(passes=1, seconds=2.0, disk_to_host_bytes=300, peak_host_bytes=300)
+    >>> decode = jr.Totals(passes=2, seconds=0.5, disk_to_host_bytes=600, peak_host_bytes=200)
+    >>> both = prefill + decode
+    >>> both.passes, both.seconds, both.bytes_read, both.peak_host_bytes
+    (3, 2.5, 900, 300)
   """
 
   passes: int = total()
@@ -258,12 +255,10 @@ class Report:
       time count too; mapped and direct reads of local files are added.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import jax_residency as jr
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
     >>> from jax_residency.toy import ToyConfig, ToyTransformer
-    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
-    >>> with jr.place(model, jr.LayerwiseHost(prefetch_depth=1)) as placed:
+    >>> toy = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
+    >>> with jr.place(toy, jr.LayerwiseHost()) as placed:
     ...   _ = placed(jnp.zeros((1, 4), jnp.int32))  # 4 tokens: a prefill pass
     ...   _ = placed(jnp.zeros((1, 1), jnp.int32))  # 1 token: a decode pass
     ...   report = placed.report()  # a snapshot: later passes do not change it

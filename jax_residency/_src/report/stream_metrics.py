@@ -32,18 +32,17 @@ class TierMetrics(Metrics):
     peak_units: most resident entries at once.
     peak_bytes: most charged bytes at once, pending reservations included.
 
+  A dense stream's ``placed.report().last.host`` and ``.device`` are two of these.
+
   Example:
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
     >>> import jax_residency as jr
-    >>> from jax_residency.toy import ToyConfig, ToyTransformer
-    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
-    >>> info = jr.save(model, "memory://tier_metrics/toy", progress=False)  # or a directory
-    >>> with jr.place(model, jr.DenseDiskStream(host_budget_bytes="1MiB"), store=info.path) as p:
-    ...   _ = p(jnp.zeros((1, 4), jnp.int32))
-    ...   host = p.report().last.host  # the host cache over this pass
-    >>> host.requests == host.hits + host.misses == 2, host.evictions, host.peak_units
-    (True, 0, 2)
+    >>> first = jr.TierMetrics(requests=4, hits=3, misses=1, peak_units=2, peak_bytes=200)
+    >>> second = jr.TierMetrics(requests=2, hits=2, peak_units=3, peak_bytes=150)
+    >>> both = first + second  # counts add up, peaks take the larger
+    >>> both.requests, both.hits + both.misses, both.peak_units, both.peak_bytes
+    (6, 6, 3, 200)
+    >>> round(both.hit_rate, 3), jr.TierMetrics().hit_rate  # None: nothing was requested
+    (0.833, None)
   """
 
   requests: int = total()
@@ -92,19 +91,18 @@ class WorkerMetrics(Metrics):
     evicted_before_use: prefetched units evicted before any use (reported by
       the engine through `note_evicted_before_use`).
 
+  A dense stream's ``placed.report().last.worker`` is one of these (``None``
+  without a host cache: no thread reads ahead then).
+
   Example:
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
     >>> import jax_residency as jr
-    >>> from jax_residency.toy import ToyConfig, ToyTransformer
-    >>> model = ToyTransformer(ToyConfig(n_layers=2), rngs=nnx.Rngs(0))
-    >>> info = jr.save(model, "memory://worker_metrics/toy", progress=False)  # or a directory
-    >>> policy = jr.DenseDiskStream(host_budget_bytes="1MiB", host_lookahead=2)
-    >>> with jr.place(model, policy, store=info.path) as placed:
-    ...   _ = placed(jnp.zeros((1, 4), jnp.int32))
-    ...   worker = placed.report().last.worker  # the background reads of this pass
-    >>> worker.completed > 0, worker.completed == worker.submitted, worker.failed
-    (True, True, 0)
+    >>> one = jr.WorkerMetrics(submitted=3, completed=3, ready_before_demand=2,
+    ...                        peak_queue_occupancy=2)
+    >>> two = jr.WorkerMetrics(submitted=2, coalesced=1, completed=1, demand_waits=1,
+    ...                        demand_wait_seconds=0.25, peak_queue_occupancy=1)
+    >>> both = one + two  # counts and seconds add up, the queue's peak takes the larger
+    >>> both.submitted, both.completed, both.demand_wait_seconds, both.peak_queue_occupancy
+    (5, 4, 0.25, 2)
   """
 
   submitted: int = total()

@@ -238,9 +238,10 @@ def build_nnx(make: Callable[[], M], *, seed: int = 0, mesh: Mesh | None = None)
   return nnx.merge(graphdef, _fill(state, seed, mesh))
 
 
-def build_linen(model: nn.Module, x: jax.Array, *, seed: int = 0) -> Any:
-  """Seeded variables for ``model`` with their (boxed) partitioning metadata."""
-  return _fill(jax.eval_shape(model.init, jax.random.key(0), x), seed)
+def build_linen(model: nn.Module, *args: Any, seed: int = 0) -> Any:
+  """Seeded variables for ``model`` called on ``args``, with their (boxed) partitioning
+  metadata, built without compiling its initialiser."""
+  return _fill(jax.eval_shape(model.init, jax.random.key(0), *args), seed)
 
 
 # --- the order files run in ----------------------------------------------------
@@ -368,13 +369,8 @@ def mlir() -> type[Mlir]:
 
 @pytest.fixture(scope="session")
 def seeded_linen() -> Callable[..., Any]:
-  """``seeded_linen(model, *args)``: seeded variables for the Linen ``model`` called on
-  ``args``, built without compiling its initialiser (as :func:`build_linen`)."""
-
-  def variables(model: nn.Module, *args: Any, seed: int = 0) -> Any:
-    return _fill(jax.eval_shape(model.init, jax.random.key(0), *args), seed)
-
-  return variables
+  """:func:`build_linen`: ``seeded_linen(model, *args, seed=0)``."""
+  return build_linen
 
 
 @pytest.fixture(scope="session")

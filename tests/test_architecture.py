@@ -60,8 +60,7 @@ MAX_LINES = 500
 PENDING_SPLIT: dict[str, str] = {}
 
 #: Import edges (importer, imported) allowed to close a cycle for now, each with
-#: why. Empty: the last cycle, `placement.place` <-> `stream.engine` (imports inside
-#: function bodies), was removed by the placement/stream split. An edge listed here
+#: why. Empty (the layers of `LAYERS` leave no cycle between parts). An edge listed here
 #: must exist and lie on a cycle, or the test fails until it is removed.
 KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 

@@ -16,6 +16,7 @@ from urllib.parse import unquote
 
 import pytest
 from flax import nnx
+from md_blocks import python_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -230,7 +231,7 @@ def tour_blocks() -> list[str]:
   """The python blocks of the README's "A tour" section, in order."""
   text = README.read_text(encoding="utf-8")
   section = text.split("\n## A tour\n", 1)[1].split("\n## ", 1)[0]
-  return re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+  return python_blocks(section)
 
 
 def test_the_readme_tour_runs_as_written(tmp_path, monkeypatch, capsys):

@@ -18,6 +18,7 @@ import types
 
 import pytest
 from flax import nnx
+from md_blocks import python_blocks
 
 import jax_residency as jr
 from jax_residency._src import errors as src_errors
@@ -212,10 +213,6 @@ def test_host_budget_error_carries_its_numbers(toy, tmp_path):
 
 
 # --- docs/reports.md ----------------------------------------------------------------
-
-
-def python_blocks(text: str) -> list[str]:
-  return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
 def test_reports_doc_example_runs(capsys):

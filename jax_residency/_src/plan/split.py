@@ -5,7 +5,7 @@ parameter leaves with normalised paths, the leaves of each stacked layer module
 (a :class:`Stack`; its *units* are its layers, leading axis = layer index),
 their partitioning metadata, and a ``bind(leaves)`` that rebuilds the model
 from leaves. Which modules are stacks is the user's choice (``units=``), the
-store's record, or what the forward loops over (``placement/discovery.py``).
+store's record, or what the forward loops over (``loop/stacks.py``).
 Placement never mutates the user's model.
 """
 

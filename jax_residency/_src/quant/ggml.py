@@ -1,0 +1,286 @@
+"""llama.cpp's GGML tensor types, decoded from their raw block bytes in JAX.
+
+A GGUF checkpoint stores each tensor row by row; a row of ``n`` values is
+``n / block_size`` blocks laid end to end, and a block is a fixed number of bytes.
+Stores keep those bytes as they are (``uint8`` arrays of shape ``(..., rows,
+row_bytes)``) and `decode` turns them into floats inside the step that uses them.
+Every multi-byte field is little-endian; "half" below is an IEEE float16 scale.
+
+* ``F32``, ``F16``, ``BF16``: one value per "block", its 4 or 2 bytes.
+* ``Q8_0`` (32 values, 34 bytes): a half ``d``, then 32 signed bytes ``q``; value
+  ``i`` is ``q[i] * d``.
+* ``Q4_0`` (32 values, 18 bytes): a half ``d``, then 16 bytes of 4-bit codes. Byte
+  ``j`` holds value ``j`` in its low nibble and value ``j + 16`` in its high
+  nibble; a code ``c`` in ``[0, 15]`` means ``(c - 8) * d``.
+* ``Q4_1`` (32 values, 20 bytes): halves ``d`` and ``m``, then the 16 code bytes
+  of ``Q4_0``; a code ``c`` means ``c * d + m`` (unsigned codes, an offset).
+* ``Q4_K`` (256 values, 144 bytes): halves ``d`` and ``dmin``, 12 bytes of
+  sub-block scales, then 128 code bytes. The block is 8 sub-blocks of 32 values,
+  each with a 6-bit scale ``sc`` and a 6-bit minimum ``mn``, packed into the 12
+  bytes as three rows of four: for sub-block ``k < 4``, ``sc`` is the low 6 bits
+  of byte ``k`` and ``mn`` the low 6 bits of byte ``k + 4``; for ``k >= 4`` the
+  low 4 bits of each come from byte ``k + 4`` (``sc`` its low nibble, ``mn`` its
+  high one) and the top 2 bits from the spare top bits of bytes ``k - 4``
+  (``sc``) and ``k`` (``mn``). The codes come in four runs of 32 bytes: run
+  ``r`` holds sub-block ``2r`` in its low nibbles and ``2r + 1`` in its high
+  ones. A code ``c`` means ``(d * sc) * c - dmin * mn``.
+* ``Q6_K`` (256 values, 210 bytes): 128 bytes of low nibbles ``ql``, 64 bytes of
+  high bit pairs ``qh``, 16 signed byte scales ``sc`` (one per 16 values), then a
+  half ``d``. Each half-block of 128 values uses 64 bytes of ``ql`` and 32 of
+  ``qh``: its value ``32 * k + l`` (``k`` in 0..3, ``l`` in 0..31) takes the low
+  (``k < 2``) or high (``k >= 2``) nibble of ``ql[l + 32 * (k % 2)]`` and, as its
+  top two bits, bits ``2k`` and ``2k + 1`` of ``qh[l]``. The 6-bit code ``c``
+  means ``(d * sc) * (c - 32)``.
+
+The arithmetic follows llama.cpp's reference dequantization (``ggml-quants.c``),
+operation by operation, in float32. Every product there is exact in float32: a
+half has at most 11 significant bits and the integers it is multiplied by (a
+sub-block scale times a code) at most 12 together, within float32's 24, and no
+product leaves float32's normal range. So each decoded value has at most one
+rounding, in the final add or subtract (Q4_1, Q4_K), and the result is
+bit-identical to llama.cpp's whether or not XLA reorders the products or contracts
+a multiply and an add into an FMA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_residency._src.errors import InvalidPolicyValueError
+
+#: Values per block of the K-quants.
+QK_K = 256
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GgmlType:
+  """One GGML tensor type: its name, its id in GGUF files, and its block.
+
+  Attributes:
+    name: llama.cpp's name, e.g. ``"Q4_K"``.
+    type_id: the number GGUF files store (``ggml_type`` in llama.cpp's ``ggml.h``).
+    block_size: values per block (1 for the float types).
+    block_bytes: bytes per block.
+
+  Example:
+    >>> ggml_type("Q4_K")
+    GgmlType(name='Q4_K', type_id=12, block_size=256, block_bytes=144)
+  """
+
+  name: str
+  type_id: int
+  block_size: int
+  block_bytes: int
+
+
+#: The types `decode` reads, in GGML id order.
+GGML_TYPES: tuple[GgmlType, ...] = (
+  GgmlType(name="F32", type_id=0, block_size=1, block_bytes=4),
+  GgmlType(name="F16", type_id=1, block_size=1, block_bytes=2),
+  GgmlType(name="Q4_0", type_id=2, block_size=32, block_bytes=18),
+  GgmlType(name="Q4_1", type_id=3, block_size=32, block_bytes=20),
+  GgmlType(name="Q8_0", type_id=8, block_size=32, block_bytes=34),
+  GgmlType(name="Q4_K", type_id=12, block_size=QK_K, block_bytes=144),
+  GgmlType(name="Q6_K", type_id=14, block_size=QK_K, block_bytes=210),
+  GgmlType(name="BF16", type_id=30, block_size=1, block_bytes=2),
+)
+_BY_NAME = {t.name: t for t in GGML_TYPES}
+_BY_ID = {t.type_id: t for t in GGML_TYPES}
+
+
+def ggml_type(name_or_id: str | int | GgmlType) -> GgmlType:
+  """The supported type of a name (any case), a GGML type id, or itself.
+
+  Raises:
+    InvalidPolicyValueError: not a supported type; the message names the value and
+      lists the supported types with their ids.
+
+  Example:
+    >>> ggml_type(8).name, ggml_type("bf16").type_id
+    ('Q8_0', 30)
+  """
+  if isinstance(name_or_id, GgmlType):
+    return name_or_id
+  found = None
+  if isinstance(name_or_id, str):
+    found = _BY_NAME.get(name_or_id.upper())
+  elif isinstance(name_or_id, int | np.integer) and not isinstance(name_or_id, bool):
+    found = _BY_ID.get(int(name_or_id))
+  if found is None:
+    supported = ", ".join(f"{t.name} ({t.type_id})" for t in GGML_TYPES)
+    raise InvalidPolicyValueError(
+      f"GGML type {name_or_id!r} is not supported; use one of {supported} (by name or id)."
+    )
+  return found
+
+
+def row_bytes(t: str | int | GgmlType, n: int) -> int:
+  """Bytes of one row of ``n`` values of type ``t``.
+
+  Raises:
+    InvalidPolicyValueError: ``t`` is not supported, or ``n`` is not a positive
+      multiple of its block size (the message names both).
+
+  Example:
+    >>> row_bytes("Q4_K", 4096), row_bytes("F16", 3)
+    (2304, 6)
+  """
+  t = ggml_type(t)
+  if isinstance(n, bool) or not isinstance(n, int | np.integer) or n <= 0 or n % t.block_size:
+    raise InvalidPolicyValueError(
+      f"n={n!r}: a row of {t.name} is whole blocks of {t.block_size} values; pass a "
+      f"positive multiple of {t.block_size}."
+    )
+  return int(n) // t.block_size * t.block_bytes
+
+
+def decode(
+  raw: jax.typing.ArrayLike, t: str | int | GgmlType, *, dtype: Any = jnp.float32
+) -> jax.Array:
+  """The values of rows of GGML blocks, as llama.cpp's ``dequantize_row_*`` gives them.
+
+  Traceable under `jax.jit`; the bytes are reinterpreted with
+  `jax.lax.bitcast_convert_type`, so decoding runs where ``raw`` lives. Computed
+  in float32 and then cast to ``dtype``. The order of operations is the C
+  reference's: ``q * d`` (Q8_0, Q4_0), ``q * d + m`` (Q4_1), ``(d * sc) * q -
+  dmin * mn`` (Q4_K) and ``(d * sc) * q`` (Q6_K). XLA may contract the Q4_1 and
+  Q4_K multiply-adds into FMAs; since their products are exact in float32, the
+  results are the same bits either way (see the module docstring).
+
+  Args:
+    raw: ``uint8``, shaped ``(..., rows, row_bytes)``: any leading axes (a stack
+      of layers on axis 0), each row whole blocks of ``t``.
+    t: the type, by name, id or `GgmlType`.
+    dtype: the dtype of the result.
+
+  Returns:
+    ``(..., rows, n)`` values of ``dtype``, ``n = row_bytes / block_bytes *
+    block_size``.
+
+  Raises:
+    InvalidPolicyValueError: ``t`` is not supported, ``raw`` is not ``uint8`` with
+      at least one axis, or its rows are not whole blocks (the message names the
+      row bytes and the block bytes).
+
+  Example:
+    >>> import numpy as np
+    >>> block = np.float16(0.5).tobytes() + np.arange(-16, 16, dtype=np.int8).tobytes()
+    >>> decode(np.frombuffer(block, np.uint8)[None], "Q8_0")[0, 14:18]
+    Array([-1. , -0.5,  0. ,  0.5], dtype=float32)
+  """
+  t = ggml_type(t)
+  raw = jnp.asarray(raw)
+  if raw.dtype != jnp.uint8 or raw.ndim < 1:
+    raise InvalidPolicyValueError(
+      f"raw: {raw.dtype} of shape {raw.shape}; GGML blocks are uint8 arrays of shape "
+      "(..., rows, row_bytes)."
+    )
+  nbytes = raw.shape[-1]
+  if nbytes % t.block_bytes:
+    raise InvalidPolicyValueError(
+      f"row_bytes={nbytes} (raw shape {raw.shape}) is not a multiple of {t.name}'s "
+      f"{t.block_bytes} bytes per block."
+    )
+  blocks = raw.reshape(*raw.shape[:-1], nbytes // t.block_bytes, t.block_bytes)
+  values = _DECODERS[t.name](blocks)
+  return values.reshape(*raw.shape[:-1], -1).astype(dtype)
+
+
+def _uint(b: jax.Array, dtype: Any) -> jax.Array:
+  """The little-endian unsigned integers of the bytes on the last axis of ``b``."""
+  out = b[..., 0].astype(dtype)
+  for i in range(1, b.shape[-1]):
+    out = out | (b[..., i].astype(dtype) << (8 * i))
+  return out
+
+
+def _half(b: jax.Array) -> jax.Array:
+  """float32 of the little-endian float16s in the (last-axis) byte pairs of ``b``."""
+  bits = _uint(b, jnp.uint16)
+  return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+def _f32(blocks: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(_uint(blocks, jnp.uint32), jnp.float32)
+
+
+def _bf16(blocks: jax.Array) -> jax.Array:
+  bits = _uint(blocks, jnp.uint16)
+  return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+
+
+def _nibbles(qs: jax.Array) -> jax.Array:
+  """The low nibbles of ``qs`` (last axis), then the high ones, as int32."""
+  return jnp.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(jnp.int32)
+
+
+def _q8_0(blocks: jax.Array) -> jax.Array:
+  d = _half(blocks[..., 0:2])[..., None]
+  q = jax.lax.bitcast_convert_type(blocks[..., 2:34], jnp.int8).astype(jnp.float32)
+  return q * d
+
+
+def _q4_0(blocks: jax.Array) -> jax.Array:
+  d = _half(blocks[..., 0:2])[..., None]
+  q = (_nibbles(blocks[..., 2:18]) - 8).astype(jnp.float32)
+  return q * d
+
+
+def _q4_1(blocks: jax.Array) -> jax.Array:
+  d = _half(blocks[..., 0:2])[..., None]
+  m = _half(blocks[..., 2:4])[..., None]
+  q = _nibbles(blocks[..., 4:20]).astype(jnp.float32)
+  return q * d + m
+
+
+def _q4_k_scales(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The 8 six-bit scales and minimums of a Q4_K block from its 12 scale bytes."""
+  a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+  sc = jnp.concatenate([a & 0x3F, (c & 0xF) | ((a >> 6) << 4)], axis=-1)
+  mn = jnp.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+  return sc.astype(jnp.float32), mn.astype(jnp.float32)
+
+
+def _q4_k(blocks: jax.Array) -> jax.Array:
+  d = _half(blocks[..., 0:2])[..., None]
+  dmin = _half(blocks[..., 2:4])[..., None]
+  sc, mn = _q4_k_scales(blocks[..., 4:16])
+  runs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)
+  q = jnp.stack([runs & 0xF, runs >> 4], axis=-2)  # (..., run, nibble, 32)
+  q = q.reshape(*blocks.shape[:-1], 8, 32).astype(jnp.float32)
+  scale = (d * sc)[..., None]
+  low = (dmin * mn)[..., None]
+  return (scale * q - low).reshape(*blocks.shape[:-1], QK_K)
+
+
+def _q6_k(blocks: jax.Array) -> jax.Array:
+  lead = blocks.shape[:-1]
+  ql = blocks[..., 0:128].reshape(*lead, 2, 1, 2, 32)  # (half, ·, part, l)
+  qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)  # (half, ·, l)
+  sc = jax.lax.bitcast_convert_type(blocks[..., 192:208], jnp.int8).astype(jnp.float32)
+  d = _half(blocks[..., 208:210])[..., None]
+  # Value 32 * k + l of a half: nibble k // 2 of ql[part k % 2, l], bits 2k.. of qh[l].
+  shifts = jnp.array([0, 4], jnp.uint8).reshape(2, 1, 1)
+  low = ((ql >> shifts) & 0xF).reshape(*lead, 2, 4, 32)
+  high = (qh >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & 0x3
+  q = (low | (high << 4)).astype(jnp.int32) - 32
+  q = q.reshape(*lead, 16, 16).astype(jnp.float32)
+  return ((d * sc)[..., None] * q).reshape(*lead, QK_K)
+
+
+_DECODERS: dict[str, Callable[[jax.Array], jax.Array]] = {
+  "F32": _f32,
+  "F16": _half,
+  "BF16": _bf16,
+  "Q8_0": _q8_0,
+  "Q4_0": _q4_0,
+  "Q4_1": _q4_1,
+  "Q4_K": _q4_k,
+  "Q6_K": _q6_k,
+}

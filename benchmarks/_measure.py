@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 
 MiB = 1 << 20
 #: The host and device budgets of the streamed passes.
@@ -66,6 +67,47 @@ def rss_bytes() -> int:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def rss_anon_bytes() -> int:
+  """Anonymous resident memory (``RssAnon``: heap, not mapped files) of this process."""
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("RssAnon:"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class AnonPeak:
+  """The peak of ``RssAnon`` while the context is open, sampled by a thread.
+
+  The kernel keeps no high-water mark of anonymous memory, so a thread reads it
+  every ``interval`` seconds (and once at entry and exit); a peak shorter than
+  the interval can be missed.
+  """
+
+  def __init__(self, interval: float = 0.005) -> None:
+    self.interval = interval
+    self.peak = 0
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def _sample(self) -> None:
+    while not self._stop.wait(self.interval):
+      self.peak = max(self.peak, rss_anon_bytes())
+
+  def __enter__(self) -> AnonPeak:
+    self.peak = rss_anon_bytes()
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._sample, name="anon-peak", daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self._stop.set()
+    assert self._thread is not None
+    self._thread.join()
+    self.peak = max(self.peak, rss_anon_bytes())
+
+
 def peak_rss_bytes() -> int:
   with open("/proc/self/status") as f:
     for line in f:
@@ -99,3 +141,22 @@ def drop_page_cache(*paths: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
       finally:
         os.close(fd)
+
+
+def mapped_bytes(*paths: str) -> int:
+  """Resident bytes of this process's mappings of the files under ``paths``.
+
+  ``posix_fadvise(..., POSIX_FADV_DONTNEED)`` leaves such pages in the page
+  cache (the kernel drops no page a process has mapped), so after
+  :func:`drop_page_cache` they are what the next reads find without the disk.
+  """
+  names = {os.path.realpath(f) for path in paths for f in files_under(path)}
+  total, current = 0, False
+  with open("/proc/self/smaps") as f:
+    for line in f:
+      head = line.split(maxsplit=5)
+      if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+        current = len(head) == 6 and os.path.realpath(head[5].strip()) in names
+      elif current and head[0] == "Rss:":
+        total += int(head[1]) * 1024
+  return total

@@ -80,6 +80,7 @@ from .errors import MissingCheckpointParametersError as MissingCheckpointParamet
 from .errors import ModelConfigError as ModelConfigError
 from .errors import PlacementError as PlacementError
 from .errors import PrefetchError as PrefetchError
+from .errors import QuantizationError as QuantizationError
 from .errors import ResidencyError as ResidencyError
 from .errors import ResidencyRuntimeError as ResidencyRuntimeError
 from .errors import StoreCorruptionError as StoreCorruptionError

@@ -19,6 +19,7 @@ The hierarchy (a builtin in parentheses is a second base class)::
           InvalidPolicyValueError
       PlacementError (ValueError)
           UnitSelectionError
+          QuantizationError
           BudgetTooSmallError
               DeviceBudgetTooSmallError
               HostBudgetTooSmallError
@@ -75,6 +76,7 @@ from jax_residency._src.errors import (
 from jax_residency._src.errors import ModelConfigError as ModelConfigError
 from jax_residency._src.errors import PlacementError as PlacementError
 from jax_residency._src.errors import PrefetchError as PrefetchError
+from jax_residency._src.errors import QuantizationError as QuantizationError
 from jax_residency._src.errors import ResidencyError as ResidencyError
 from jax_residency._src.errors import ResidencyRuntimeError as ResidencyRuntimeError
 from jax_residency._src.errors import StoreCorruptionError as StoreCorruptionError
@@ -111,6 +113,7 @@ __all__ = [
   "MissingCheckpointParametersError",
   "ModelConfigError",
   "PlacementError",
+  "QuantizationError",
   "PrefetchError",
   "ResidencyError",
   "ResidencyRuntimeError",

@@ -9,12 +9,11 @@ that name the value.
 
 from __future__ import annotations
 
+import gguf  # the test extras install it
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-gguf = pytest.importorskip("gguf")
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402

@@ -11,7 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_residency._src.errors import InvalidPolicyValueError, UnknownPolicyFieldError
+from jax_residency._src.errors import (
+  InvalidPolicyValueError,
+  QuantizationError,
+  UnknownPolicyFieldError,
+)
 from jax_residency._src.quant.schemes import (
   INT4_MAX,
   INT8_MAX,
@@ -82,7 +86,20 @@ def test_int8_codes_are_symmetric_with_one_scale_per_output_channel():
   assert t.codes.dtype == np.int8 and t.codes.shape == (64, 10) and t.offset is None
   assert t.scale.shape == (1, 10) and t.scale.dtype == np.float32
   assert np.abs(t.codes).max() == INT8_MAX  # each channel's largest value uses the last code
-  np.testing.assert_array_equal(t.scale[0], np.abs(w).max(axis=0) / INT8_MAX)
+  # A channel's largest magnitude / 127, rounded to 17 significant bits (see the next test).
+  np.testing.assert_allclose(t.scale[0], np.abs(w).max(axis=0) / INT8_MAX, rtol=2.0**-17, atol=0)
+
+
+@pytest.mark.parametrize(("scheme", "code_bits"), [("int8", 7), ("int4", 4)])
+def test_scales_make_every_code_times_scale_exact_in_float32(scheme, code_bits):
+  # So `c * scale + offset` rounds once whether or not XLA fuses it into a multiply-add:
+  # every program that decodes a tensor (a jitted step, an eager reference) gets its bits.
+  t = quantize(weights(128, 16, seed=3), Quantization.of(scheme), axis=0)
+  mantissa = t.scale.view(np.uint32) & np.uint32((1 << 23) - 1)
+  assert not np.any(mantissa & np.uint32((1 << code_bits) - 1))
+  codes = np.arange(-127, 128) if scheme == "int8" else np.arange(16)
+  products = codes[:, None].astype(np.float64) * t.scale.reshape(1, -1).astype(np.float64)
+  np.testing.assert_array_equal(products.astype(np.float32).astype(np.float64), products)
 
 
 def test_int4_packs_two_codes_a_byte_along_the_input_axis_in_groups():
@@ -194,7 +211,7 @@ def test_any_stack_decodes_within_its_scheme_error_bound(shape, scale, scheme, s
 
 
 def test_a_group_size_that_does_not_divide_the_input_dimension_names_the_tensor():
-  with pytest.raises(InvalidPolicyValueError) as info:
+  with pytest.raises(QuantizationError) as info:
     quantize(weights(96, 8), INT4, axis=0, name="layers.mlp.kernel")
   message = str(info.value)
   assert "layers.mlp.kernel" in message and "group_size=64" in message and "96" in message
@@ -205,6 +222,6 @@ def test_a_group_size_that_does_not_divide_the_input_dimension_names_the_tensor(
   [(np.ones((4, 4), np.int32), "is not floating"), (np.ones((64,), np.float32), "no input axis")],
 )
 def test_only_floating_matrices_are_quantized(w, fragment):
-  with pytest.raises(InvalidPolicyValueError, match=fragment) as info:
+  with pytest.raises(QuantizationError, match=fragment) as info:
     quantize(w, INT8, axis=0, name="embed.bias")
   assert "embed.bias" in str(info.value)

@@ -88,11 +88,28 @@ def _read_inspection(path: str, units: str | None) -> tuple[dict[str, Any], dict
       "checksums": checksums(store),
       "streamable": bool(store.chunked_per_unit),
       "model": None,
+      "quantization": _quantization_info(store.quantization),
     }
   record = read_model_record(path)
   if record is not None:
     info["model"] = {"kind": "toy", "config": record.get("config")}
   return info, specs
+
+
+def _quantization_info(plan: Any) -> dict[str, Any] | None:
+  """What ``inspect`` says of a quantized store: the scheme, the rule, the bytes."""
+  from jax_residency._src.quant.encoding import MIN_QUANTIZED_DIM  # noqa: PLC0415
+
+  if plan is None:
+    return None
+  return {
+    **plan.quantization.to_dict(),
+    "tensors": len(plan.tensors),
+    "float_bytes": plan.float_nbytes,
+    "stored_bytes": plan.stored_nbytes,
+    "rule": f"floating matrices (per unit) with both dimensions >= {MIN_QUANTIZED_DIM}; "
+    "vectors, scalars and smaller tensors stay as they are",
+  }
 
 
 def _unit_specs(store: Any) -> dict[Any, Any]:
@@ -125,6 +142,17 @@ def _inspect_rows(info: dict[str, Any], *, units_flag: str | None) -> list[tuple
   rows.append(("chunking", chunking))
   rows.append(("checksums", _CHECKSUMS[info["checksums"]]))
   rows.append(("streamable", _streamable_verdict(info, units_flag=units_flag)))
+  q = info["quantization"]
+  if q is not None:
+    groups = f", groups of {q['group_size']}" if "group_size" in q else ""
+    rows.append(
+      (
+        "quantized",
+        f"{q['scheme']}{groups}: {q['tensors']} matrices, "
+        f"{fmt_bytes(q['float_bytes'])} as floats -> {fmt_bytes(q['stored_bytes'])} stored",
+      )
+    )
+    rows.append(("", q["rule"]))
   if info["model"] is not None:
     rows.append(("model", f"toy {info['model']['config']} (`{PROG} run` works)"))
   return rows
@@ -429,13 +457,32 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
   if not os.path.isdir(args.src):
     raise CommandError(f"{args.src}: not a directory (a Hugging Face checkpoint directory)")
+  if args.group_size is not None and args.quantize != "int4":
+    raise CommandError(f"--group-size {args.group_size} is for --quantize int4; leave it out")
+  quantize = None
+  if args.quantize is not None:
+    quantize = {"scheme": args.quantize, "group_size": args.group_size}
   try:
-    info = convert_hf(args.src, args.dst, dtype=args.dtype, progress=None, overwrite=args.overwrite)
+    info = convert_hf(
+      args.src,
+      args.dst,
+      dtype=args.dtype,
+      progress=None,
+      overwrite=args.overwrite,
+      quantize=quantize,
+    )
   except (OSError, TypeError) as e:
     raise CommandError(f"cannot convert {args.src}: {type(e).__name__}: {e}") from e
   stacks = ", ".join(f"{s.count} units under {path_str(s.prefix)!r}" for s in info.stacks)
+  quantized = ""
+  if info.quantization is not None:
+    plan = info.quantization
+    quantized = (
+      f"; {len(plan.tensors)} matrices as {args.quantize}: {fmt_bytes(plan.float_nbytes)} "
+      f"-> {fmt_bytes(plan.stored_nbytes)}"
+    )
   emit(
     f"converted {args.src} -> {args.dst}: {stacks} ({fmt_bytes(info.total_unit_bytes)}), "
-    f"static {fmt_bytes(info.static_nbytes)}"
+    f"static {fmt_bytes(info.static_nbytes)}{quantized}"
   )
   return 0

@@ -357,6 +357,19 @@ def _add_convert(sub: argparse._SubParsersAction[_Parser]) -> None:
   convert.add_argument(
     "--dtype", help="store floating weights in this dtype (e.g. bfloat16); default float32"
   )
+  convert.add_argument(
+    "--quantize",
+    choices=["int8", "int4"],
+    help="store the floating matrices quantized: int8 (a scale per output channel) or\n"
+    "int4 (groups along the input dimension, two values a byte); norms, biases and\n"
+    "small tensors stay as they are",
+  )
+  convert.add_argument(
+    "--group-size",
+    type=int,
+    choices=[32, 64, 128],
+    help="int4: values per group along the input dimension (default 64)",
+  )
   _add_overwrite(convert)
 
 

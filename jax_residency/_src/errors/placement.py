@@ -41,13 +41,33 @@ class UnitSelectionError(PlacementError):
   """
 
 
+class QuantizationError(PlacementError):
+  """A model's tensors cannot be quantized as asked, or a quantized store does not fit
+  the model.
+
+  Raised by `save` and `place` with ``quantize=``, the converters, and `place` from a
+  quantized store: a model with no floating matrices to quantize, a group size that
+  does not divide a tensor's input dimension. The message names the tensor and the fix.
+
+  Example:
+    >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
+    >>> net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 96, 64)))))
+    >>> try:
+    ...   jr.place(net, units="layers", quantize="int4")
+    ... except jr.errors.QuantizationError as e:
+    ...   print("layers.w" in str(e), "group_size=64" in str(e))
+    True True
+  """
+
+
 class BudgetTooSmallError(PlacementError):
   """Base of the load-time budget errors, raised before anything is placed.
 
   `place` raises a subclass when the budgets cannot hold the model's windows.
   The arithmetic is in the message and, as ints, in attributes:
-  ``required`` and ``budget`` always; ``static``, ``window`` and ``depth``
-  (device) or ``window`` and ``staging`` (host) where they apply, else ``None``.
+  ``required`` and ``budget`` always; ``static``, ``window``, ``depth`` and
+  ``decoded`` (device: a quantized unit's float tensors while its step runs) or
+  ``window`` and ``staging`` (host) where they apply, else ``None``.
 
   Example:
     >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
@@ -72,6 +92,7 @@ class BudgetTooSmallError(PlacementError):
     window: int | None = None,
     depth: int | None = None,
     staging: int | None = None,
+    decoded: int | None = None,
   ) -> None:
     super().__init__(message)
     self.required = required
@@ -80,6 +101,7 @@ class BudgetTooSmallError(PlacementError):
     self.window = window
     self.depth = depth
     self.staging = staging
+    self.decoded = decoded
 
 
 class DeviceBudgetTooSmallError(BudgetTooSmallError):

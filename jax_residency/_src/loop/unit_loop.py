@@ -16,6 +16,10 @@ takes the shape the policy asks for:
 * ``DENSE_DISK_STREAM``: the forward is traced to a jaxpr with abstract unit
   parameters; the loop appears as a ``scan`` over them, which the streaming
   engine runs step by step with units read from disk.
+
+Under every policy a unit of a quantized store arrives in the step as its stored
+parts (`quant.encoding.QuantizedTensor`), and the step decodes it before the
+layer runs.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from jax import lax
 from jax_residency._src.errors import PlacementError
 from jax_residency._src.plan.split import Bound
 from jax_residency._src.policy.types import ExecutionResidency
+from jax_residency._src.quant.encoding import decode_tree
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 
@@ -120,9 +125,15 @@ class LoopContext:
     """
     loop.loops += 1
     length = _leading_dim(units)
+
+    def decoded(c: Any, unit: Any, x: Any) -> tuple[Any, Any]:
+      # A quantized unit's tensors arrive as their stored parts; the float values are
+      # this step's temporaries (docs/design.md, section 2.4).
+      return step(c, decode_tree(unit), x)
+
     if self.kind is ExecutionResidency.LAYERWISE_HOST:
       return _pipelined_host_scan(
-        step,
+        decoded,
         carry,
         units,
         xs,
@@ -133,7 +144,7 @@ class LoopContext:
       )
     # FULLY_RESIDENT runs the plain scan; DENSE_DISK_STREAM traces it so the
     # streaming engine can find it in the jaxpr and run it unit by unit.
-    return lax.scan(lambda c, ux: step(c, *ux), carry, (units, xs), reverse=reverse)
+    return lax.scan(lambda c, ux: decoded(c, *ux), carry, (units, xs), reverse=reverse)
 
 
 def not_looped_error(names: Sequence[str]) -> PlacementError:

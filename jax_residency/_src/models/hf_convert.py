@@ -33,7 +33,9 @@ import numpy as np
 from jax_residency._src.errors import ModelConfigError, StoreError
 from jax_residency._src.models.hf_loader import abstract_of
 from jax_residency._src.models.safetensors_files import SafetensorsFiles
+from jax_residency._src.plan.quantized import quantize_arrays
 from jax_residency._src.plan.split import split_model
+from jax_residency._src.quant.schemes import Quantization
 from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.writer import save_store
 from jax_residency._src.typing import ParamPath, path_str
@@ -244,6 +246,7 @@ def convert_hf(
   dtype: Any = None,
   progress: bool | None = None,
   overwrite: bool = False,
+  quantize: str | Mapping[str, Any] | Quantization | None = None,
 ) -> StoreInfo:
   """Converts a Hugging Face checkpoint directory into a unit store, tensor by tensor.
 
@@ -259,6 +262,9 @@ def convert_hf(
       default: the model's own (float32).
     progress: show a progress bar (None: when stderr is a terminal).
     overwrite: replace an existing store at ``store``.
+    quantize: store the floating matrices quantized, as `jax_residency.save`
+      does (``"int8"``, ``"int4"``, ``{"scheme": "int4", "group_size": 128}``);
+      each tensor is read and encoded a unit at a time, so the memory bound holds.
 
   Returns:
     What was written (its ``stacks`` say where the layers are).
@@ -268,6 +274,8 @@ def convert_hf(
     ModelConfigError: an unsupported architecture or config field (named).
     StoreError: tensors the model needs are missing or misshapen (every one
       listed), or the store cannot be written; nothing is left written.
+    QuantizationError, InvalidPolicyValueError: ``quantize`` cannot encode the
+      model's tensors (each named), or is no scheme; nothing is written.
 
   Example:
     >>> import tempfile
@@ -286,6 +294,9 @@ def convert_hf(
     raise FileNotFoundError(f"{src}: no config.json; point at a Hugging Face checkpoint directory")
   hf = json.loads(config_file.read_text())
   static, stacks = _lazy_arrays(src, hf, str(config_file), dtype)
+  plan = None
+  if quantize is not None:
+    plan, static, stacks = quantize_arrays(static, stacks, quantize)
   return save_store(
     os.fspath(store),
     static=static,
@@ -302,6 +313,7 @@ def convert_hf(
       },
     },
     desc="convert",
+    quantization=plan,
   )
 
 

@@ -20,6 +20,7 @@ from jax_residency._src.plan.memory import DEVICE_BUDGET as DEVICE_BUDGET
 from jax_residency._src.plan.memory import HOST_BUDGET as HOST_BUDGET
 from jax_residency._src.plan.memory import OVERHEAD, MemoryItem, memory_items, staging_bytes
 from jax_residency._src.plan.memory import STORE_INDEX_CACHE_BYTES as STORE_INDEX_CACHE_BYTES
+from jax_residency._src.plan.quantized import decoded_bytes
 from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import (
@@ -241,6 +242,7 @@ def check_budgets(
   host_unit_bytes: Sequence[int],
   device_is_host: bool = True,
   stacks: Sequence[tuple[str, int]] = (),
+  decoded_bytes: tuple[int, int] = (0, 0),
 ) -> ModelMetadata:
   """Checks the policy's budgets against the model and returns the metadata.
 
@@ -252,10 +254,13 @@ def check_budgets(
   shared, so a dense stream's host window may span two stacks.
   ``device_is_host``: the devices are CPU devices, whose memory is host memory
   (a dense stream's read buffers then become device arrays without a copy).
+  ``decoded_bytes``: for a quantized store, the float tensors one device holds
+  while they are used: the static ones, and the heaviest unit's while its step
+  runs (temporaries, planned in the device budget).
 
   Raises:
     DeviceBudgetTooSmallError: static bytes plus the heaviest device window
-      exceed the device budget.
+      (plus decoded tensors) exceed the device budget.
     HostBudgetTooSmallError: the heaviest host window (``host_lookahead`` units
       for a dense stream, plus the staging unit on an accelerator; every unit for
       ``LayerwiseHost``) exceeds the host budget.
@@ -265,7 +270,7 @@ def check_budgets(
   per_stack = _stack_windows(policy, stacks or (("", n),), unit_bytes, device_unit_bytes)
   depth, window, window_of = _device_window(policy, per_stack)
   budget = offload.device_budget_bytes
-  _check_device_budget(policy, static_device_bytes, window, depth, window_of)
+  _check_device_budget(policy, static_device_bytes, window, depth, window_of, sum(decoded_bytes))
   _check_host_budget(policy, host_unit_bytes, device_is_host=device_is_host)
   largest_dev = max(device_unit_bytes, default=0)
   capacity = None
@@ -289,6 +294,7 @@ def check_budgets(
       host_unit_bytes=host_unit_bytes,
       device_is_host=device_is_host,
       window_of=window_of,
+      decoded_bytes=decoded_bytes,
     ),
     device_is_host=device_is_host,
     stacks=tuple(per_stack) if per_stack[0].path else (),
@@ -342,16 +348,23 @@ def _device_window(
 
 
 def _check_device_budget(
-  policy: LayerWeightResidency, static: int, window: int, depth: int, window_of: str
+  policy: LayerWeightResidency,
+  static: int,
+  window: int,
+  depth: int,
+  window_of: str,
+  decoded: int = 0,
 ) -> None:
-  """Raises `DeviceBudgetTooSmallError` when static bytes + the window exceed the budget."""
+  """Raises `DeviceBudgetTooSmallError` when static bytes + the window (+ a quantized
+  unit's decoded tensors) exceed the budget."""
   budget = policy.offload().device_budget_bytes
-  if budget is None or static + window <= budget:
+  required = static + window + decoded
+  if budget is None or required <= budget:
     return
-  required = static + window
+  also = f"decoded={decoded} ({format_bytes(decoded)}) + " if decoded else ""
   raise DeviceBudgetTooSmallError(
     f"device_budget_bytes={budget} ({format_bytes(budget)}) is too small for {policy.name}: "
-    f"static={static} ({format_bytes(static)}) + "
+    f"static={static} ({format_bytes(static)}) + {also}"
     f"window={window} ({format_bytes(window)}, depth={depth} units{window_of}) = "
     f"required={required} ({format_bytes(required)}); raise the device budget to at least "
     f"{required} bytes, or lower the prefetch depth",
@@ -360,6 +373,7 @@ def _check_device_budget(
     depth=depth,
     required=required,
     budget=budget,
+    decoded=decoded,
   )
 
 
@@ -450,4 +464,5 @@ def metadata_for(
     host_unit_bytes=host_bytes,
     device_is_host=all(d.platform == "cpu" for d in devices),
     stacks=[(s.name, s.count) for s in split.stacks],
+    decoded_bytes=decoded_bytes(split, static_shardings, slice_shardings),
   )

@@ -82,11 +82,14 @@ def memory_items(
   host_unit_bytes: Sequence[int],
   device_is_host: bool,
   window_of: str = "",
+  decoded_bytes: tuple[int, int] = (0, 0),
 ) -> tuple[MemoryItem, ...]:
   """Every item a placement of ``policy`` holds, each with its bound and who pays.
 
   ``device_window`` is ``(units, bytes)``; ``host_unit_bytes`` what this
-  process holds of each unit in host memory.
+  process holds of each unit in host memory; ``decoded_bytes`` the float tensors
+  of a quantized store while they are used: the static ones and one unit's
+  (``(0, 0)``: nothing is quantized).
   """
   depth, window = device_window
   n = len(host_unit_bytes)
@@ -106,6 +109,27 @@ def memory_items(
       note=f"{depth} units{window_of}" if window_of else f"{depth} of {n} units",
     ),
   ]
+  static_floats, unit_floats = decoded_bytes
+  if static_floats:
+    items.append(
+      MemoryItem(
+        name="decoded static",
+        memory="device",
+        nbytes=static_floats,
+        counted_in=DEVICE_BUDGET,
+        note="quantized static tensors as floats while the forward uses them (at most)",
+      )
+    )
+  if unit_floats:
+    items.append(
+      MemoryItem(
+        name="decoded unit",
+        memory="device",
+        nbytes=unit_floats,
+        counted_in=DEVICE_BUDGET,
+        note="a quantized unit's float tensors while its step runs (a step temporary)",
+      )
+    )
   if isinstance(policy, LayerwiseHost):
     items.append(
       MemoryItem(

@@ -126,6 +126,8 @@ class SplitModel:
       :class:`Bound`: its call and its stacks). The unit loop
       (``unit_loop.run_in_loop``) runs it; this module knows nothing of loops.
     root: the leaf-path prefix of parameters (``("params",)`` for Linen).
+    quantization: for a split whose leaves are quantized tensors' stored parts, the
+      plan of those tensors (``plan.quantized.QuantPlan``); else None.
   """
 
   kind: str
@@ -134,6 +136,7 @@ class SplitModel:
   stacks: tuple[Stack, ...]
   bind_stacks: Callable[[Sequence[Any], Sequence[Stack]], Bound]
   root: ParamPath
+  quantization: Any = None
 
   def bind(self, leaf_values: Sequence[Any]) -> Bound:
     return self.bind_stacks(leaf_values, self.stacks)

@@ -30,7 +30,11 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from jax_residency._src.errors import InvalidPolicyValueError, UnknownPolicyFieldError
+from jax_residency._src.errors import (
+  InvalidPolicyValueError,
+  QuantizationError,
+  UnknownPolicyFieldError,
+)
 
 #: The schemes a store can use.
 SCHEMES = ("int8", "int4")
@@ -112,17 +116,17 @@ class Quantization:
     return out
 
   def check(self, shape: tuple[int, ...], axis: int, name: str) -> None:
-    """Raises `InvalidPolicyValueError` naming the tensor when this scheme cannot encode a
+    """Raises `QuantizationError` naming the tensor when this scheme cannot encode a
     tensor of ``shape`` along ``axis`` (int4: the group size must divide the input
     dimension)."""
     if len(shape) < 2 or not -len(shape) <= axis < len(shape):
-      raise InvalidPolicyValueError(
+      raise QuantizationError(
         f"{name}: shape {shape} has no input axis {axis}; only matrices (and stacks of "
         "them) are quantized."
       )
     n = shape[axis]
     if self.scheme == "int4" and self.group_size is not None and n % self.group_size:
-      raise InvalidPolicyValueError(
+      raise QuantizationError(
         f"{name}: group_size={self.group_size} does not divide its input dimension {n} "
         f"(shape {shape}); choose a group size among {INT4_GROUP_SIZES} that divides {n}, "
         "or int8."
@@ -155,24 +159,36 @@ class Quantized(NamedTuple):
   offset: Any = None
 
 
+def _exact_products(scale: Any, *, code_bits: int) -> np.ndarray:
+  """``scale`` in float32, rounded to ``24 - code_bits`` significant bits, so that a code
+  of ``code_bits`` bits times it is exact in float32. Decoding ``c * scale + offset``
+  then rounds once, whether or not the compiler fuses the two into a multiply-add,
+  and every program that decodes a tensor gets the same bits."""
+  drop = code_bits  # low mantissa bits cleared (float32 keeps 23 + the implicit one)
+  bits = np.asarray(scale, np.float32).view(np.uint32)
+  half = np.uint32(1 << (drop - 1))
+  rounded = (bits + half) & ~np.uint32((1 << drop) - 1)
+  return rounded.view(np.float32)
+
+
 def quantize(w: Any, q: Quantization, *, axis: int, name: str = "tensor") -> Quantized:
   """Encodes ``w`` (any floating dtype; computed in float32) under ``q`` along ``axis``.
 
   Raises:
-    InvalidPolicyValueError: ``w`` is not a floating matrix (or stack of them), or
+    QuantizationError: ``w`` is not a floating matrix (or stack of them), or
       its input dimension does not split into ``q``'s groups; the message names
       ``name``.
   """
   w = np.asarray(w)
   if not np.issubdtype(w.dtype, np.floating) and w.dtype.name != "bfloat16":
-    raise InvalidPolicyValueError(
+    raise QuantizationError(
       f"{name}: dtype {w.dtype} is not floating; only floating matrices are quantized."
     )
   q.check(tuple(w.shape), axis, name)
   w = np.moveaxis(w.astype(np.float32), axis, -1)
   if q.scheme == "int8":
     amax = np.max(np.abs(w), axis=-1, keepdims=True)
-    scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
+    scale = _exact_products(np.where(amax > 0, amax / INT8_MAX, 1.0), code_bits=7)
     codes = np.clip(np.rint(w / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
     return Quantized(np.moveaxis(codes, -1, axis), np.moveaxis(scale, -1, axis))
   assert q.group_size is not None
@@ -180,7 +196,7 @@ def quantize(w: Any, q: Quantization, *, axis: int, name: str = "tensor") -> Qua
   groups = w.reshape(*w.shape[:-1], n // g, g)
   low = groups.min(axis=-1, keepdims=True)
   span = groups.max(axis=-1, keepdims=True) - low
-  scale = np.where(span > 0, span / INT4_MAX, 1.0).astype(np.float32)
+  scale = _exact_products(np.where(span > 0, span / INT4_MAX, 1.0), code_bits=4)
   codes = np.clip(np.rint((groups - low) / scale), 0, INT4_MAX).astype(np.uint8)
   codes = codes.reshape(*w.shape[:-1], n)
   packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -192,14 +208,21 @@ def quantize(w: Any, q: Quantization, *, axis: int, name: str = "tensor") -> Qua
 
 
 def dequantize(t: Quantized, q: Quantization, *, axis: int, dtype: Any = jnp.float32) -> Any:
-  """The value of a quantized tensor (a JAX array of ``dtype``), traceable under ``jit``."""
-  codes = jnp.moveaxis(jnp.asarray(t.codes), axis, -1)
-  scale = jnp.moveaxis(jnp.asarray(t.scale), axis, -1)
+  """The value of a quantized tensor (a JAX array of ``dtype``), traceable under ``jit``.
+
+  Written along ``axis`` in place (no transposes), so the decoded tensor comes out in the
+  layout the plain model's array has and the op that consumes it compiles as it does for
+  the plain model.
+  """
+  codes, scale = jnp.asarray(t.codes), jnp.asarray(t.scale)
   if q.scheme == "int8":
-    return jnp.moveaxis(codes.astype(jnp.float32) * scale, -1, axis).astype(dtype)
+    return (codes.astype(jnp.float32) * scale).astype(dtype)
   assert q.group_size is not None and t.offset is not None
-  offset = jnp.moveaxis(jnp.asarray(t.offset), axis, -1)
-  both = jnp.stack([codes & 0xF, codes >> 4], axis=-1)  # (..., n/2, 2): even, odd
-  values = both.reshape(*codes.shape[:-1], -1, q.group_size).astype(jnp.float32)
-  values = values * scale[..., None] + offset[..., None]
-  return jnp.moveaxis(values.reshape(*codes.shape[:-1], -1), -1, axis).astype(dtype)
+  a = axis % codes.ndim
+  shape = codes.shape
+  both = jnp.stack([codes & 0xF, codes >> 4], axis=a + 1)  # (..., n/2, 2, ...): even, odd
+  grouped = (*shape[:a], 2 * shape[a] // q.group_size, q.group_size, *shape[a + 1 :])
+  values = both.reshape(grouped).astype(jnp.float32)
+  offset = jnp.expand_dims(jnp.asarray(t.offset), a + 1)
+  values = values * jnp.expand_dims(scale, a + 1) + offset
+  return values.reshape(*shape[:a], 2 * shape[a], *shape[a + 1 :]).astype(dtype)

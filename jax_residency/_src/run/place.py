@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -23,6 +23,7 @@ from jax_residency._src.loop.stacks import find_stacks
 from jax_residency._src.plan import shardings as pl
 from jax_residency._src.plan.arguments import check_place_arguments
 from jax_residency._src.plan.budget import ModelMetadata
+from jax_residency._src.plan.quantized import check_wanted, for_placement
 from jax_residency._src.plan.split import SplitModel, split_model
 from jax_residency._src.policy.types import (
   DenseDiskStream,
@@ -30,12 +31,13 @@ from jax_residency._src.policy.types import (
   LayerWeightResidency,
   LayerwiseHost,
 )
+from jax_residency._src.quant.schemes import Quantization
 from jax_residency._src.report.records import Report
 from jax_residency._src.run.compile_cache import enable_default_cache
 from jax_residency._src.run.dense import DenseExecutor
 from jax_residency._src.run.executor import Executor
 from jax_residency._src.run.jitted import JittedExecutor
-from jax_residency._src.store.loading import StoreSource, stacks_in
+from jax_residency._src.store.loading import StoreSource, recorded_in
 from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.typing import path_str
 
@@ -214,6 +216,7 @@ def place(
   store: str | os.PathLike[str] | None = None,
   sequence_axis: int = 1,
   read_options: ReadOptions | None = None,
+  quantize: str | Mapping[str, Any] | Quantization | None = None,
 ) -> PlacedModel:
   """Places a Flax model's weights as ``policy`` says.
 
@@ -246,6 +249,11 @@ def place(
     read_options: how reads from ``store`` retry and time out
       (:class:`ReadOptions`; default ``ReadOptions()``); they matter for remote
       stores (``http(s)://``, ``gs://``, ``s3://``).
+    quantize: hold the model's floating matrices quantized (``"int8"``,
+      ``"int4"``, ``{"scheme": "int4", "group_size": 128}``; see
+      ``docs/quantization.md``), encoded from the model's weights on the host
+      and decoded in the step that uses them. A store written with
+      ``save(..., quantize=...)`` is placed quantized without it.
 
   Returns:
     A :class:`PlacedModel`, called like ``model``.
@@ -253,6 +261,10 @@ def place(
   Raises:
     UnitSelectionError: the layer stack cannot be found, or ``units`` or
       ``params`` has the wrong type.
+    QuantizationError: ``quantize`` finds nothing to quantize, or a group size
+      that does not divide a tensor's input dimension, or disagrees with the store.
+    CheckpointShapeMismatchError: a quantized store records tensors the model
+      does not have, or has with other shapes.
     PlacementError: ``mesh``, ``rules`` or ``sequence_axis`` has the wrong type.
     StoreError: ``store`` is not a path, or not a readable store.
     DeviceBudgetTooSmallError, HostBudgetTooSmallError: the budgets cannot
@@ -281,10 +293,11 @@ def place(
   enable_default_cache()  # JAX's persistent compilation cache; JAX_RESIDENCY_COMPILATION_CACHE=0
   split = split_model(model, params=params, units=units)
   source = None if store is None else StoreSource.of(store, read_options)
-  if source is not None and units is None:
-    recorded = stacks_in(source.path, source.reads)
-    if recorded:  # the store's stacks, as model paths
-      split = split.with_stacks([p[len(split.root) :] for p in recorded])
+  wanted = None if quantize is None else Quantization.of(quantize)
+  recorded, plan = ([], None) if source is None else recorded_in(source.path, source.reads)
+  check_wanted(plan, wanted, store=None if source is None else source.path)
+  if recorded and units is None:  # the store's stacks, as model paths
+    split = split.with_stacks([p[len(split.root) :] for p in recorded])
   mesh = pl.default_mesh(split.values) if mesh is None else mesh
   if isinstance(policy, DenseDiskStream) and store is None:
     raise PlacementError(
@@ -295,6 +308,7 @@ def place(
     raise PlacementError(f"unsupported policy {policy!r}")
 
   def build(split: SplitModel) -> Executor:
+    split = for_placement(split, plan, wanted, store=None if source is None else source.path)
     if isinstance(policy, DenseDiskStream):
       assert source is not None
       return DenseExecutor(

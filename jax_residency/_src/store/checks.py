@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jax_residency._src import errors
+from jax_residency._src.plan.quantized import QuantPlan
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY, Discovered, as_path
 from jax_residency._src.typing import ParamPath, TensorSpec, path_str
 
@@ -29,6 +30,25 @@ def recorded_stacks(found: Discovered) -> list[ParamPath]:
   if sidecar.get("unit_prefix"):
     return [as_path(tuple(sidecar["unit_prefix"]))]
   return []
+
+
+def recorded_quantization(found: Discovered, path: str) -> QuantPlan | None:
+  """The tensors a store's sidecar records as quantized (None for a float store).
+
+  Raises:
+    StoreLayoutError: the record names a scheme or encoding this version does not
+      know (the sidecar's fields have been type-checked by `discovery.discover`).
+  """
+  record = (found.sidecar or {}).get("quantization")
+  if record is None:
+    return None
+  try:
+    return QuantPlan.from_dict(record)
+  except errors.ResidencyError as e:
+    raise errors.StoreLayoutError(
+      f"{path}/{SIDECAR_KEY}: its quantization record is not one this version reads ({e}); "
+      "write the store again, or upgrade jax_residency."
+    ) from e
 
 
 def check_layout(

@@ -28,8 +28,11 @@ from jax_residency._src.typing import ParamPath, path_str
 
 #: The sidecar's ``format`` field.
 FORMAT_NAME = "jax_residency.unit_store"
-#: The newest sidecar format this version writes and reads.
-FORMAT_VERSION = 1
+#: The newest sidecar format this version writes and reads: 2 adds quantized tensors
+#: (the ``quantization`` field), which readers of format 1 cannot decode.
+FORMAT_VERSION = 2
+#: The format of a store without quantized tensors (readable by every version).
+PLAIN_FORMAT_VERSION = 1
 #: Key of the sidecar (format, unit prefix, unit count) in a store's directory.
 SIDECAR_KEY = "jax_residency.json"
 
@@ -159,6 +162,10 @@ _PREFIX: _Kind = (
   lambda v: isinstance(v, list) and all(isinstance(p, str) and p for p in v),
 )
 
+_TENSORS: _Kind = (
+  'a non-empty array of objects, each {"path": [...], "shape": [...], "axis": n, "dtype": s}',
+  lambda v: isinstance(v, list) and bool(v) and all(isinstance(e, dict) for e in v),
+)
 _STACKS: _Kind = (
   'a non-empty array of objects, each {"prefix": [...], "count": n}',
   lambda v: isinstance(v, list) and bool(v) and all(isinstance(e, dict) for e in v),
@@ -303,6 +310,16 @@ def _checked_sidecar(sidecar: dict[str, Any], file: str) -> dict[str, Any]:
   for k, entry in enumerate(stacks or ()):
     _field(entry, f"stacks[{k}].prefix", _PREFIX, file)
     _field(entry, f"stacks[{k}].count", _COUNT, file)
+  quant = _field(sidecar, "quantization", _OBJECT, file, None)
+  if quant is not None:
+    _field(quant, "quantization.scheme", _STRING, file)
+    tensors = _field(quant, "quantization.tensors", _TENSORS, file)
+    for k, entry in enumerate(tensors):
+      where = f"quantization.tensors[{k}]"
+      _field(entry, f"{where}.path", _PREFIX, file)
+      _field(entry, f"{where}.shape", _dims(1), file)
+      _field(entry, f"{where}.axis", _INT, file)
+      _field(entry, f"{where}.dtype", _STRING, file)
   return sidecar
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_residency._src.store.discovery import FORMAT_VERSION
+from jax_residency._src.plan.quantized import QuantPlan
+from jax_residency._src.store.discovery import PLAIN_FORMAT_VERSION
 from jax_residency._src.typing import ParamPath
 
 
@@ -41,6 +42,8 @@ class StoreInfo:
     format_version: Version of the sidecar format.
     stacks: every layer stack the store holds, in the model's forward order
       (:class:`StackInfo`).
+    quantization: the tensors it holds quantized and how (``None`` for a float
+      store); byte counts above are of what is stored (codes, scales, offsets).
 
   Example:
     >>> import tempfile
@@ -61,8 +64,9 @@ class StoreInfo:
   unit_count: int
   unit_nbytes: int
   static_nbytes: int
-  format_version: int = FORMAT_VERSION
+  format_version: int = PLAIN_FORMAT_VERSION
   stacks: tuple[StackInfo, ...] = ()
+  quantization: QuantPlan | None = None
 
   @property
   def total_unit_bytes(self) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import tqdm
 
 from jax_residency._src.errors import StoreError
+from jax_residency._src.plan.quantized import QuantPlan
 from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.store import checkpoints, checks, commit, discovery, handles
 from jax_residency._src.store.discovery import SIDECAR_KEY
@@ -71,9 +72,12 @@ def open_for(
   return store
 
 
-def stacks_in(path: str, reads: ReadOptions | None = None) -> list[ParamPath]:
-  """The stacks a store records (leaf-path prefixes, in order; only its metadata is
-  read); empty for a plain Orbax checkpoint.
+def recorded_in(
+  path: str, reads: ReadOptions | None = None
+) -> tuple[list[ParamPath], QuantPlan | None]:
+  """The stacks a store records (leaf-path prefixes, in order; empty for a plain Orbax
+  checkpoint) and the tensors it holds quantized (None for a float store). Only its
+  metadata is read.
 
   Raises:
     StoreNotFoundError, StoreError: as `UnitStore.open`.
@@ -83,7 +87,7 @@ def stacks_in(path: str, reads: ReadOptions | None = None) -> list[ParamPath]:
     commit.recover_local(loc.local)
   context = handles.store_context(reads=loc.reads)
   found = discovery.discover(loc, context, sidecar_key=SIDECAR_KEY)
-  return checks.recorded_stacks(found)
+  return checks.recorded_stacks(found), checks.recorded_quantization(found, loc.path)
 
 
 def check_for(split: SplitModel, store: UnitStore, *, strict: bool) -> None:

@@ -81,7 +81,10 @@ def rechunk_store(
         src_handle = source.array_handle(stack.prefix + rel)
         for i in range(stack.count):
           writer.write(handle, i, _read_unit_slice(src_handle, i))
-    writer.commit(stacks=[(st.prefix, st.count) for st in source.stacks])
+    writer.commit(
+      stacks=[(st.prefix, st.count) for st in source.stacks],
+      quantization=None if info.quantization is None else info.quantization.to_dict(),
+    )
   except BaseException as e:
     if (disk_full := writer.fail(e)) is not None:
       raise disk_full from e

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import reprlib
+from collections.abc import Mapping
 from typing import Any
 
 from jax_residency._src.errors import StoreError, UnitSelectionError
 from jax_residency._src.loop.stacks import find_stacks
 from jax_residency._src.plan.arguments import check_store_path, check_units
+from jax_residency._src.plan.quantized import plan_quantization, quantized_split
 from jax_residency._src.plan.split import split_model
+from jax_residency._src.quant.schemes import Quantization
 from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.writer import save_store
 
@@ -23,6 +26,7 @@ def save(
   example: tuple[Any, ...] | None = None,
   progress: bool | None = None,
   overwrite: bool = False,
+  quantize: str | Mapping[str, Any] | Quantization | None = None,
 ) -> StoreInfo:
   """Writes a model's parameters to ``path`` as an Orbax-compatible unit store.
 
@@ -47,6 +51,12 @@ def save(
     progress: show a progress bar: True, False, or None (the default: when
       stderr is a terminal).
     overwrite: replace an existing store at ``path`` (True or False).
+    quantize: store the floating matrices quantized: ``"int8"`` (symmetric, a
+      scale per output channel), ``"int4"`` (asymmetric, groups of 64 along the
+      input dimension, two values a byte) or ``{"scheme": "int4", "group_size":
+      32 | 64 | 128}``. Norms, biases and small tensors are stored as they are
+      (``docs/quantization.md``). Each tensor is encoded as it is written, a unit
+      at a time; every policy places the store and decodes in the step.
 
   Returns:
     A description of what was written.
@@ -60,6 +70,9 @@ def save(
       ``path`` is kept.
     UnitSelectionError: ``units`` is not a path, or names no layer stack; or
       neither ``units``, a declaration nor ``example`` says which the stacks are.
+    InvalidPolicyValueError: ``quantize`` names no scheme or group size there is.
+    QuantizationError: the model has no floating matrix to quantize, or the
+      group size does not divide a tensor's input dimension (each one named).
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -95,6 +108,10 @@ def save(
         "(or a tuple of paths), or example=(inputs...) to find them by tracing the forward."
       )
     split = find_stacks(split, tuple(example), {})
+  plan = None
+  if quantize is not None:
+    plan = plan_quantization(split, quantize)  # checked before anything is written
+    split = quantized_split(split, plan, values_from="lazy")
   return save_store(
     os.fspath(path),
     static={split.leaves[i].path: split.values[i] for i in split.static_index},
@@ -107,4 +124,5 @@ def save(
     },
     progress=progress,
     overwrite=overwrite,
+    quantization=plan,
   )

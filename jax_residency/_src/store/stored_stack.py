@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 
 from jax_residency._src import errors
+from jax_residency._src.plan.quantized import QuantPlan
 from jax_residency._src.store import discovery, mapped
 from jax_residency._src.store.buffers import buffer_layout, padded_nbytes
+from jax_residency._src.store.discovery import FORMAT_VERSION, PLAIN_FORMAT_VERSION
 from jax_residency._src.store.info import StackInfo, StoreInfo
 from jax_residency._src.typing import ParamPath, TensorSpec, path_str, tensor_nbytes
 
@@ -140,6 +142,8 @@ class StackLayout:
   _static: dict[ParamPath, discovery.ArrayInfo]
   _unit_count: int
   path: Any  # the store's path (a property of `UnitStore`)
+  #: The tensors the store holds quantized (its sidecar's record), or None.
+  quantization: QuantPlan | None = None
 
   @property
   def unit_prefix(self) -> ParamPath:
@@ -155,6 +159,8 @@ class StackLayout:
       unit_nbytes=self.unit_nbytes,
       static_nbytes=self.static_nbytes,
       stacks=self.stacks,
+      format_version=PLAIN_FORMAT_VERSION if self.quantization is None else FORMAT_VERSION,
+      quantization=self.quantization,
     )
 
   @property

@@ -197,6 +197,7 @@ class UnitStore(StackLayout):
       spare_unit_buffers=spare_unit_buffers,
     )
     store._fetched, store._cache_bytes = fetched, cache_bytes
+    store.quantization = checks.recorded_quantization(found, loc.path)
     return store
 
   # -- description

@@ -22,11 +22,13 @@ import tensorstore as ts
 import tqdm
 
 from jax_residency._src import errors
+from jax_residency._src.plan.quantized import QuantPlan
 from jax_residency._src.store import checks, commit, mapped, remote, space
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
   FORMAT_VERSION,
   OCDBT_INLINE_BYTES,
+  PLAIN_FORMAT_VERSION,
   SIDECAR_KEY,
   Location,
   as_path,
@@ -217,18 +219,26 @@ class StoreWriter:
       self._wait_oldest()
 
   def commit(
-    self, *, stacks: Sequence[tuple[ParamPath, int]], extra: Mapping[str, Any] | None = None
+    self,
+    *,
+    stacks: Sequence[tuple[ParamPath, int]],
+    extra: Mapping[str, Any] | None = None,
+    quantization: Mapping[str, Any] | None = None,
   ) -> None:
+    """Writes the markers and puts the store in place; ``quantization`` is the sidecar's
+    record of the tensors held quantized (`plan.quantized.QuantPlan.to_dict`)."""
     self._drain()
     kv = ts.KvStore.open(self.target.base, context=self.context).result()
-    sidecar = {
+    sidecar: dict[str, Any] = {
       "format": FORMAT_NAME,
-      "format_version": FORMAT_VERSION,
+      "format_version": PLAIN_FORMAT_VERSION if quantization is None else FORMAT_VERSION,
       # The first stack as single-stack readers read it; "stacks" lists them all.
       "unit_prefix": list(stacks[0][0]),
       "unit_count": stacks[0][1],
       "stacks": [{"prefix": list(p), "count": n} for p, n in stacks],
     }
+    if quantization is not None:
+      sidecar["quantization"] = dict(quantization)
     for key, value in (
       *(extra or {}).items(),
       ("_METADATA", _orbax_metadata(self._paths)),
@@ -304,6 +314,7 @@ def save_store(
   in_flight_bytes: int = WRITE_IN_FLIGHT_BYTES,
   extra: Mapping[str, Any] | None = None,
   desc: str = "save_store",
+  quantization: QuantPlan | None = None,
 ) -> StoreInfo:
   """Writes a streamable, Orbax-compatible store.
 
@@ -332,6 +343,8 @@ def save_store(
     extra: More files to write into the store with it (name -> JSON value or
       str), e.g. the model's config; written before the markers.
     desc: The progress bar's label.
+    quantization: The tensors the arrays hold quantized, as their parts
+      (`plan.quantized.quantized_split`), recorded in the sidecar.
 
   Arrays may be lazy: anything with ``shape``, ``dtype`` and ``__getitem__``
   (a unit array is indexed one unit at a time) and ``__array__`` (a static one
@@ -370,7 +383,11 @@ def save_store(
   try:
     _write_static(writer, static_arrays, dtypes)
     _write_stacks(writer, laid_out, dtypes)
-    writer.commit(stacks=[(prefix, count) for prefix, _, count in laid_out], extra=extra)
+    writer.commit(
+      stacks=[(prefix, count) for prefix, _, count in laid_out],
+      extra=extra,
+      quantization=None if quantization is None else quantization.to_dict(),
+    )
   except BaseException as e:
     if (disk_full := writer.fail(e)) is not None:
       raise disk_full from e
@@ -382,6 +399,8 @@ def save_store(
     unit_nbytes=max(unit_nbytes.values()),
     static_nbytes=static_nbytes,
     stacks=tuple(StackInfo(p, n, unit_nbytes[p]) for p, _, n in laid_out),
+    format_version=PLAIN_FORMAT_VERSION if quantization is None else FORMAT_VERSION,
+    quantization=quantization,
   )
 
 

@@ -1,0 +1,149 @@
+"""One stored tensor's encoding, the rule that picks the tensors a store quantizes, and
+the pytree node that carries a quantized tensor to the step that decodes it.
+
+An :class:`Encoding` turns one floating tensor into its *parts*, the arrays a
+store holds for it (int8: ``codes`` and ``scale``; int4: ``codes``, ``scale``,
+``offset``), and decodes the parts back in JAX. A placed model's parameter tree
+holds a :class:`QuantizedTensor` (the parts plus their encoding) where the plain
+model holds a float array; the layer loop decodes the units' tensors at the top
+of each step, and static tensors are decoded where the placed forward begins.
+
+Which tensors a store quantizes (`quantized_axis`): floating matrices, per unit
+for a layer stack's tensors, whose two dimensions both reach `MIN_QUANTIZED_DIM`.
+Vectors (norms, biases), scalars, tensors of three or more dimensions per unit and
+small matrices stay as they are. A matrix named ``embedding`` is a table looked up
+by rows: its groups run along the last axis (a row's features). Any other matrix is
+applied as ``x @ w``: its groups run along the first of its two axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_residency._src.quant.schemes import Quantization, Quantized, dequantize, quantize
+
+#: A matrix is quantized only if both of its dimensions are at least this.
+MIN_QUANTIZED_DIM = 32
+#: Names of lookup tables, whose groups run along their rows.
+EMBEDDING_NAMES = ("embedding",)
+
+
+def quantized_axis(path: Sequence[str], unit_shape: Sequence[int], dtype: Any) -> int | None:
+  """The input axis (negative) a tensor is quantized along, or None when it is kept as is.
+
+  Args:
+    path: the tensor's parameter path (its last key names it).
+    unit_shape: its shape, per unit for a layer stack's tensor (no layer axis).
+    dtype: its dtype.
+
+  Example:
+    >>> quantized_axis(("layers", "mlp", "kernel"), (512, 2048), "float32")
+    -2
+    >>> quantized_axis(("embed", "embedding"), (32000, 512), "bfloat16")
+    -1
+    >>> quantized_axis(("norm", "scale"), (512,), "float32") is None
+    True
+  """
+  dt = np.dtype(dtype)
+  floating = np.issubdtype(dt, np.floating) or dt.name == "bfloat16"
+  if not floating or len(unit_shape) != 2 or min(unit_shape) < MIN_QUANTIZED_DIM:
+    return None
+  return -1 if path and path[-1] in EMBEDDING_NAMES else -2
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+  """How one floating tensor is stored: a scheme, the axis it runs along, the float dtype.
+
+  Attributes:
+    quantization: the scheme.
+    axis: the input axis, counted from the end (-2 for ``(in, out)`` kernels, -1 for
+      embedding tables), so it holds for a stack of units as for one.
+    dtype: the dtype of the decoded tensor (the plain model's).
+  """
+
+  quantization: Quantization
+  axis: int
+  dtype: str
+
+  @property
+  def part_names(self) -> tuple[str, ...]:
+    return (
+      ("codes", "scale") if self.quantization.scheme == "int8" else ("codes", "scale", "offset")
+    )
+
+  def part_shapes(self, shape: Sequence[int]) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of each part of a tensor of ``shape`` (units stacked or not)."""
+    q, a = self.quantization, len(shape) + self.axis
+
+    def with_axis(n: int) -> tuple[int, ...]:
+      return tuple(n if i == a else d for i, d in enumerate(shape))
+
+    if q.scheme == "int8":
+      return [(tuple(shape), np.dtype(np.int8)), (with_axis(1), np.dtype(np.float32))]
+    assert q.group_size is not None
+    groups = (with_axis(shape[a] // q.group_size), np.dtype(np.float32))
+    return [(with_axis(shape[a] // 2), np.dtype(np.uint8)), groups, groups]
+
+  def encode(self, w: Any, name: str = "tensor") -> tuple[np.ndarray, ...]:
+    """The parts of ``w`` (NumPy, on the host)."""
+    t = quantize(w, self.quantization, axis=self.axis, name=name)
+    return tuple(p for p in t if p is not None)
+
+  def decode(self, parts: Sequence[Any]) -> jax.Array:
+    """The tensor's value from its parts, in JAX."""
+    return dequantize(Quantized(*parts), self.quantization, axis=self.axis, dtype=self.dtype)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {**self.quantization.to_dict(), "axis": self.axis, "dtype": self.dtype}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> Encoding:
+    q = Quantization.of({k: d[k] for k in ("scheme", "group_size") if k in d})
+    return cls(q, int(d["axis"]), str(d["dtype"]))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+  """A quantized tensor in a parameter tree: its parts (pytree children) and encoding.
+
+  Example:
+    >>> import numpy as np
+    >>> enc = Encoding(Quantization.of("int8"), -2, "float32")
+    >>> w = np.eye(32, dtype=np.float32)
+    >>> t = QuantizedTensor(enc.encode(w), enc)
+    >>> bool((t.decode() == w).all()), [p.dtype.name for p in t.parts]
+    (True, ['int8', 'float32'])
+  """
+
+  parts: tuple[Any, ...]
+  encoding: Encoding = dataclasses.field(metadata={"static": True})
+
+  def decode(self) -> jax.Array:
+    return self.encoding.decode(self.parts)
+
+
+def is_quantized(x: Any) -> bool:
+  return isinstance(x, QuantizedTensor)
+
+
+def decode_tree(tree: Any) -> Any:
+  """``tree`` with every `QuantizedTensor` in it decoded (other leaves as they are)."""
+  return jax.tree.map(lambda x: x.decode() if is_quantized(x) else x, tree, is_leaf=is_quantized)
+
+
+def encoded_nbytes(encoding: Encoding, shape: Sequence[int]) -> int:
+  """Bytes at rest of a tensor of ``shape`` under ``encoding`` (all its parts)."""
+  return sum(int(np.prod(s, dtype=np.int64)) * dt.itemsize for s, dt in encoding.part_shapes(shape))
+
+
+def decoded(parts: Sequence[Any], encoding: Encoding) -> Any:
+  """A jitted decode of ``parts`` (used for reference values: same program shape as a step)."""
+  return jax.jit(lambda p: encoding.decode(p))(tuple(jnp.asarray(p) for p in parts))

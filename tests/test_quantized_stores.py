@@ -1,0 +1,301 @@
+"""Quantized stores under every policy (docs/design.md, section 2.4): a placed quantized
+model equals the plain model whose weights are the dequantized values, bit for bit, on
+one device and on meshes; budgets, bytes moved and reads count quantized bytes; the
+float copy of a unit is a planned step temporary; bad input gets a typed error and
+leaves nothing written."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+from policies import dense
+
+import jax_residency as jr
+from jax_residency._src.plan.quantized import QuantPlan
+from jax_residency._src.plan.split import split_model
+from jax_residency._src.quant.encoding import MIN_QUANTIZED_DIM
+from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
+from jax_residency.testing import serve_store
+
+#: The suite's toy has d_model 32: int4 groups of 32 divide every input dimension.
+SCHEMES = {"int8": "int8", "int4": {"scheme": "int4", "group_size": 32}}
+POLICIES: dict[str, Callable[[], jr.LayerWeightResidency]] = {
+  "fully_resident": jr.FullyResident,
+  "layerwise_k1": lambda: jr.LayerwiseHost(prefetch_depth=1),
+  "layerwise_k2": lambda: jr.LayerwiseHost(prefetch_depth=2),
+  "dense_direct": lambda: dense(0, device=None),
+  "dense_cached": lambda: dense(None, device=None),
+}
+VARIANTS = ("nnx", "linen", "nnx_sharded_data2_model4", "linen_sharded_model8")
+
+
+def dequantized_reference(
+  model: Any, plan: QuantPlan, x: jax.Array, *, jit: bool = True, **kwargs: Any
+) -> jax.Array:
+  """The plain model whose quantized tensors hold their decoded values, jitted or eager
+  (each decoded value keeps the original array's sharding)."""
+  params = kwargs.get("params")
+  split = split_model(model, params=params)
+  tensors = plan.by_path()
+  values = []
+  for leaf, value in zip(split.leaves, split.values, strict=True):
+    t = tensors.get(leaf.path)
+    if t is not None:
+      parts = t.encoding.encode(np.asarray(value), "reference")
+      decoded = jax.jit(t.encoding.decode)(tuple(jnp.asarray(p) for p in parts))
+      value = jax.device_put(decoded, value.sharding)
+    values.append(value)
+  bound = split.bind_stacks(values, ())
+  if split.kind == "linen":
+    apply = jax.jit(model.apply) if jit else model.apply
+    return apply(nn.meta.unbox(bound.call.args[0]), x)
+  return nnx.jit(lambda m, x: m(x))(bound.call, x) if jit else bound.call(x)
+
+
+@pytest.fixture(scope="module")
+def case(request: pytest.FixtureRequest, tokens: jax.Array) -> Callable[[str], dict[str, Any]]:
+  cache: dict[str, dict[str, Any]] = {}
+
+  def build(variant: str) -> dict[str, Any]:
+    fx = request.getfixturevalue
+    if variant == "nnx":
+      return dict(model=fx("nnx_toy"), kwargs={})
+    if variant == "nnx_sharded_data2_model4":
+      return dict(model=fx("nnx_toy_sharded"), kwargs=dict(mesh=fx("mesh_2x4")))
+    model, variables = fx("linen_toy" if variant == "linen" else "linen_sharded_toy")
+    mesh = fx("mesh_8") if variant == "linen_sharded_model8" else None
+    if mesh is not None:
+      variables = jax.device_put(variables, nn.get_sharding(variables, mesh))
+    return dict(model=model, kwargs=dict(params=variables, mesh=mesh))
+
+  def get(variant: str) -> dict[str, Any]:
+    if variant not in cache:
+      cache[variant] = build(variant)
+    return cache[variant]
+
+  return get
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, case) -> Callable[[str, str], tuple[str, Any]]:
+  """``stores(variant, scheme)``: a quantized store of the variant's model, and its info."""
+  cache: dict[tuple[str, str], tuple[str, Any]] = {}
+
+  def get(variant: str, scheme: str) -> tuple[str, Any]:
+    if (variant, scheme) not in cache:
+      c = case(variant)
+      path = str(tmp_path_factory.mktemp("quantized") / f"{variant}-{scheme}")
+      info = jr.save(
+        c["model"], path, params=c["kwargs"].get("params"), progress=False, quantize=SCHEMES[scheme]
+      )
+      cache[variant, scheme] = path, info
+    return cache[variant, scheme]
+
+  return get
+
+
+@pytest.fixture(scope="module")
+def reference(case, stores, tokens) -> Callable[[str, str, bool], jax.Array]:
+  """``reference(variant, scheme, jit)``: the dequantized plain model's output."""
+  cache: dict[tuple[str, str, bool], jax.Array] = {}
+
+  def get(variant: str, scheme: str, jit: bool) -> jax.Array:
+    if (variant, scheme, jit) not in cache:
+      c = case(variant)
+      _, info = stores(variant, scheme)
+      mesh = c["kwargs"].get("mesh")
+      with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        cache[variant, scheme, jit] = dequantized_reference(
+          c["model"], info.quantization, tokens, jit=jit, **c["kwargs"]
+        )
+    return cache[variant, scheme, jit]
+
+  return get
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_placed_quantized_store_is_the_dequantized_plain_model_bit_for_bit(
+  case, stores, reference, tokens, variant, policy, scheme
+):
+  c = case(variant)
+  path, _ = stores(variant, scheme)
+  with jr.place(c["model"], POLICIES[policy](), store=path, **c["kwargs"]) as placed:
+    out = placed(tokens)
+  # As for float stores (docs/parity.md): the jitted policies give the jitted plain model's
+  # bits; a dense stream runs unit by unit and gives the eager model's on one device.
+  streamed = policy.startswith("dense")
+  want = reference(variant, scheme, not streamed)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+  if not (streamed and "mesh" in c["kwargs"] and c["kwargs"]["mesh"] is not None):
+    np.testing.assert_array_equal(out, want)
+
+
+# --- bytes: what the store holds, what moves, what is planned ---------------------------
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_store_and_every_budget_count_quantized_bytes(stores, case, tokens, scheme):
+  path, info = stores("nnx", scheme)
+  plan = info.quantization
+  assert info.format_version == FORMAT_VERSION == 2
+  assert plan.stored_nbytes < plan.float_nbytes / (3 if scheme == "int8" else 5)
+  model = case("nnx")["model"]
+  with jr.place(model, jr.LayerwiseHost(prefetch_depth=1), store=path) as placed:
+    placed(tokens)
+    meta, last = placed.metadata, placed.report().last
+  assert list(meta.unit_bytes) == [info.unit_nbytes] * info.unit_count
+  assert last.host_to_device_bytes == info.unit_count * info.unit_nbytes  # codes moved, not floats
+  with jr.place(model, dense(0, device=None), store=path) as placed:
+    placed(tokens)
+    last = placed.report().last
+  assert last.disk_to_device_bytes == info.unit_count * info.unit_nbytes
+  # The float copies are planned: one unit's, and the static tensors', in the device budget.
+  items = {m.name: m for m in meta.memory}
+  per_unit = {t.path: t for t in plan.tensors if t.path[0] == "layers"}
+  floats = sum(t.float_nbytes // info.unit_count for t in per_unit.values())
+  assert (
+    items["decoded unit"].nbytes == floats and items["decoded unit"].counted_in == "device budget"
+  )
+  statics = sum(t.float_nbytes for t in plan.tensors if t.path[0] != "layers")
+  assert items["decoded static"].nbytes == statics
+  # XLA's temporaries of a dense step hold at least the decoded unit.
+  assert last.step_temp_bytes >= floats
+
+
+def test_a_device_budget_without_room_for_the_decoded_unit_is_refused(stores, case):
+  path, info = stores("nnx", "int8")
+  with jr.place(case("nnx")["model"], jr.FullyResident(), store=path) as placed:
+    meta = placed.metadata
+  decoded = sum(m.nbytes for m in meta.memory if m.name.startswith("decoded"))
+  need = meta.static_device_bytes + meta.device_window_bytes + decoded
+  with jr.place(case("nnx")["model"], jr.FullyResident(device_budget_bytes=need), store=path):
+    pass
+  with pytest.raises(jr.DeviceBudgetTooSmallError) as e:
+    jr.place(case("nnx")["model"], jr.FullyResident(device_budget_bytes=need - 1), store=path)
+  assert e.value.decoded == decoded and e.value.required == need and "decoded=" in str(e.value)
+
+
+def test_quantize_on_place_encodes_the_models_own_weights(case, stores, reference, tokens):
+  """``place(..., quantize=)`` without a store gives the same bits as the store."""
+  with jr.place(case("nnx")["model"], jr.FullyResident(), quantize=SCHEMES["int4"]) as placed:
+    np.testing.assert_array_equal(placed(tokens), reference("nnx", "int4", True))
+    assert placed.arrays()["layers.up.kernel.codes"].dtype == jnp.uint8
+
+
+def test_tensors_that_stay_float_are_the_rule_of_the_docs(stores):
+  _, info = stores("nnx", "int8")
+  quantized = {".".join(t.path) for t in info.quantization.tensors}
+  assert "embed.embedding" in quantized and "layers.qkv.kernel" in quantized
+  assert not any(p.endswith(("bias", "scale")) for p in quantized)  # vectors stay float
+  axes = {".".join(t.path): t.encoding.axis for t in info.quantization.tensors}
+  assert axes["embed.embedding"] == -1 and axes["layers.qkv.kernel"] == -2
+  assert MIN_QUANTIZED_DIM == 32
+
+
+# --- integrity, rewrites and remote reads work on coded chunks -------------------------
+
+
+def test_verify_rechunk_and_http_reads_of_a_quantized_store(
+  stores, case, reference, tokens, tmp_path
+):
+  from damage import damaged_copy
+
+  from jax_residency._src.store.rechunk import rechunk_store
+  from jax_residency._src.store.verify import verify_store
+
+  path, info = stores("nnx", "int4")
+  assert verify_store(path, progress=False).ok
+  bad = damaged_copy(path, str(tmp_path / "bad"), ("layers.up.kernel.codes", 1))
+  result = verify_store(bad, progress=False)
+  assert not result.ok and "layers.up.kernel.codes" in str(result.damaged)
+  copy = rechunk_store(path, str(tmp_path / "copy"), progress=False)
+  assert copy.quantization == info.quantization
+  model, want = case("nnx")["model"], reference("nnx", "int4", False)
+  with serve_store(path) as server:
+    with jr.place(model, dense(0, device=None), store=server.url) as placed:
+      np.testing.assert_array_equal(placed(tokens), want)
+
+
+# --- bad input ---------------------------------------------------------------------
+
+
+def _nothing_written(path: str) -> bool:
+  parent = os.path.dirname(path)
+  return not os.path.exists(path) and not [n for n in os.listdir(parent) if "tmp" in n]
+
+
+def test_a_model_with_nothing_to_quantize_is_refused_and_nothing_is_written(tmp_path):
+  net = nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.zeros((2, 8, 8)))), norm=nnx.Param(jnp.ones(8)))
+  path = str(tmp_path / "store")
+  with pytest.raises(jr.errors.QuantizationError, match="no floating matrix to quantize") as e:
+    jr.save(net, path, units="layers", progress=False, quantize="int8")
+  assert "Leave quantize= out" in str(e.value)
+  assert _nothing_written(path)
+
+
+@pytest.mark.parametrize(
+  ("quantize", "error", "fragment"),
+  [
+    ("int3", jr.errors.InvalidPolicyValueError, "'int3' is not a quantization scheme"),
+    ({"scheme": "int4", "group_size": 48}, jr.errors.InvalidPolicyValueError, "group_size=48"),
+    ({"scheme": "int8", "bits": 8}, jr.errors.UnknownPolicyFieldError, "unknown fields ['bits']"),
+    ("int4", jr.errors.QuantizationError, "layers.qkv.kernel"),  # groups of 64 > d_model 32
+  ],
+)
+def test_bad_quantize_options_name_the_value_and_write_nothing(
+  case, tmp_path, quantize, error, fragment
+):
+  path = str(tmp_path / "store")
+  with pytest.raises(error) as e:
+    jr.save(case("nnx")["model"], path, progress=False, quantize=quantize)
+  assert fragment in str(e.value)
+  assert _nothing_written(path)
+
+
+def test_a_quantized_store_placed_with_another_model_names_each_tensor(stores):
+  from jax_residency.toy import ToyConfig, ToyTransformer
+
+  path, _ = stores("nnx", "int8")
+  other = nnx.eval_shape(
+    lambda: ToyTransformer(
+      ToyConfig(vocab=64, d_model=64, n_heads=4, d_ff=64, n_layers=4), rngs=nnx.Rngs(0)
+    )
+  )
+  with pytest.raises(jr.errors.CheckpointShapeMismatchError) as e:
+    jr.place(other, jr.FullyResident(), store=path)
+  message = str(e.value)
+  assert path in message and "layers.qkv.kernel: the model has (4, 64, 192) float32" in message
+
+
+def test_quantize_that_disagrees_with_the_store_is_refused(stores, case):
+  path, _ = stores("nnx", "int8")
+  with pytest.raises(jr.errors.QuantizationError, match="holds weights quantized as"):
+    jr.place(case("nnx")["model"], jr.FullyResident(), store=path, quantize="int4")
+
+
+def test_a_damaged_quantization_record_is_a_store_layout_error(stores, case, tmp_path):
+  import shutil
+
+  path, _ = stores("nnx", "int8")
+  copy = str(tmp_path / "copy")
+  shutil.copytree(path, copy)
+  sidecar = os.path.join(copy, SIDECAR_KEY)
+  with open(sidecar) as f:
+    record = json.load(f)
+  record["quantization"]["tensors"][0]["axis"] = "rows"
+  with open(sidecar, "w") as f:
+    json.dump(record, f)
+  with pytest.raises(jr.errors.StoreLayoutError, match=r"quantization.tensors\[0\].axis"):
+    jr.place(case("nnx")["model"], jr.FullyResident(), store=copy)

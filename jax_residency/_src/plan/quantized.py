@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 from jax_residency._src.errors import (
   CheckpointShapeMismatchError,
+  InvalidPolicyValueError,
   QuantizationError,
   format_paths,
 )
@@ -35,7 +36,7 @@ from jax_residency._src.quant.encoding import (
   encoded_nbytes,
   quantized_axis,
 )
-from jax_residency._src.quant.schemes import Quantization
+from jax_residency._src.quant.schemes import GGUF_SCHEME, Quantization
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 
@@ -129,6 +130,11 @@ def plan_tensors(
   """`plan_quantization` of tensors given as ``(path, shape, stacked, dtype)`` (stacked:
   a layer stack's tensor, units on axis 0), in order."""
   q = Quantization.of(quantization)
+  if q.scheme == GGUF_SCHEME:
+    raise InvalidPolicyValueError(
+      f"quantize={q.scheme!r} is the scheme of stores converted from GGUF files "
+      "(models.convert_gguf), which keep each tensor's GGML type; ask for 'int8' or 'int4'."
+    )
   chosen, bad = [], []
   for path, shape, stacked, dtype in tensors:
     axis = quantized_axis(path, shape[1:] if stacked else shape, dtype)
@@ -355,8 +361,8 @@ def decoded_bytes(
   def floats(leaves: Sequence[Any], shardings: Sequence[jax.sharding.Sharding], unit: bool) -> int:
     total = 0
     for leaf, s in zip(leaves, shardings, strict=True):
-      t = tensors.get(leaf.path[:-1]) if leaf.path[-1] == "codes" else None
-      if t is not None:
+      t = tensors.get(leaf.path[:-1])
+      if t is not None and leaf.path[-1] == t.encoding.part_names[0]:
         shape = t.shape[1:] if unit else t.shape
         total += per_device_bytes(shape, np.dtype(t.encoding.dtype), s)
     return total

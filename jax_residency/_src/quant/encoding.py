@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_residency._src.errors import QuantizationError
+from jax_residency._src.quant import ggml
 from jax_residency._src.quant.schemes import Quantization, Quantized, dequantize, quantize
 
 #: A matrix is quantized only if both of its dimensions are at least this.
@@ -66,20 +68,40 @@ class Encoding:
     axis: the input axis, counted from the end (-2 for ``(in, out)`` kernels, -1 for
       embedding tables), so it holds for a stack of units as for one.
     dtype: the dtype of the decoded tensor (the plain model's).
+    ggml_type: for a tensor kept as a GGUF file held it (scheme ``"gguf"``): its
+      GGML type (``"Q4_K"``, ``"F16"``, ...). Its one part, ``blocks``, holds the
+      file's rows of blocks (uint8), a row along the last axis of the decoded
+      tensor, or along its input axis when ``transpose`` is set.
+    transpose: the file's rows run along the tensor's input axis (a GGUF matrix is
+      ``(out, in)``; a Flax kernel ``(in, out)``): the decode swaps the last two axes.
   """
 
   quantization: Quantization
   axis: int
   dtype: str
+  ggml_type: str | None = None
+  transpose: bool = False
 
   @property
   def part_names(self) -> tuple[str, ...]:
-    return (
-      ("codes", "scale") if self.quantization.scheme == "int8" else ("codes", "scale", "offset")
-    )
+    if self.ggml_type is not None:
+      return ("blocks",)
+    if self.quantization.scheme == "int8":
+      return ("codes", "scale")
+    return ("codes", "scale", "offset")
+
+  def _rows(self, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape the file's rows decode to (``shape`` with its last two axes swapped
+    when ``transpose``)."""
+    if not self.transpose:
+      return tuple(shape)
+    return (*shape[:-2], shape[-1], shape[-2])
 
   def part_shapes(self, shape: Sequence[int]) -> list[tuple[tuple[int, ...], np.dtype]]:
     """Shape and dtype of each part of a tensor of ``shape`` (units stacked or not)."""
+    if self.ggml_type is not None:
+      rows = self._rows(shape)
+      return [((*rows[:-1], ggml.row_bytes(self.ggml_type, rows[-1])), np.dtype(np.uint8))]
     q, a = self.quantization, len(shape) + self.axis
 
     def with_axis(n: int) -> tuple[int, ...]:
@@ -93,20 +115,34 @@ class Encoding:
 
   def encode(self, w: Any, name: str = "tensor") -> tuple[np.ndarray, ...]:
     """The parts of ``w`` (NumPy, on the host)."""
+    if self.ggml_type is not None:
+      raise QuantizationError(
+        f"{name}: a {self.ggml_type} tensor is kept as its GGUF file holds it; it is "
+        "never encoded again. Convert the file with models.convert_gguf."
+      )
     t = quantize(w, self.quantization, axis=self.axis, name=name)
     return tuple(p for p in t if p is not None)
 
   def decode(self, parts: Sequence[Any]) -> jax.Array:
     """The tensor's value from its parts, in JAX."""
+    if self.ggml_type is not None:
+      values = ggml.decode(parts[0], self.ggml_type)
+      return (jnp.swapaxes(values, -1, -2) if self.transpose else values).astype(self.dtype)
     return dequantize(Quantized(*parts), self.quantization, axis=self.axis, dtype=self.dtype)
 
   def to_dict(self) -> dict[str, Any]:
-    return {**self.quantization.to_dict(), "axis": self.axis, "dtype": self.dtype}
+    out = {**self.quantization.to_dict(), "axis": self.axis, "dtype": self.dtype}
+    if self.ggml_type is not None:
+      out.update(ggml_type=self.ggml_type, transpose=self.transpose)
+    return out
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> Encoding:
     q = Quantization.of({k: d[k] for k in ("scheme", "group_size") if k in d})
-    return cls(q, int(d["axis"]), str(d["dtype"]))
+    ggml_type = d.get("ggml_type")
+    if ggml_type is not None:
+      ggml_type = ggml.ggml_type(ggml_type).name  # raises for a type this version lacks
+    return cls(q, int(d["axis"]), str(d["dtype"]), ggml_type, bool(d.get("transpose", False)))
 
 
 @jax.tree_util.register_dataclass

@@ -36,8 +36,11 @@ from jax_residency._src.errors import (
   UnknownPolicyFieldError,
 )
 
-#: The schemes a store can use.
+#: The schemes a save or a conversion can be asked for.
 SCHEMES = ("int8", "int4")
+#: The scheme of a store converted from a GGUF file: each tensor keeps the GGML type
+#: its file gave it (`quant.ggml`); no save writes it on request.
+GGUF_SCHEME = "gguf"
 #: The int4 group sizes a store can use, and the default.
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 64
@@ -67,6 +70,8 @@ class Quantization:
   group_size: int | None = None
 
   def __post_init__(self) -> None:
+    if self.scheme == GGUF_SCHEME and self.group_size is None:
+      return
     if self.scheme not in SCHEMES:
       raise InvalidPolicyValueError(
         f"quantize={self.scheme!r} is not a quantization scheme; use one of {SCHEMES}."

@@ -37,9 +37,9 @@ the fixture's int4 row holds the library's ``QuantizationError`` instead of
 figures.
 
 Checks (the script exits 1 if one fails): the float store's logits are within
-1e-5 of transformers' (``reference.json``); for every store,
+1e-5 of transformers' (``reference.json``); for every quantized store,
 ``DenseDiskStream(host_budget_bytes=0)``'s prompt logits are within 1e-5 of
-``FullyResident``'s, and a quantized store's are within 1e-5 of the plain model
+``FullyResident``'s, and ``FullyResident``'s within 1e-5 of the plain model
 holding the decoded weights; int8's max relative logit error is under 0.05 on
 every fixture; int8's max and mean relative errors are below int4's on every
 fixture int4 can encode. docs/quantization.md ("Quantization error") says which
@@ -47,8 +47,9 @@ held when its table was measured.
 
 The fixtures are tiny random-weight models, not trained ones: the figures
 describe the method on these shapes, not the quality of a trained model
-quantized the same way. Prints a markdown table; ``--json`` prints JSON. Runs
-in about 20-30 s on 2 CPU cores.
+quantized the same way. Prints a markdown table; ``--json`` prints JSON. On 2
+CPU cores it takes about 15 s with the library's compilation cache filled, and
+about 40 s without (``JAX_RESIDENCY_COMPILATION_CACHE=0``).
 
   python benchmarks/quant_error.py [--fixtures qwen2_tiny ...] [--json]
 """
@@ -259,11 +260,9 @@ def measure_fixture(name: str, tmp: Path) -> dict:
   float_info = models.convert_hf(src, float_store, progress=False)
   flt = generate(float_store, cfg, ids, mask)
   want = np.asarray(ref["logits"], np.float32).reshape(flt["logits"].shape)
-  dense = dense_logits(float_store, ids, mask)
   fixture: dict[str, Any] = {
     "fixture": name,
     "float_vs_reference_max_abs": float(np.abs(flt["logits"] - want)[real].max()),
-    "float_dense_vs_resident_max_abs": float(np.abs(dense - flt["logits"])[real].max()),
     "max_abs_logit": float(np.abs(flt["logits"][real]).max()),
     # How close the float model's greedy choices are: a logit error this large flips one.
     "float_top2_gap_min": float(top2_gaps(flt["picked"]).min()),
@@ -325,10 +324,11 @@ def gates(fixtures: list[dict], rows: list[dict]) -> list[dict]:
       f"{name}: float store vs transformers' logits <= {PARITY_ATOL:g}", value <= PARITY_ATOL, value
     )
     ran = [r for r in rows if r["fixture"] == name and r["error"] is None]
-    dense = [fx["float_dense_vs_resident_max_abs"]] + [r["dense_vs_resident_max_abs"] for r in ran]
+    dense = [r["dense_vs_resident_max_abs"] for r in ran]
     check(
-      f"{name}: DenseDiskStream(host 0) vs FullyResident logits <= {PARITY_ATOL:g}, every store",
-      max(dense) <= PARITY_ATOL,
+      f"{name}: DenseDiskStream(host 0) vs FullyResident logits <= {PARITY_ATOL:g}, "
+      "every quantized store",
+      max(dense, default=0.0) <= PARITY_ATOL,
       dense,
     )
     decoded = [r["store_vs_decoded_max_abs"] for r in ran]

@@ -48,8 +48,8 @@ held when its table was measured.
 The fixtures are tiny random-weight models, not trained ones: the figures
 describe the method on these shapes, not the quality of a trained model
 quantized the same way. Prints a markdown table; ``--json`` prints JSON. On 2
-CPU cores it takes about 15 s with the library's compilation cache filled, and
-about 40 s without (``JAX_RESIDENCY_COMPILATION_CACHE=0``).
+CPU cores it takes about 10 s with the library's compilation cache filled, and
+about 30 s without (``JAX_RESIDENCY_COMPILATION_CACHE=0``).
 
   python benchmarks/quant_error.py [--fixtures qwen2_tiny ...] [--json]
 """

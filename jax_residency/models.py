@@ -12,7 +12,9 @@ Qwen2 decoder (one stack, ``layers``) that :func:`load_llama` fills from a
 Hugging Face checkpoint (:func:`hf_tensor_map` names the tensor of every
 parameter), with greedy or sampled :func:`generate_llm` over a KV cache;
 :func:`convert_hf` writes such a checkpoint into a unit store one tensor at a
-time, and :func:`load` gives the model of a store or a checkpoint directory.
+time, :func:`convert_gguf` a llama.cpp GGUF file of a Llama (its tensors kept in
+their GGML types), and :func:`load` gives the model of a store or a checkpoint
+directory.
 """
 
 from ._src.models.bert import BertConfig as BertConfig
@@ -28,6 +30,7 @@ from ._src.models.bert_load import convert_minilm as convert_minilm
 from ._src.models.bert_load import load_bert_from_safetensors as load_bert_from_safetensors
 from ._src.models.bert_load import minilm_checkpoint_dir as minilm_checkpoint_dir
 from ._src.models.bert_load import read_bert_config as read_bert_config
+from ._src.models.gguf_convert import convert_gguf as convert_gguf
 from ._src.models.gpt import GPT as GPT
 from ._src.models.gpt import GPTBlock as GPTBlock
 from ._src.models.gpt import GPTConfig as GPTConfig
@@ -79,6 +82,7 @@ __all__ = [
   "T5EncoderLayer",
   "bert_params_from_hf",
   "convert_bert",
+  "convert_gguf",
   "convert_hf",
   "convert_minilm",
   "filter_logits",

@@ -72,10 +72,11 @@ def test_each_value_decodes_within_half_a_step_of_the_float(q):
   got = np.asarray(dequantize(t, q, axis=0))
   assert got.shape == w.shape and got.dtype == np.float32
   # Half a quantization step, per value: the scale of its channel (int8) or group (int4).
+  # The parts are rows along the input axis: (out, in) for this (in, out) kernel.
   step = (
-    np.broadcast_to(t.scale, w.shape)
+    np.broadcast_to(t.scale.T, w.shape)
     if q.scheme == "int8"
-    else np.repeat(t.scale, 64 if q.group_size == 64 else 32, axis=0)
+    else np.repeat(t.scale.T, 64 if q.group_size == 64 else 32, axis=0)
   )
   assert np.all(np.abs(got - w) <= step / 2 * (1 + 1e-6) + 1e-7)
 
@@ -83,11 +84,12 @@ def test_each_value_decodes_within_half_a_step_of_the_float(q):
 def test_int8_codes_are_symmetric_with_one_scale_per_output_channel():
   w = weights(64, 10)
   t = quantize(w, INT8, axis=0)
-  assert t.codes.dtype == np.int8 and t.codes.shape == (64, 10) and t.offset is None
-  assert t.scale.shape == (1, 10) and t.scale.dtype == np.float32
-  assert np.abs(t.codes).max() == INT8_MAX  # each channel's largest value uses the last code
+  # Rows along the input axis: one row of codes per output channel, (out, in).
+  assert t.codes.dtype == np.int8 and t.codes.shape == (10, 64) and t.offset is None
+  assert t.scale.shape == (10, 1) and t.scale.dtype == np.float32
+  assert np.all(np.abs(t.codes).max(axis=1) == INT8_MAX)  # each channel's largest: the last code
   # A channel's largest magnitude / 127, rounded to 17 significant bits (see the next test).
-  np.testing.assert_allclose(t.scale[0], np.abs(w).max(axis=0) / INT8_MAX, rtol=2.0**-17, atol=0)
+  np.testing.assert_allclose(t.scale[:, 0], np.abs(w).max(axis=0) / INT8_MAX, rtol=2.0**-17, atol=0)
 
 
 @pytest.mark.parametrize(("scheme", "code_bits"), [("int8", 7), ("int4", 4)])
@@ -102,17 +104,26 @@ def test_scales_make_every_code_times_scale_exact_in_float32(scheme, code_bits):
   np.testing.assert_array_equal(products.astype(np.float32).astype(np.float64), products)
 
 
-def test_int4_packs_two_codes_a_byte_along_the_input_axis_in_groups():
+def test_int4_packs_two_output_channels_a_byte_in_groups_along_the_input_axis():
   w = weights(128, 6)
   t = quantize(w, INT4, axis=0)
-  assert t.codes.dtype == np.uint8 and t.codes.shape == (64, 6)
-  assert t.scale.shape == t.offset.shape == (2, 6)  # 128 / 64 groups per column
-  low, high = t.codes & 0xF, t.codes >> 4
-  assert low.max() <= INT4_MAX and high.max() <= INT4_MAX
-  groups = w.reshape(2, 64, 6)
-  np.testing.assert_array_equal(t.offset, groups.min(axis=1))  # a group's minimum, exactly
-  got = np.asarray(dequantize(t, INT4, axis=0)).reshape(2, 64, 6)
-  np.testing.assert_array_equal(got.min(axis=1), groups.min(axis=1))  # code 0 is exact
+  # Rows along the input axis, (out, in) = (6, 128); row r in the low nibbles, r + 3 high.
+  assert t.codes.dtype == np.uint8 and t.codes.shape == (3, 128)
+  assert t.scale.shape == t.offset.shape == (6, 2)  # 128 / 64 groups per output channel
+  groups = w.T.reshape(6, 2, 64)
+  np.testing.assert_array_equal(t.offset, groups.min(axis=2))  # a group's minimum, exactly
+  codes = np.concatenate([t.codes & 0xF, t.codes >> 4])  # (6, 128)
+  assert codes.max() <= INT4_MAX
+  decoded = codes.reshape(6, 2, 64) * t.scale[..., None] + t.offset[..., None]
+  np.testing.assert_allclose(decoded.reshape(6, 128).T, w, atol=t.scale.max() / 2 * 1.001)
+  got = np.asarray(dequantize(t, INT4, axis=0)).T.reshape(6, 2, 64)
+  np.testing.assert_array_equal(got.min(axis=2), groups.min(axis=2))  # code 0 is exact
+
+
+def test_int4_needs_an_even_number_of_output_channels():
+  with pytest.raises(QuantizationError, match="odd number") as info:
+    quantize(weights(64, 7), INT4, axis=0, name="layers.proj.kernel")
+  assert "layers.proj.kernel" in str(info.value) and "use int8" in str(info.value)
 
 
 def test_zero_channels_and_constant_groups_decode_exactly():
@@ -184,7 +195,7 @@ def test_stored_bytes_are_the_bytes_of_the_encoded_arrays(q):
 
 #: Stacks (layers, input, output) the property runs on: a few shapes, so that decoding
 #: compiles a few programs while the values, scales and schemes vary.
-SHAPES = [(1, 32, 1), (2, 64, 3), (3, 128, 5)]
+SHAPES = [(1, 32, 2), (2, 64, 4), (3, 128, 6)]  # int4: an even number of outputs
 
 
 @settings(max_examples=20, deadline=None)

@@ -453,32 +453,42 @@ def cmd_rechunk(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+  from jax_residency._src.models.gguf_convert import convert_gguf  # noqa: PLC0415
   from jax_residency._src.models.hf_convert import convert_hf  # noqa: PLC0415
 
-  if not os.path.isdir(args.src):
+  gguf = args.format == "gguf"
+  if gguf:
+    given = [f for f, v in (("--quantize", args.quantize), ("--group-size", args.group_size)) if v]
+    if given:
+      raise CommandError(
+        f"{' and '.join(given)}: not for gguf, whose tensors keep the GGML types the file "
+        "gives them; leave them out"
+      )
+    if not os.path.isfile(args.src):
+      raise CommandError(f"{args.src}: not a file (a llama.cpp .gguf file)")
+  elif not os.path.isdir(args.src):
     raise CommandError(f"{args.src}: not a directory (a Hugging Face checkpoint directory)")
   if args.group_size is not None and args.quantize != "int4":
     raise CommandError(f"--group-size {args.group_size} is for --quantize int4; leave it out")
   quantize = None
   if args.quantize is not None:
     quantize = {"scheme": args.quantize, "group_size": args.group_size}
+  common = {"dtype": args.dtype, "progress": None, "overwrite": args.overwrite}
   try:
-    info = convert_hf(
-      args.src,
-      args.dst,
-      dtype=args.dtype,
-      progress=None,
-      overwrite=args.overwrite,
-      quantize=quantize,
-    )
+    if gguf:
+      info = convert_gguf(args.src, args.dst, **common)
+    else:
+      info = convert_hf(args.src, args.dst, quantize=quantize, **common)
   except (OSError, TypeError) as e:
     raise CommandError(f"cannot convert {args.src}: {type(e).__name__}: {e}") from e
   stacks = ", ".join(f"{s.count} units under {path_str(s.prefix)!r}" for s in info.stacks)
   quantized = ""
   if info.quantization is not None:
     plan = info.quantization
+    types = sorted({t.encoding.ggml_type or "" for t in plan.tensors})
+    kind = f"in GGML types {', '.join(types)}" if gguf else f"as {args.quantize}"
     quantized = (
-      f"; {len(plan.tensors)} matrices as {args.quantize}: {fmt_bytes(plan.float_nbytes)} "
+      f"; {len(plan.tensors)} matrices {kind}: {fmt_bytes(plan.float_nbytes)} as floats "
       f"-> {fmt_bytes(plan.stored_nbytes)}"
     )
   emit(

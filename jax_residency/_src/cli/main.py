@@ -344,25 +344,31 @@ def _add_convert(sub: argparse._SubParsersAction[_Parser]) -> None:
     sub,
     "convert",
     cmd_convert,
-    summary="convert a Hugging Face checkpoint into a unit store",
+    summary="convert a Hugging Face checkpoint or a GGUF file into a unit store",
     description=(
       "convert hf SRC DST: reads a Hugging Face checkpoint directory (config.json and\n"
       "safetensors, sharded or not; Llama, Mistral or Qwen2) one tensor at a time and\n"
-      "writes a unit store every policy can place (host memory: about one tensor)."
+      "writes a unit store every policy can place (host memory: about one tensor).\n"
+      "convert gguf FILE DST: reads a llama.cpp GGUF file of the Llama architecture and\n"
+      "writes a store whose matrices keep their GGML types (F32, F16, BF16, Q8_0, Q4_0,\n"
+      "Q4_1, Q4_K, Q6_K; one type per tensor name across layers), decoded where each\n"
+      "layer runs, with a config.json and a tokenizer.json derived from its metadata."
     ),
   )
-  convert.add_argument("format", choices=["hf"], help="the checkpoint's format")
-  convert.add_argument("src", help="the checkpoint directory")
+  convert.add_argument("format", choices=["hf", "gguf"], help="the checkpoint's format")
+  convert.add_argument("src", help="the checkpoint directory (hf) or .gguf file (gguf)")
   convert.add_argument("dst", help="where to write the store")
   convert.add_argument(
-    "--dtype", help="store floating weights in this dtype (e.g. bfloat16); default float32"
+    "--dtype",
+    help="store floating weights in this dtype (e.g. bfloat16); default float32\n"
+    "(gguf: the dtype the model decodes its blocks to and computes in)",
   )
   convert.add_argument(
     "--quantize",
     choices=["int8", "int4"],
-    help="store the floating matrices quantized: int8 (a scale per output channel) or\n"
-    "int4 (groups along the input dimension, two values a byte); norms, biases and\n"
-    "small tensors stay as they are",
+    help="hf only: store the floating matrices quantized: int8 (a scale per output\n"
+    "channel) or int4 (groups along the input dimension, two values a byte); norms,\n"
+    "biases and small tensors stay as they are",
   )
   convert.add_argument(
     "--group-size",

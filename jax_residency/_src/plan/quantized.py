@@ -217,10 +217,14 @@ def check_plan(split: SplitModel, plan: QuantPlan, *, where: str) -> None:
     )
 
 
-def _part_spec(spec: PartitionSpec, ndim: int, axis: int) -> PartitionSpec:
-  """A scale's or offset's spec: the tensor's, not split along the quantized axis."""
+def _part_spec(spec: PartitionSpec, ndim: int, encoding: Encoding, first: bool) -> PartitionSpec:
+  """A part's spec: the tensor's, laid out as rows along the input axis (a kernel's
+  last two entries swapped); a scale's or offset's not split along the input axis."""
   entries = list(spec) + [None] * (ndim - len(spec))
-  entries[ndim + axis] = None
+  if encoding.rows_shape((0, 1)) == (1, 0):  # stored transposed
+    entries[-2], entries[-1] = entries[-1], entries[-2]
+  if not first:
+    entries[-1] = None
   return PartitionSpec(*entries)
 
 
@@ -295,7 +299,7 @@ def quantized_split(
     for j, (name, (shape, dtype)) in enumerate(
       zip(t.encoding.part_names, t.encoding.part_shapes(t.shape), strict=True)
     ):
-      spec = leaf.spec if j == 0 else _part_spec(leaf.spec, len(shape), t.encoding.axis)
+      spec = _part_spec(leaf.spec, len(shape), t.encoding, j == 0)
       leaves.append(Leaf((*leaf.path, name), shape, dtype, spec))
     values.extend(parts)
   unit_positions = set(split.unit_index)

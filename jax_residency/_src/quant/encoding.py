@@ -90,28 +90,24 @@ class Encoding:
       return ("codes", "scale")
     return ("codes", "scale", "offset")
 
-  def _rows(self, shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape the file's rows decode to (``shape`` with its last two axes swapped
-    when ``transpose``)."""
-    if not self.transpose:
-      return tuple(shape)
-    return (*shape[:-2], shape[-1], shape[-2])
-
   def part_shapes(self, shape: Sequence[int]) -> list[tuple[tuple[int, ...], np.dtype]]:
     """Shape and dtype of each part of a tensor of ``shape`` (units stacked or not)."""
     if self.ggml_type is not None:
-      rows = self._rows(shape)
+      rows = self.rows_shape(shape)
       return [((*rows[:-1], ggml.row_bytes(self.ggml_type, rows[-1])), np.dtype(np.uint8))]
-    q, a = self.quantization, len(shape) + self.axis
-
-    def with_axis(n: int) -> tuple[int, ...]:
-      return tuple(n if i == a else d for i, d in enumerate(shape))
-
+    q, rows = self.quantization, self.rows_shape(shape)
+    lead, n_rows, n_in = rows[:-2], rows[-2], rows[-1]
     if q.scheme == "int8":
-      return [(tuple(shape), np.dtype(np.int8)), (with_axis(1), np.dtype(np.float32))]
+      return [(rows, np.dtype(np.int8)), ((*lead, n_rows, 1), np.dtype(np.float32))]
     assert q.group_size is not None
-    groups = (with_axis(shape[a] // q.group_size), np.dtype(np.float32))
-    return [(with_axis(shape[a] // 2), np.dtype(np.uint8)), groups, groups]
+    groups = ((*lead, n_rows, n_in // q.group_size), np.dtype(np.float32))
+    return [((*lead, n_rows // 2, n_in), np.dtype(np.uint8)), groups, groups]
+
+  def rows_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` as rows along the input axis (the layout of the stored parts): a
+    kernel's last two axes swapped, a table's as they are."""
+    swap = self.transpose if self.ggml_type is not None else self.axis == -2
+    return (*shape[:-2], shape[-1], shape[-2]) if swap else tuple(shape)
 
   def encode(self, w: Any, name: str = "tensor") -> tuple[np.ndarray, ...]:
     """The parts of ``w`` (NumPy, on the host)."""

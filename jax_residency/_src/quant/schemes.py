@@ -7,18 +7,30 @@ Two schemes, each a :class:`Quantization`:
 * ``"int4"``: asymmetric, in groups of ``group_size`` (32, 64 or 128; default
   64) consecutive values along the input dimension, each group with a float32
   ``scale`` and ``offset`` (its minimum): a code ``c`` in ``[0, 15]`` decodes to
-  ``c * scale + offset``. Two codes share a byte along the input dimension (the
-  even index in the low nibble, the odd one in the high nibble), so a group's
-  bytes never straddle two groups.
+  ``c * scale + offset``.
 
 "The input dimension" is the axis a layer contracts over: for a matrix applied
 as ``x @ w`` (an ``nnx.Linear`` kernel, ``(in, out)``) it is the first of the
-matrix's two axes, and an output channel is a column. Encoding takes it as
-``axis``; every other axis (a stacked layer axis in front, the output axis) keeps
-its scales apart. Encoding runs on the host in NumPy, once, when a store is
-written; decoding runs in JAX, inside the step that uses the weights, and is the
-definition of a quantized tensor's value: the same function gives the reference
-that placed models are compared with.
+matrix's two axes (``axis=-2``), and an output channel is a column; for an
+embedding table ``(vocab, features)`` it is the last (``axis=-1``). Leading axes
+(a stack of layers) keep their scales apart.
+
+**Layout at rest: rows along the input axis.** The parts are stored as *rows*:
+the matrix with its input axis last (a kernel is stored transposed, ``(out,
+in)``; a table as it is), one row per output channel, as GGUF files store their
+matrices too. Decoding then reads each row's codes contiguously, and XLA on CPU
+compiles a one-token ``x @ w`` on a decoded kernel into one loop that reads the
+codes once (the decode fused into the product) instead of writing the float
+matrix and reading it back. int8 codes are ``(..., rows, in)`` with a scale per
+row ``(..., rows, 1)``; int4 codes pack two rows per byte, row ``r`` in the low
+nibble and row ``r + rows/2`` in the high one, ``(..., rows/2, in)`` (unpacking
+is then two elementwise ops and a concatenation along the rows, which keeps that
+fusion), with ``(..., rows, in/group)`` scales and offsets.
+
+Encoding runs on the host in NumPy, once, when a store is written; decoding runs
+in JAX, inside the step that uses the weights, and is the definition of a
+quantized tensor's value: the same function gives the reference that placed
+models are compared with.
 """
 
 from __future__ import annotations
@@ -122,12 +134,13 @@ class Quantization:
 
   def check(self, shape: tuple[int, ...], axis: int, name: str) -> None:
     """Raises `QuantizationError` naming the tensor when this scheme cannot encode a
-    tensor of ``shape`` along ``axis`` (int4: the group size must divide the input
-    dimension)."""
-    if len(shape) < 2 or not -len(shape) <= axis < len(shape):
+    tensor of ``shape`` along ``axis``: the axis must be one of its last two; for
+    int4 the group size must divide the input dimension and the other one (the
+    rows, two to a byte) must be even."""
+    if len(shape) < 2 or _last_two(axis, len(shape)) is None:
       raise QuantizationError(
-        f"{name}: shape {shape} has no input axis {axis}; only matrices (and stacks of "
-        "them) are quantized."
+        f"{name}: shape {shape} has no input axis {axis} among its last two; only "
+        "matrices (and stacks of them) are quantized."
       )
     n = shape[axis]
     if self.scheme == "int4" and self.group_size is not None and n % self.group_size:
@@ -135,6 +148,12 @@ class Quantization:
         f"{name}: group_size={self.group_size} does not divide its input dimension {n} "
         f"(shape {shape}); choose a group size among {INT4_GROUP_SIZES} that divides {n}, "
         "or int8."
+      )
+    rows = shape[-1 if _last_two(axis, len(shape)) == -2 else -2]
+    if self.scheme == "int4" and rows % 2:
+      raise QuantizationError(
+        f"{name}: int4 packs two output channels a byte, but it has {rows} (shape "
+        f"{shape}, an odd number); use int8."
       )
 
   def stored_nbytes(self, shape: tuple[int, ...], axis: int) -> int:
@@ -176,13 +195,25 @@ def _exact_products(scale: Any, *, code_bits: int) -> np.ndarray:
   return rounded.view(np.float32)
 
 
+def _last_two(axis: int, ndim: int) -> int | None:
+  """``axis`` as -2 or -1 when it is one of the last two of ``ndim``; else None."""
+  a = axis - ndim if axis >= 0 else axis
+  return a if a in (-2, -1) else None
+
+
+def _to_rows(x: Any, axis: int | None) -> Any:
+  """A tensor with input axis ``axis`` (-2 or -1), as rows along its input axis."""
+  return x.swapaxes(-1, -2) if axis == -2 else x
+
+
 def quantize(w: Any, q: Quantization, *, axis: int, name: str = "tensor") -> Quantized:
-  """Encodes ``w`` (any floating dtype; computed in float32) under ``q`` along ``axis``.
+  """Encodes ``w`` (any floating dtype; computed in float32) under ``q`` along ``axis``,
+  as rows along the input axis (see the module's docstring).
 
   Raises:
-    QuantizationError: ``w`` is not a floating matrix (or stack of them), or
-      its input dimension does not split into ``q``'s groups; the message names
-      ``name``.
+    QuantizationError: ``w`` is not a floating matrix (or stack of them), its input
+      dimension does not split into ``q``'s groups, or (int4) its output channels
+      are odd in number; the message names ``name``.
   """
   w = np.asarray(w)
   if not np.issubdtype(w.dtype, np.floating) and w.dtype.name != "bfloat16":
@@ -190,44 +221,38 @@ def quantize(w: Any, q: Quantization, *, axis: int, name: str = "tensor") -> Qua
       f"{name}: dtype {w.dtype} is not floating; only floating matrices are quantized."
     )
   q.check(tuple(w.shape), axis, name)
-  w = np.moveaxis(w.astype(np.float32), axis, -1)
+  rows = _to_rows(w.astype(np.float32), _last_two(axis, w.ndim))
   if q.scheme == "int8":
-    amax = np.max(np.abs(w), axis=-1, keepdims=True)
+    amax = np.max(np.abs(rows), axis=-1, keepdims=True)
     scale = _exact_products(np.where(amax > 0, amax / INT8_MAX, 1.0), code_bits=7)
-    codes = np.clip(np.rint(w / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
-    return Quantized(np.moveaxis(codes, -1, axis), np.moveaxis(scale, -1, axis))
+    codes = np.clip(np.rint(rows / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return Quantized(np.ascontiguousarray(codes), scale)
   assert q.group_size is not None
-  n, g = w.shape[-1], q.group_size
-  groups = w.reshape(*w.shape[:-1], n // g, g)
+  n, g = rows.shape[-1], q.group_size
+  groups = rows.reshape(*rows.shape[:-1], n // g, g)
   low = groups.min(axis=-1, keepdims=True)
   span = groups.max(axis=-1, keepdims=True) - low
   scale = _exact_products(np.where(span > 0, span / INT4_MAX, 1.0), code_bits=4)
   codes = np.clip(np.rint((groups - low) / scale), 0, INT4_MAX).astype(np.uint8)
-  codes = codes.reshape(*w.shape[:-1], n)
-  packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-  return Quantized(
-    np.moveaxis(packed, -1, axis),
-    np.moveaxis(scale[..., 0], -1, axis),
-    np.moveaxis(low[..., 0].astype(np.float32), -1, axis),
-  )
+  codes = codes.reshape(rows.shape)
+  half = rows.shape[-2] // 2
+  packed = codes[..., :half, :] | (codes[..., half:, :] << 4)
+  return Quantized(packed, scale[..., 0], low[..., 0].astype(np.float32))
 
 
 def dequantize(t: Quantized, q: Quantization, *, axis: int, dtype: Any = jnp.float32) -> Any:
   """The value of a quantized tensor (a JAX array of ``dtype``), traceable under ``jit``.
 
-  Written along ``axis`` in place (no transposes), so the decoded tensor comes out in the
-  layout the plain model's array has and the op that consumes it compiles as it does for
-  the plain model.
+  Only elementwise ops, a broadcast of the scales, a concatenation along the rows
+  (int4) and a final transpose for kernels: XLA fuses them into the op that
+  consumes the tensor (see the module's docstring).
   """
   codes, scale = jnp.asarray(t.codes), jnp.asarray(t.scale)
+  a = _last_two(axis, codes.ndim)
   if q.scheme == "int8":
-    return (codes.astype(jnp.float32) * scale).astype(dtype)
+    return _to_rows((codes.astype(jnp.float32) * scale).astype(dtype), a)
   assert q.group_size is not None and t.offset is not None
-  a = axis % codes.ndim
-  shape = codes.shape
-  both = jnp.stack([codes & 0xF, codes >> 4], axis=a + 1)  # (..., n/2, 2, ...): even, odd
-  grouped = (*shape[:a], 2 * shape[a] // q.group_size, q.group_size, *shape[a + 1 :])
-  values = both.reshape(grouped).astype(jnp.float32)
-  offset = jnp.expand_dims(jnp.asarray(t.offset), a + 1)
-  values = values * jnp.expand_dims(scale, a + 1) + offset
-  return values.reshape(*shape[:a], 2 * shape[a], *shape[a + 1 :]).astype(dtype)
+  both = jnp.concatenate([codes & 0xF, codes >> 4], axis=-2).astype(jnp.float32)
+  grouped = both.reshape(*both.shape[:-1], -1, q.group_size)
+  values = grouped * scale[..., None] + jnp.asarray(t.offset)[..., None]
+  return _to_rows(values.reshape(both.shape).astype(dtype), a)

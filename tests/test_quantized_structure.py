@@ -1,0 +1,99 @@
+"""The programs a quantized store runs (docs/quantization.md, "Reading codes once"): on
+CPU, a one-token step decodes each unit matrix inside the fusion of the matmul that uses
+it, so the codes are read once and no float copy of the unit is written; lowered for
+``cuda`` (no GPU needed), the layer loop moves int8/uint8 codes to the device and the
+decode (convert, scale, transpose) feeds the matmul directly."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import jax_residency as jr
+from jax_residency.toy import ToyConfig, ToyTransformer
+
+#: Big enough that XLA emits the matmuls it would for a real model's decode step.
+CFG = ToyConfig(vocab=256, d_model=256, n_heads=4, d_ff=512, n_layers=2)
+#: The unit matrices of the toy's layer: qkv, out, up, down.
+MATRICES = 4
+
+
+@pytest.fixture(scope="module")
+def model() -> ToyTransformer:
+  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
+
+
+def _computations(hlo: str) -> dict[str, str]:
+  """Each computation of compiled HLO text, by name."""
+  out = {}
+  for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \(.*?\{\n(.*?)\n\}", hlo, re.M | re.S):
+    out[m.group(1)] = m.group(2)
+  return out
+
+
+def _codes_and_matmuls(body: str) -> tuple[int, int]:
+  """In one function's body: int8 tensors placed on the device, and matmuls whose weight
+  is transpose(multiply(convert(such placed codes), scale))."""
+  defs = {}
+  for line in body.splitlines():
+    m = re.match(r"\s*(%[\w#]+) = stablehlo\.(\w+) ([^:{]*)", line)
+    if m:
+      defs[m.group(1)] = (m.group(2), re.findall(r"%[\w#]+", m.group(3)), line)
+  moved = {
+    v
+    for v, (op, _, line) in defs.items()
+    if op == "custom_call" and "annotate_device_placement" in line and "xi8>) ->" in line
+  }
+
+  def decoded_from_codes(v: str) -> bool:
+    for op in ("transpose", "multiply", "convert"):
+      if v not in defs or defs[v][0] != op:
+        return False
+      v = defs[v][1][0]
+    return v in moved
+
+  matmuls = [args for op, args, _ in defs.values() if op == "dot_general"]
+  return len(moved), sum(1 for args in matmuls if decoded_from_codes(args[1]))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_one_token_cpu_step_decodes_inside_each_matmul_fusion(model, scheme):
+  token = jnp.zeros((1, 1), jnp.int32)
+  with jr.place(model, jr.FullyResident(), quantize=scheme) as placed:
+    hlo = placed.lower(token).compile().as_text()
+  codes = "s8" if scheme == "int8" else "u8"
+  stacked = re.compile(rf"= {codes}\[{CFG.n_layers},\d+,\d+\]\S* parameter\(")  # unit codes
+  fused_dots = []
+  for name, body in _computations(hlo).items():
+    if name.startswith(("wide.", "region_")) or "fused" not in name and "wrapped" not in name:
+      continue  # loop bodies and conditions pass the stacks through; fusions compute
+    takes_codes = any(stacked.search(line) for line in body.splitlines())
+    if not takes_codes:
+      continue
+    # Whatever reads a unit's codes is a matmul's fusion: the decode (convert, scale,
+    # transpose) and the product in one loop; no fusion writes the decoded floats out.
+    assert " dot(" in body, f"{name} reads {codes} codes but holds no matmul:\n{body}"
+    assert " convert(" in body and " multiply(" in body, name
+    fused_dots.append(name)
+  assert len(fused_dots) == MATRICES
+
+
+def test_lowered_for_cuda_the_loop_moves_codes_and_decodes_beside_the_matmul(model, mlir):
+  token = jnp.zeros((1, 1), jnp.int32)
+  with jr.place(model, jr.LayerwiseHost(prefetch_depth=1), quantize="int8") as placed:
+    text = placed.lower(token, platforms=("cuda",)).as_text()
+  module = mlir(text)
+  _, loops = module.split_loops(module.funcs["main"])
+  assert len(loops) == 1  # the layer loop; its step is a function it calls
+  moved, beside = 0, 0
+  for name, body in module.funcs.items():
+    if name != "main":
+      found = _codes_and_matmuls(body)
+      moved, beside = moved + found[0], beside + found[1]
+  assert moved == MATRICES  # each unit matrix crosses to the device as int8 codes
+  assert beside == MATRICES  # and is decoded right beside the matmul that uses it
+  assert jax.devices()[0].platform == "cpu"  # lowered, not run: no GPU needed

@@ -188,6 +188,7 @@ def test_the_store_and_every_budget_count_quantized_bytes(stores, case, tokens, 
     placed(tokens)
     last = placed.report().last
   assert last.disk_to_device_bytes == info.unit_count * info.unit_nbytes
+  assert last.mapped_bytes > 0  # coded chunks are mapped in place, as float ones are
   # The float copies are planned: one unit's, and the static tensors', in the device budget.
   items = {m.name: m for m in meta.memory}
   per_unit = {t.path: t for t in plan.tensors if t.path[0] == "layers"}
@@ -327,3 +328,63 @@ def test_a_damaged_quantization_record_is_a_store_layout_error(stores, case, tmp
     json.dump(record, f)
   with pytest.raises(jr.errors.StoreLayoutError, match=r"quantization.tensors\[0\].axis"):
     jr.place(case("nnx")["model"], jr.FullyResident(), store=copy)
+
+
+# --- planning: a config.json planned as it would be stored ---------------------------
+
+
+def test_plan_of_a_config_with_quantize_is_the_plan_of_its_quantized_store(tmp_path, capfd):
+  """``plan config.json --quantize int4`` (no weights) plans what the converted store
+  holds, and both agree with what ``place`` plans for that store."""
+  from pathlib import Path
+
+  from jax_residency import models
+  from jax_residency._src.cli import main as cli
+
+  src = Path(__file__).parent / "fixtures" / "llama_tiny_untied"
+  flags = ["--json", "--platform", "cpu", "--device-budget", "200KiB"]
+  assert (
+    cli.main(["plan", str(src / "config.json"), "--quantize", "int4", "--group-size", "32", *flags])
+    == 0
+  )
+  from_config = json.loads(capfd.readouterr().out)
+  store = str(tmp_path / "store")
+  models.convert_hf(src, store, progress=False, quantize={"scheme": "int4", "group_size": 32})
+  assert cli.main(["plan", store, *flags]) == 0
+  from_store = json.loads(capfd.readouterr().out)
+  for key in ("units", "unit_bytes", "static_bytes", "decoded_bytes", "quantization", "fits"):
+    assert from_config[key] == from_store[key], key
+  assert from_store["decoded_bytes"][1] > from_store["unit_bytes"]  # floats of one unit
+  resident = next(p for p in from_store["plans"] if p["policy"] == "fully_resident")
+  with jr.place(models.load(store), jr.FullyResident(), store=store) as placed:
+    meta = placed.metadata
+  decoded = [m.nbytes for m in meta.memory if m.name.startswith("decoded")]
+  assert decoded == list(from_store["decoded_bytes"])
+  assert resident["tiers"][0]["required_bytes"] == meta.planned_device_bytes
+  assert cli.main(["plan", store, "--quantize", "int8", *flags]) == 2  # a store is as stored
+
+
+def test_a_lazy_tensor_is_read_and_encoded_one_unit_at_a_time():
+  """What keeps ``convert_hf(..., quantize=)`` to about one tensor of host memory: each
+  unit of a stacked tensor is read once (its codes, scales and offsets share the
+  encoding) and the stacked tensor is never read whole."""
+  from jax_residency._src.plan.quantized import quantize_arrays
+  from jax_residency._src.store.writer import save_store
+
+  class Lazy:
+    def __init__(self, shape):
+      self.shape, self.dtype, self.reads = shape, np.dtype(np.float32), []
+
+    def __getitem__(self, i):
+      self.reads.append(i)
+      return np.random.default_rng(i).normal(size=self.shape[1:]).astype(np.float32)
+
+    def __array__(self, dtype=None, copy=None):
+      raise AssertionError("read whole")
+
+  kernel, bias = Lazy((3, 64, 32)), Lazy((3, 32))
+  plan, static, stacks = quantize_arrays({}, {("layers",): {("w",): kernel, ("b",): bias}}, "int4")
+  assert [".".join(t.path) for t in plan.tensors] == ["layers.w"]
+  assert sorted(stacks[("layers",)]) == [("b",), ("w", "codes"), ("w", "offset"), ("w", "scale")]
+  save_store("memory://lazy/store", static=static, stacks=stacks, quantization=plan, progress=False)
+  assert kernel.reads == [0, 1, 2] and bias.reads == [0, 1, 2]

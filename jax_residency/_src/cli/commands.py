@@ -21,8 +21,8 @@ from jax_residency._src.cli.console import (
   emit_json,
   fmt_bytes,
   plural,
-  table,
 )
+from jax_residency._src.cli.inspection import quantization_info
 from jax_residency._src.cli.plan_table import plan_budgets
 from jax_residency._src.cli.stored_models import (
   MODEL_FILE,
@@ -36,164 +36,10 @@ from jax_residency._src.cli.stored_models import (
   single_device_mesh,
   toy_config,
 )
-from jax_residency._src.typing import path_str, tensor_nbytes
+from jax_residency._src.typing import path_str
 
 #: Default of `run`'s budget flags: not given (the policy's default applies).
 UNSET: Any = object()
-
-
-# --- inspect -----------------------------------------------------------------
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-  """Describes the store: a summary, then its unit tensors (or all of it as JSON)."""
-  info, specs = _read_inspection(args.path, args.units)
-  if args.json:
-    emit_json(info)
-    return 0
-  rows = _inspect_rows(info, units_flag=args.units)
-  width = max(len(k) for k, _ in rows)
-  lines = [f"{k:<{width}}  {v}" for k, v in rows]
-  lines += ["", f"unit tensors ({len(specs)}, per unit):"]
-  lines += ["  " + line for line in _tensor_table(specs)]
-  emit("\n".join(lines))
-  return 0
-
-
-def _read_inspection(path: str, units: str | None) -> tuple[dict[str, Any], dict[Any, Any]]:
-  """The JSON form of what ``inspect`` shows, and the unit tensors' specs by path."""
-  from jax_residency._src.store.verify import checksums  # noqa: PLC0415
-
-  with open_store(path, units=units, streamable=False) as store:
-    specs = _unit_specs(store)
-    info = {
-      "path": path,
-      "unit_prefix": path_str(store.unit_prefix),
-      "unit_count": store.unit_count,
-      "unit_bytes": store.unit_nbytes,
-      "total_unit_bytes": store.total_unit_bytes,
-      "static_bytes": store.static_nbytes,
-      "static_tensors": len(store.static_specs),
-      "unit_tensors": {
-        path_str(p): {"shape": list(shape), "dtype": str(dtype)}
-        for p, (shape, dtype) in sorted(specs.items())
-      },
-      "stacks": [
-        {"prefix": path_str(st.prefix), "units": st.count, "unit_bytes": st.unit_nbytes}
-        for st in store.stacks
-      ],
-      "chunked_per_unit": bool(store.chunked_per_unit),
-      "bytes_read_per_byte_used": float(store.bytes_read_per_byte_used),
-      "compressed": bool(getattr(store, "compressed", False)),
-      "checksums": checksums(store),
-      "streamable": bool(store.chunked_per_unit),
-      "model": None,
-      "quantization": _quantization_info(store.quantization),
-    }
-  record = read_model_record(path)
-  if record is not None:
-    info["model"] = {"kind": "toy", "config": record.get("config")}
-  return info, specs
-
-
-def _quantization_info(plan: Any) -> dict[str, Any] | None:
-  """What ``inspect`` says of a quantized store: the scheme, the rule, the bytes."""
-  from jax_residency._src.quant.encoding import MIN_QUANTIZED_DIM  # noqa: PLC0415
-
-  if plan is None:
-    return None
-  return {
-    **plan.quantization.to_dict(),
-    "tensors": len(plan.tensors),
-    "float_bytes": plan.float_nbytes,
-    "stored_bytes": plan.stored_nbytes,
-    "rule": f"floating matrices (per unit) with both dimensions >= {MIN_QUANTIZED_DIM}; "
-    "vectors, scalars and smaller tensors stay as they are",
-  }
-
-
-def _unit_specs(store: Any) -> dict[Any, Any]:
-  """(shape, dtype) of every unit tensor: by path in the unit, or with several stacks,
-  by full path."""
-  if len(store.stacks) <= 1:
-    return dict(store.unit_specs)
-  return {
-    st.prefix + rel: spec
-    for k, st in enumerate(store.stacks)
-    for rel, spec in store.stack_specs(k).items()
-  }
-
-
-#: What ``inspect`` says about a store's checksums (``store.verify.checksums``).
-_CHECKSUMS = {
-  "crc32c": "crc32c on every chunk, checked on every read",
-  "some": "crc32c on some arrays only; the rest are not checked",
-  "none": "none: damaged data cannot be detected (`jr.save` writes stores with them)",
-}
-
-
-def _inspect_rows(info: dict[str, Any], *, units_flag: str | None) -> list[tuple[str, str]]:
-  """The summary's (field, text) rows, from ``info`` (the JSON form)."""
-  rows = [("store", info["path"]), *_stack_rows(info["stacks"], info["total_unit_bytes"])]
-  static = f"{fmt_bytes(info['static_bytes'])} ({plural(info['static_tensors'], 'tensor')})"
-  rows.append(("static bytes", static))
-  chunking = "one chunk per unit" if info["streamable"] else "several units per chunk"
-  chunking += ", compressed" if info["compressed"] else ", uncompressed"
-  rows.append(("chunking", chunking))
-  rows.append(("checksums", _CHECKSUMS[info["checksums"]]))
-  rows.append(("streamable", _streamable_verdict(info, units_flag=units_flag)))
-  q = info["quantization"]
-  if q is not None:
-    groups = f", groups of {q['group_size']}" if "group_size" in q else ""
-    rows.append(
-      (
-        "quantized",
-        f"{q['scheme']}{groups}: {q['tensors']} matrices, "
-        f"{fmt_bytes(q['float_bytes'])} as floats -> {fmt_bytes(q['stored_bytes'])} stored",
-      )
-    )
-    rows.append(("", q["rule"]))
-  if info["model"] is not None:
-    rows.append(("model", f"toy {info['model']['config']} (`{PROG} run` works)"))
-  return rows
-
-
-def _stack_rows(stacks: list[dict[str, Any]], total: int) -> list[tuple[str, str]]:
-  """The ``units`` and ``unit bytes`` rows: per stack, then the total bytes."""
-  counts = ", ".join(f"{st['units']} under {st['prefix']!r}" for st in stacks)
-  sizes = ", ".join(
-    f"{fmt_bytes(st['unit_bytes'])} each" + (f" under {st['prefix']!r}" if len(stacks) > 1 else "")
-    for st in stacks
-  )
-  return [("units", counts), ("unit bytes", f"{sizes}, {fmt_bytes(total)} total")]
-
-
-def _streamable_verdict(info: dict[str, Any], *, units_flag: str | None) -> str:
-  """Whether DenseDiskStream streams the store in place, and if not, how to rechunk it."""
-  if info["streamable"]:
-    verdict = "yes: DenseDiskStream reads each unit in place"
-    if info["compressed"]:
-      verdict += " (compressed: slower; `rechunk` writes it uncompressed)"
-    return verdict
-  units = f" --units {units_flag}" if units_flag else ""
-  return (
-    f"slowly: DenseDiskStream decodes {info['bytes_read_per_byte_used']:.1f} bytes for each "
-    f"byte it uses; run `{PROG} rechunk {info['path']} DST{units}` once and stream DST"
-  )
-
-
-def _tensor_table(specs: dict[Any, Any]) -> list[str]:
-  """One line per unit tensor: path, shape, dtype, bytes."""
-  rows = [
-    [
-      path_str(p),
-      "x".join(map(str, shape)) or "()",
-      str(dtype),
-      fmt_bytes(tensor_nbytes(shape, dtype)),
-    ]
-    for p, (shape, dtype) in sorted(specs.items())
-  ]
-  return table(("path", "shape", "dtype", "bytes"), rows)
 
 
 # --- verify ------------------------------------------------------------------
@@ -252,33 +98,59 @@ def _hf_config_path(path: str) -> str | None:
   return None
 
 
-def _sizes_from_hf_config(path: str, dtype: str | None) -> tuple[int, int, list[Any]]:
-  """(static bytes, largest unit bytes, stacks) of the model a config.json describes."""
+def _sizes_from_hf_config(
+  path: str, dtype: str | None, quantize: dict[str, Any] | None
+) -> tuple[int, int, list[Any], Any]:
+  """(static bytes, largest unit bytes, stacks, quantization plan or None) of the model a
+  config.json describes, stored as ``quantize`` asks."""
   from jax_residency._src.models.hf_convert import abstract_model  # noqa: PLC0415
+  from jax_residency._src.plan.quantized import plan_quantization, quantized_split  # noqa: PLC0415
   from jax_residency._src.plan.split import split_model  # noqa: PLC0415
 
   with open(path) as f:
     hf = json.load(f)
   model = abstract_model(hf, dtype=dtype or hf.get("torch_dtype") or None, where=path)
-  split = split_model(model)
+  split, plan = split_model(model), None
+  if quantize is not None:
+    plan = plan_quantization(split, quantize)
+    split = quantized_split(split, plan, values_from="none")
   static = sum(leaf.nbytes for leaf in split.static_leaves())
   stacks = [
     (s.name, s.count, sum(leaf.nbytes for leaf in split.stack_leaves(s)) // s.count)
     for s in split.stacks
   ]
-  return static, max(b for _, _, b in stacks), stacks
+  return static, max(b for _, _, b in stacks), stacks, plan
+
+
+def _quantize_flags(args: argparse.Namespace) -> dict[str, Any] | None:
+  """``--quantize`` / ``--group-size`` as a ``quantize=`` value (None without them)."""
+  if args.group_size is not None and args.quantize != "int4":
+    raise CommandError(f"--group-size {args.group_size} is for --quantize int4; leave it out")
+  if args.quantize is None:
+    return None
+  return {"scheme": args.quantize, "group_size": args.group_size}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+  from jax_residency._src.plan.quantized import plan_decoded_bytes  # noqa: PLC0415
+
   config = _hf_config_path(args.path)
+  quantize = _quantize_flags(args)
   if config is not None:
-    static, unit, stacks = _sizes_from_hf_config(config, args.dtype)
+    static, unit, stacks, quant = _sizes_from_hf_config(config, args.dtype, quantize)
     n, streamable = sum(c for _, c, _ in stacks), True
+    prefixes = [tuple(name.split(".")) for name, _, _ in stacks]
   else:
+    if quantize is not None:
+      raise CommandError(
+        "--quantize plans a config.json as if converted with it; a store is planned as "
+        "it is stored (convert with --quantize to plan a quantized store)"
+      )
     with open_store(args.path, units=args.units, streamable=False) as store:
       n, unit, static = store.unit_count, store.unit_nbytes, store.static_nbytes
       streamable = bool(store.chunked_per_unit)
       stacks = [(path_str(st.prefix), st.count, st.unit_nbytes) for st in store.stacks]
+      quant, prefixes = store.quantization, [st.prefix for st in store.stacks]
   plan = plan_budgets(
     args.path,
     units=n,
@@ -290,6 +162,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     streamable=streamable,
     device_is_host=(args.platform or _default_platform()) == "cpu",
     stacks=stacks if len(stacks) > 1 else (),
+    decoded_bytes=(0, 0) if quant is None else plan_decoded_bytes(quant, prefixes),
+    quantization=quantization_info(quant),
   )
   if args.json:
     emit_json(plan.to_dict())

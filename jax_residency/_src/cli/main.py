@@ -26,7 +26,6 @@ from typing import NoReturn
 from jax_residency._src.cli.commands import (
   UNSET,
   cmd_convert,
-  cmd_inspect,
   cmd_plan,
   cmd_rechunk,
   cmd_run,
@@ -34,6 +33,7 @@ from jax_residency._src.cli.commands import (
 )
 from jax_residency._src.cli.console import PROG, CommandError, one_line
 from jax_residency._src.cli.demo import DEMO_CONFIG, DEMO_TOKENS, POLICY_NAMES, cmd_demo
+from jax_residency._src.cli.inspection import cmd_inspect
 from jax_residency._src.version import __version__
 
 
@@ -251,7 +251,9 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
     epilog=(
       "Examples: jax-residency plan ./store --device-budget 2GiB --host-budget 8GiB\n"
       "          jax-residency plan ./Llama-3.1-8B/config.json --device-budget 16GiB "
-      "--platform gpu"
+      "--platform gpu\n"
+      "          jax-residency plan ./Llama-3.1-8B/config.json --quantize int4 "
+      "--device-budget 8GiB --platform gpu"
     ),
   )
   plan.add_argument(
@@ -261,6 +263,18 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
   )
   plan.add_argument(
     "--dtype", help="with a config.json: the weights' dtype (default: its torch_dtype, or float32)"
+  )
+  plan.add_argument(
+    "--quantize",
+    choices=["int8", "int4"],
+    help="with a config.json: plan the model as `convert hf --quantize` would store it:\n"
+    "int8 (a scale per output channel) or int4 (groups along the input dimension)",
+  )
+  plan.add_argument(
+    "--group-size",
+    type=int,
+    choices=[32, 64, 128],
+    help="int4: values per group along the input dimension (default 64)",
   )
   _add_budgets(plan, default=None, device_help="default unbounded", host_help="default unbounded")
   _add_lookahead(plan, minimum=1, default=2)

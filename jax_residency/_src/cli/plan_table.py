@@ -177,6 +177,9 @@ class PlanInputs:
     host_budget_bytes: the host budget; ``None`` means unbounded, ``0`` means
       direct disk-to-device streaming for ``DenseDiskStream``.
     device_is_host: planned for CPU devices, whose memory is host memory.
+    decoded_bytes: for a quantized store, the float bytes of its static tensors and of
+      its heaviest unit while they are used, which the device budget pays for too.
+    quantization: for a quantized store, its scheme and bytes (as ``inspect`` shows).
   """
 
   units: int
@@ -185,6 +188,8 @@ class PlanInputs:
   device_budget_bytes: int | None
   host_budget_bytes: int | None
   device_is_host: bool = True
+  decoded_bytes: tuple[int, int] = (0, 0)
+  quantization: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -233,6 +238,13 @@ class BudgetPlan:
       f"{fmt_bytes(i.host_budget_bytes)} (bytes per device; one device)",
       "",
     ]
+    if i.quantization is not None:
+      q = i.quantization
+      lines[1:1] = [
+        f"quantized: {q['scheme']}, {q['tensors']} matrices {fmt_bytes(q['float_bytes'])} "
+        f"as floats -> {fmt_bytes(q['stored_bytes'])} stored; decoded while used: static "
+        f"{fmt_bytes(i.decoded_bytes[0])}, one unit {fmt_bytes(i.decoded_bytes[1])}"
+      ]
     rows = [row for p in self.plans for row in p.table_rows()]
     lines += table(("policy", "tier", "static + window = required", "budget", "fits"), rows)
     where = "CPU: device memory is host memory" if i.device_is_host else "accelerator"
@@ -270,7 +282,11 @@ class _Checker:
     else:  # the stacks run one after another
       window = max(largest_window([b] * c, min(units, c)) for _, c, b in self.stacks)
     i = self.inputs
-    return self._tier("device", units, window, i.static_bytes, i.device_budget_bytes)
+    decoded = sum(i.decoded_bytes)
+    note = f"static includes {fmt_bytes(decoded)} of decoded floats" if decoded else ""
+    return self._tier(
+      "device", units, window, i.static_bytes + decoded, i.device_budget_bytes, note
+    )
 
   def host_tier(self, units: int, *, staging: int = 0, note: str = "") -> PlanTier:
     """A window of ``units`` units (and ``staging`` bytes) against the host budget."""
@@ -301,6 +317,7 @@ class _Checker:
         host_unit_bytes=self.sizes,
         device_is_host=self.inputs.device_is_host,
         stacks=[(name, count) for name, count, _ in self.stacks],
+        decoded_bytes=self.inputs.decoded_bytes,
       )
     except BudgetTooSmallError:
       return None
@@ -399,6 +416,8 @@ def plan_budgets(
   streamable: bool,
   device_is_host: bool = True,
   stacks: Sequence[tuple[str, int, int]] = (),
+  decoded_bytes: tuple[int, int] = (0, 0),
+  quantization: dict[str, Any] | None = None,
 ) -> BudgetPlan:
   """Judges every policy against the budgets for a store of ``units`` equal units
   (or of ``stacks``).
@@ -421,6 +440,8 @@ def plan_budgets(
       forward order (then ``units`` and ``unit_bytes`` are their total and
       largest): a device window is the largest of any stack, a host window
       runs over the units in forward order.
+    decoded_bytes: a quantized store's decoded floats, static and per unit.
+    quantization: a quantized store's scheme and bytes, shown with the sizes.
   """
   inputs = PlanInputs(
     units=units,
@@ -429,6 +450,8 @@ def plan_budgets(
     device_budget_bytes=device_budget,
     host_budget_bytes=host_budget,
     device_is_host=device_is_host,
+    decoded_bytes=decoded_bytes,
+    quantization=quantization,
   )
   check = _Checker(inputs=inputs, stacks=tuple(stacks) or (("", units, unit_bytes),))
   rows = (

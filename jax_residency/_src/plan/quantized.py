@@ -375,3 +375,18 @@ def decoded_bytes(
     floats(split.stack_leaves(st), slice_shardings[st.leaf_slice], True) for st in split.stacks
   ]
   return floats(split.static_leaves(), static_shardings, False), max(units, default=0)
+
+
+def plan_decoded_bytes(plan: QuantPlan, stacks: Sequence[ParamPath]) -> tuple[int, int]:
+  """`decoded_bytes` on one device, from a store's plan and its stacks' path prefixes
+  (leaf paths, e.g. ``("params", "layers")``): the static tensors' float bytes, and the
+  heaviest unit's."""
+  static = 0
+  per_stack = dict.fromkeys(stacks, 0)
+  for t in plan.tensors:
+    prefix = next((p for p in stacks if t.path[: len(p)] == p), None)
+    if prefix is None:
+      static += t.float_nbytes
+    else:
+      per_stack[prefix] += t.float_nbytes // t.shape[0]
+  return static, max(per_stack.values(), default=0)

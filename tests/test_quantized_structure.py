@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -97,3 +98,55 @@ def test_lowered_for_cuda_the_loop_moves_codes_and_decodes_beside_the_matmul(mod
   assert moved == MATRICES  # each unit matrix crosses to the device as int8 codes
   assert beside == MATRICES  # and is decoded right beside the matmul that uses it
   assert jax.devices()[0].platform == "cpu"  # lowered, not run: no GPU needed
+
+
+class WideBlock(nnx.Module):
+  """A block whose second matmul takes 4160 inputs: over the 2048-input blocks a kernel
+  is decoded in, and over the 16 KiB activation vector XLA fuses a decode into."""
+
+  def __init__(self, rngs: nnx.Rngs) -> None:
+    self.up = nnx.Linear(64, 4160, rngs=rngs)
+    self.down = nnx.Linear(4160, 64, rngs=rngs)
+
+  def __call__(self, h: jax.Array) -> jax.Array:
+    return h + self.down(jnp.tanh(self.up(h)))
+
+
+class Wide(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs) -> None:
+    self.layers = nnx.vmap(lambda k: WideBlock(nnx.Rngs(k)))(jax.random.split(rngs.params(), 2))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jr.scan_units(lambda h, block: block(h), x, self.layers)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_wide_kernel_is_multiplied_block_by_block_each_block_fused(scheme):
+  from jax_residency._src.plan.quantized import plan_quantization
+  from jax_residency._src.plan.split import split_model
+
+  model = Wide(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (1, 64))
+  with jr.place(model, jr.FullyResident(), quantize=scheme) as placed:
+    hlo = placed.lower(x).compile().as_text()
+    out = placed(x)
+  codes = "s8" if scheme == "int8" else "u8"
+  down = re.compile(rf"= {codes}\[2,(64|32),4160\]\S* parameter\(")  # (layer, out, in)
+  fused = [
+    body
+    for name, body in _computations(hlo).items()
+    if ("fused" in name or "wrapped" in name) and down.search(body)
+  ]
+  # Blocks of 2048, 2048 and 64 inputs: each a product fused with its own decode.
+  assert len(fused) == 3 and all(" dot(" in body for body in fused)
+  # The same values as the plain model holding the decoded weights.
+  split = split_model(model, units="layers")
+  tensors = plan_quantization(split, scheme).by_path()
+  values = []
+  for leaf, value in zip(split.leaves, split.values, strict=True):
+    t = tensors.get(leaf.path)
+    if t is not None:
+      value = jax.jit(t.encoding.decode)(tuple(map(jnp.asarray, t.encoding.encode(value))))
+    values.append(value)
+  plain = split.bind_stacks(values, ()).call
+  np.testing.assert_allclose(out, nnx.jit(lambda m, x: m(x))(plain, x), rtol=1e-5, atol=1e-5)

@@ -38,7 +38,8 @@ from jax import lax
 from jax_residency._src.errors import PlacementError
 from jax_residency._src.plan.split import Bound
 from jax_residency._src.policy.types import ExecutionResidency
-from jax_residency._src.quant.encoding import decode_tree
+from jax_residency._src.quant.encoding import decode_tree, has_quantized
+from jax_residency._src.quant.fused import fenced
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 
@@ -128,8 +129,11 @@ class LoopContext:
 
     def decoded(c: Any, unit: Any, x: Any) -> tuple[Any, Any]:
       # A quantized unit's tensors arrive as their stored parts; the float values are
-      # this step's temporaries (docs/design.md, section 2.4).
-      return step(c, decode_tree(unit), x)
+      # this step's temporaries, each decoded inside the matmul that uses it
+      # (docs/design.md, section 2.4; quant/fused.py).
+      if not has_quantized(unit):
+        return step(c, unit, x)
+      return fenced(lambda c, u, x: step(c, decode_tree(u), x), c, unit, x)
 
     if self.kind is ExecutionResidency.LAYERWISE_HOST:
       return _pipelined_host_scan(

@@ -32,6 +32,10 @@ from jax_residency._src.quant.schemes import Quantization, Quantized, dequantize
 
 #: A matrix is quantized only if both of its dimensions are at least this.
 MIN_QUANTIZED_DIM = 32
+#: Input rows of a kernel decoded as one block (8 KiB of a float32 activation row: XLA
+#: on CPU fuses a decode into a matrix-vector product only while the vector is under
+#: 16 KiB). A multiple of every group and GGML block size.
+MATVEC_CHUNK = 2048
 #: Names of lookup tables, whose groups run along their rows.
 EMBEDDING_NAMES = ("embedding",)
 
@@ -120,11 +124,50 @@ class Encoding:
     return tuple(p for p in t if p is not None)
 
   def decode(self, parts: Sequence[Any]) -> jax.Array:
-    """The tensor's value from its parts, in JAX."""
+    """The tensor's value from its parts, in JAX.
+
+    A kernel with more than `MATVEC_CHUNK` inputs is decoded in blocks of that many
+    input rows, concatenated: `quant.fused` then multiplies a one-token step's row by
+    each block on its own, which XLA fuses with the block's decode.
+    """
+    kernel = self.transpose if self.ggml_type is not None else self.axis == -2
+    n_in = np.shape(parts[0])[-1] if self.ggml_type is None else self._ggml_inputs(parts[0])
+    if not kernel or n_in <= MATVEC_CHUNK:
+      return self._decode(parts)
+    blocks = [
+      self._decode(self._inputs(parts, start, min(start + MATVEC_CHUNK, n_in)))
+      for start in range(0, n_in, MATVEC_CHUNK)
+    ]
+    return jnp.concatenate(blocks, axis=-2)
+
+  def _decode(self, parts: Sequence[Any]) -> jax.Array:
     if self.ggml_type is not None:
       values = ggml.decode(parts[0], self.ggml_type)
       return (jnp.swapaxes(values, -1, -2) if self.transpose else values).astype(self.dtype)
     return dequantize(Quantized(*parts), self.quantization, axis=self.axis, dtype=self.dtype)
+
+  def _ggml_inputs(self, blocks: Any) -> int:
+    t = ggml.ggml_type(self.ggml_type or "")
+    return np.shape(blocks)[-1] // t.block_bytes * t.block_size
+
+  def _inputs(self, parts: Sequence[Any], start: int, stop: int) -> tuple[Any, ...]:
+    """The parts of input rows ``start:stop`` of a kernel (stored as rows along the
+    input axis: the inputs are the parts' last axis)."""
+    if self.ggml_type is not None:
+      t = ggml.ggml_type(self.ggml_type)
+      per = t.block_bytes // t.block_size if t.block_size == 1 else None
+      lo = start * per if per else start // t.block_size * t.block_bytes
+      hi = stop * per if per else stop // t.block_size * t.block_bytes
+      return (parts[0][..., lo:hi],)
+    if self.quantization.scheme == "int8":
+      return (parts[0][..., start:stop], parts[1])
+    g = self.quantization.group_size
+    assert g is not None
+    return (
+      parts[0][..., start:stop],
+      parts[1][..., start // g : stop // g],
+      parts[2][..., start // g : stop // g],
+    )
 
   def to_dict(self) -> dict[str, Any]:
     out = {**self.quantization.to_dict(), "axis": self.axis, "dtype": self.dtype}
@@ -164,6 +207,11 @@ class QuantizedTensor:
 
 def is_quantized(x: Any) -> bool:
   return isinstance(x, QuantizedTensor)
+
+
+def has_quantized(tree: Any) -> bool:
+  """Whether ``tree`` holds a `QuantizedTensor`."""
+  return any(is_quantized(x) for x in jax.tree.leaves(tree, is_leaf=is_quantized))
 
 
 def decode_tree(tree: Any) -> Any:

@@ -58,7 +58,9 @@ from jax_residency._src.typing import ParamPath
 
 #: Platforms whose unit steps run inside a one-trip while loop. On CPU that
 #: compiles each step as the plain model's scanned loop body, bit for bit; on
-#: accelerators a plain per-step program avoids the loop control.
+#: accelerators a plain per-step program avoids the loop control. A quantized
+#: store's steps are plain programs everywhere (docs/quantization.md, "Reading
+#: codes once").
 STEP_IN_LOOP_PLATFORMS = frozenset({"cpu"})
 
 
@@ -181,7 +183,10 @@ class DenseStreamEngine:
       ]
       spans = [StackSpan(s.offset, s.count, s.first, len(s.index)) for s in self._split.stacks]
       staged = trace(self._forward, self._static, unit_specs, (args, kwargs), spans)
-      staged.in_loop = self._platform in STEP_IN_LOOP_PLATFORMS
+      # A quantized unit's decode depends only on the unit, so inside a loop XLA hoists
+      # it out of the matmul and writes the float unit; a plain step keeps it fused.
+      quantized = self._split.quantization is not None
+      staged.in_loop = self._platform in STEP_IN_LOOP_PLATFORMS and not quantized
       if staged.unit_loop_count == 0:
         raise not_looped_error([s.name for s in self._split.stacks])
       self._staged[key] = staged

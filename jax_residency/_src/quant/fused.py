@@ -1,0 +1,154 @@
+"""A step that uses quantized weights, evaluated so that each decode stays inside the
+matmul that consumes it (docs/quantization.md, "Reading codes once").
+
+A unit's codes (int8, or uint8 for int4 and GGML blocks) enter its step as arguments;
+the step decodes them (elementwise ops, a broadcast of the scales, a transpose back to
+the model's ``(in, out)``) and the layer multiplies by the result. For a one-token
+step on CPU, XLA can compute such a product as one loop over the codes, reading them
+once (the transpose becomes the loop's indexing), but only when the product is not
+first fused with the bias add after it, and the activation vector is under 16 KiB
+(XLA's limit for fusing into a matrix-vector product). Otherwise it
+writes the whole float matrix and reads it back, moving more bytes than a float
+store would.
+
+`fenced` traces a step to a jaxpr and evaluates it equation by equation, as
+``jax.core.jaxpr_as_fun`` does, except for each ``dot_general`` with an operand
+decoded from codes:
+
+* when the other operand is a single row (one token), it is multiplied as a vector,
+  and by each block of a kernel decoded in blocks of inputs
+  (`encoding.Encoding.decode`) on its own, each a product XLA fuses with its block's
+  decode; the products are summed in order;
+* optimization barriers on the other operand and on the result leave XLA only the
+  decode to fuse with the product.
+
+None of this changes a value beyond float32 rounding (the pieces' sums associate
+differently). Only the step's own equations are followed: a decode that reaches a
+matmul through a nested ``jit`` is evaluated as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+#: Primitives a decode is made of: what carries "decoded from codes" to its outputs.
+DECODE_PRIMITIVES = frozenset(
+  {
+    "convert_element_type",
+    "bitcast_convert_type",
+    "mul",
+    "add",
+    "sub",
+    "and",
+    "or",
+    "shift_left",
+    "shift_right_logical",
+    "shift_right_arithmetic",
+    "select_n",
+    "concatenate",
+    "slice",
+    "reshape",
+    "broadcast_in_dim",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "copy",
+  }
+)
+#: Dtypes of stored codes.
+CODE_DTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
+
+
+def fenced(fn: Callable[..., Any], *args: Any) -> Any:
+  """``fn(*args)``, with every matmul of a decoded operand evaluated as described in the
+  module's docstring. ``args`` are pytrees; codes are their int8/uint8 leaves."""
+  flat, tree = jax.tree.flatten(args)
+  closed, out_shape = jax.make_jaxpr(
+    lambda *xs: fn(*jax.tree.unflatten(tree, list(xs))), return_shape=True
+  )(*flat)
+  outs = _evaluate(closed, flat)
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+  jaxpr = closed.jaxpr
+  env: dict[Any, Any] = {}
+  decoded: set[Any] = set()
+  blocks: dict[Any, tuple[list[Any], int]] = {}  # concatenated decodes: (pieces, axis)
+
+  def read(v: Any) -> Any:
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+  for v, value in zip(jaxpr.constvars, closed.consts, strict=True):
+    env[v] = value
+  for v, value in zip(jaxpr.invars, args, strict=True):
+    env[v] = value
+    if np.dtype(v.aval.dtype) in CODE_DTYPES:
+      decoded.add(v)
+  for eqn in jaxpr.eqns:
+    ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+    from_codes = any(v in decoded for v in ins)
+    name = eqn.primitive.name
+    if from_codes and name == "dot_general":
+      outs = [_product(eqn, read, decoded, blocks)]
+    else:
+      with eqn.ctx.manager:
+        outs = eqn.primitive.bind(
+          *map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
+        )
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+      if from_codes and name in DECODE_PRIMITIVES:
+        decoded.update(eqn.outvars)
+        if name == "concatenate" and all(v in decoded for v in ins):
+          blocks[eqn.outvars[0]] = (list(eqn.invars), int(eqn.params["dimension"]))
+    for v, value in zip(eqn.outvars, outs, strict=True):
+      env[v] = value
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _product(
+  eqn: Any, read: Callable[[Any], Any], decoded: set[Any], blocks: dict[Any, Any]
+) -> Any:
+  """One ``dot_general`` with a decoded operand: fenced, and for one row, one product
+  per decoded block (`encoding.Encoding.decode`)."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs_var, rhs_var = eqn.invars
+  lhs, rhs = read(lhs_var), read(rhs_var)
+  lhs_coded, rhs_coded = lhs_var in decoded, rhs_var in decoded
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with eqn.ctx.manager:
+    if lhs_coded == rhs_coded:
+      return lax.optimization_barrier(eqn.primitive.bind(lhs, rhs, **params))
+    # Fence the activations: computed before the product, not fused into it.
+    if lhs_coded:
+      rhs = lax.optimization_barrier(rhs)
+    else:
+      lhs = lax.optimization_barrier(lhs)
+    vector, vc, matrix_var, mc = (rhs, rc, lhs_var, lc) if lhs_coded else (lhs, lc, rhs_var, rc)
+    rows = int(np.prod([n for d, n in enumerate(vector.shape) if d not in vc], dtype=np.int64))
+    if rows != 1 or len(vc) != 1 or lb or rb:
+      return lax.optimization_barrier(eqn.primitive.bind(lhs, rhs, **params))
+    pieces, axis = blocks.get(matrix_var, ([matrix_var], mc[0]))
+    if axis != mc[0]:
+      pieces = [matrix_var]
+    # The row as a vector: XLA fuses a decode only into a product with a rank-1 result.
+    flat = vector.reshape(-1)
+    out_shape = eqn.outvars[0].aval.shape
+    total, start = None, 0
+    for var in pieces:
+      block = read(var)
+      stop = start + block.shape[mc[0]]
+      piece = lax.dot_general(
+        flat[start:stop], block, (((0,), (mc[0],)), ((), ())), precision=params.get("precision")
+      )
+      piece = lax.optimization_barrier(piece.reshape(out_shape))
+      total = piece if total is None else total + piece
+      start = stop
+    return total

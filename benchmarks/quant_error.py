@@ -45,8 +45,8 @@ holding the decoded weights; each scheme's mean relative logit error is at most
 explains); int8's max and mean relative errors are below int4's on every
 fixture int4 can encode. (An absolute limit does not fit these fixtures: their
 largest logits are 1.4-2.0 and their greedy picks are near ties, so any weight
-change of int8's size moves them by 0.05-0.1.) docs/quantization.md ("Quantization error") says which
-held when its table was measured.
+change of int8's size moves them by 0.05-0.1.) docs/quantization.md
+("Quantization error") says which held when its table was measured.
 
 The fixtures are tiny random-weight models, not trained ones: the figures
 describe the method on these shapes, not the quality of a trained model
@@ -346,8 +346,7 @@ def gates(fixtures: list[dict], rows: list[dict]) -> list[dict]:
     for scheme, r in by.items():
       pair = [r["mean_rel_logit_error"], r["noise_mean_rel_logit_error"]]
       check(
-        f"{name}: {scheme} mean relative logit error <= {NOISE_RATIO_LIMIT:g}x the noise "
-        "control's",
+        f"{name}: {scheme} mean relative logit error <= {NOISE_RATIO_LIMIT:g}x the noise control's",
         pair[0] <= NOISE_RATIO_LIMIT * pair[1],
         pair,
       )

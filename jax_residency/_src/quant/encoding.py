@@ -192,7 +192,7 @@ class QuantizedTensor:
   Example:
     >>> import numpy as np
     >>> enc = Encoding(Quantization.of("int8"), -2, "float32")
-    >>> w = np.eye(32, dtype=np.float32)
+    >>> w = np.eye(32, dtype=np.float32) * 127  # a scale of exactly 1: the codes are w
     >>> t = QuantizedTensor(enc.encode(w), enc)
     >>> bool((t.decode() == w).all()), [p.dtype.name for p in t.parts]
     (True, ['int8', 'float32'])

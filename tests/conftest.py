@@ -255,7 +255,9 @@ def build_linen(model: nn.Module, *args: Any, seed: int = 0) -> Any:
 SLOWEST_FIRST = (
   "tests/test_llama.py",  # 75 s
   "tests/test_notebooks.py",  # 60 s: five notebook kernels
+  "tests/test_quantized_stores.py",  # 50 s: every policy, scheme and mesh
   "tests/test_placement.py",  # 30 s
+  "tests/test_gguf.py",  # 30 s
   "tests/test_t5.py",  # 30 s
   "tests/test_stream.py",  # 25 s
   "tests/test_gpt.py",  # 25 s
@@ -266,6 +268,8 @@ SLOWEST_FIRST = (
   "tests/test_cli.py",  # 16 s
   "tests/test_minilm.py",  # 16 s
   "tests/test_quant.py",  # 15 s
+  "tests/test_quant_error.py",  # 15 s
+  "tests/test_ggml.py",  # 15 s
   "tests/test_multiprocess.py",  # 10 s: two processes
 )
 

@@ -19,6 +19,7 @@ applied as ``x @ w``: its groups run along the first of its two axes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -202,7 +203,14 @@ class QuantizedTensor:
   encoding: Encoding = dataclasses.field(metadata={"static": True})
 
   def decode(self) -> jax.Array:
-    return self.encoding.decode(self.parts)
+    """The value: one compiled program when called eagerly (a dense stream's static
+    tensors), inlined when traced."""
+    return _decode_jit(tuple(self.parts), self.encoding)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _decode_jit(parts: tuple[Any, ...], encoding: Encoding) -> jax.Array:
+  return encoding.decode(parts)
 
 
 def is_quantized(x: Any) -> bool:
@@ -216,7 +224,11 @@ def has_quantized(tree: Any) -> bool:
 
 def decode_tree(tree: Any) -> Any:
   """``tree`` with every `QuantizedTensor` in it decoded (other leaves as they are)."""
-  return jax.tree.map(lambda x: x.decode() if is_quantized(x) else x, tree, is_leaf=is_quantized)
+  # Traced in place (not as a nested jit), so the step's fenced evaluation
+  # (`quant.fused`) sees each decode next to the matmul that uses it.
+  return jax.tree.map(
+    lambda x: x.encoding.decode(x.parts) if is_quantized(x) else x, tree, is_leaf=is_quantized
+  )
 
 
 def encoded_nbytes(encoding: Encoding, shape: Sequence[int]) -> int:

@@ -45,6 +45,7 @@ a multiply and an add into an FMA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -187,8 +188,16 @@ def decode(
       f"row_bytes={nbytes} (raw shape {raw.shape}) is not a multiple of {t.name}'s "
       f"{t.block_bytes} bytes per block."
     )
-  blocks = raw.reshape(*raw.shape[:-1], nbytes // t.block_bytes, t.block_bytes)
-  values = _DECODERS[t.name](blocks)
+  return _decode_blocks(raw, t.name, np.dtype(dtype).name)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _decode_blocks(raw: jax.Array, name: str, dtype: str) -> jax.Array:
+  """`decode`'s arithmetic as one program (inlined in a jitted step; compiled once per
+  shape and type when called eagerly, instead of dispatching each of its ops)."""
+  t = _BY_NAME[name]
+  blocks = raw.reshape(*raw.shape[:-1], raw.shape[-1] // t.block_bytes, t.block_bytes)
+  values = _DECODERS[name](blocks)
   return values.reshape(*raw.shape[:-1], -1).astype(dtype)
 
 

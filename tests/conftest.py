@@ -255,7 +255,7 @@ def build_linen(model: nn.Module, *args: Any, seed: int = 0) -> Any:
 SLOWEST_FIRST = (
   "tests/test_llama.py",  # 75 s
   "tests/test_notebooks.py",  # 60 s: five notebook kernels
-  "tests/test_quantized_stores.py",  # 50 s: every policy, scheme and mesh
+  "tests/test_quantized_stores.py",  # 45 s: every policy, scheme and mesh
   "tests/test_placement.py",  # 30 s
   "tests/test_gguf.py",  # 30 s
   "tests/test_t5.py",  # 30 s

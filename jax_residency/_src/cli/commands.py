@@ -342,11 +342,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
       raise CommandError(f"{args.src}: not a file (a llama.cpp .gguf file)")
   elif not os.path.isdir(args.src):
     raise CommandError(f"{args.src}: not a directory (a Hugging Face checkpoint directory)")
-  if args.group_size is not None and args.quantize != "int4":
-    raise CommandError(f"--group-size {args.group_size} is for --quantize int4; leave it out")
-  quantize = None
-  if args.quantize is not None:
-    quantize = {"scheme": args.quantize, "group_size": args.group_size}
+  quantize = _quantize_flags(args)
   common = {"dtype": args.dtype, "progress": None, "overwrite": args.overwrite}
   try:
     if gguf:

@@ -236,6 +236,17 @@ def _add_verify(sub: argparse._SubParsersAction[_Parser]) -> None:
   _add_json(verify)
 
 
+def _add_quantize(parser: argparse.ArgumentParser, help_text: str) -> None:
+  """``--quantize int8|int4`` and ``--group-size 32|64|128`` (``plan``, ``convert``)."""
+  parser.add_argument("--quantize", choices=["int8", "int4"], help=help_text)
+  parser.add_argument(
+    "--group-size",
+    type=int,
+    choices=[32, 64, 128],
+    help="int4: values per group along the input dimension (default 64)",
+  )
+
+
 def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
   plan = _command(
     sub,
@@ -264,17 +275,10 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
   plan.add_argument(
     "--dtype", help="with a config.json: the weights' dtype (default: its torch_dtype, or float32)"
   )
-  plan.add_argument(
-    "--quantize",
-    choices=["int8", "int4"],
-    help="with a config.json: plan the model as `convert hf --quantize` would store it:\n"
+  _add_quantize(
+    plan,
+    "with a config.json: plan the model as `convert hf --quantize` would store it:\n"
     "int8 (a scale per output channel) or int4 (groups along the input dimension)",
-  )
-  plan.add_argument(
-    "--group-size",
-    type=int,
-    choices=[32, 64, 128],
-    help="int4: values per group along the input dimension (default 64)",
   )
   _add_budgets(plan, default=None, device_help="default unbounded", host_help="default unbounded")
   _add_lookahead(plan, minimum=1, default=2)
@@ -377,18 +381,11 @@ def _add_convert(sub: argparse._SubParsersAction[_Parser]) -> None:
     help="store floating weights in this dtype (e.g. bfloat16); default float32\n"
     "(gguf: the dtype the model decodes its blocks to and computes in)",
   )
-  convert.add_argument(
-    "--quantize",
-    choices=["int8", "int4"],
-    help="hf only: store the floating matrices quantized: int8 (a scale per output\n"
+  _add_quantize(
+    convert,
+    "hf only: store the floating matrices quantized: int8 (a scale per output\n"
     "channel) or int4 (groups along the input dimension, two values a byte); norms,\n"
     "biases and small tensors stay as they are",
-  )
-  convert.add_argument(
-    "--group-size",
-    type=int,
-    choices=[32, 64, 128],
-    help="int4: values per group along the input dimension (default 64)",
   )
   _add_overwrite(convert)
 

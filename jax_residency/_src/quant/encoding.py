@@ -203,14 +203,19 @@ class QuantizedTensor:
   encoding: Encoding = dataclasses.field(metadata={"static": True})
 
   def decode(self) -> jax.Array:
-    """The value: one compiled program when called eagerly (a dense stream's static
-    tensors), inlined when traced."""
+    """The value, as one jitted program (`DECODE_JIT_NAME`): inlined when traced in a
+    jitted forward; a dense stream finds it in its staged forward and computes it once
+    for a static tensor."""
     return _decode_jit(tuple(self.parts), self.encoding)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _decode_jit(parts: tuple[Any, ...], encoding: Encoding) -> jax.Array:
   return encoding.decode(parts)
+
+
+#: The name a traced static decode carries (a dense stream computes it once).
+DECODE_JIT_NAME = "_decode_jit"
 
 
 def is_quantized(x: Any) -> bool:

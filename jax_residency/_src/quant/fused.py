@@ -19,8 +19,9 @@ decoded from codes:
   and by each block of a kernel decoded in blocks of inputs
   (`encoding.Encoding.decode`) on its own, each a product XLA fuses with its block's
   decode; the products are summed in order;
-* optimization barriers on the other operand and on the result leave XLA only the
-  decode to fuse with the product.
+* the result goes through a no-op rounding (`_fence`), so XLA cannot fuse the add
+  after it (a bias, the sum of blocks) into the product instead of the decode; an
+  optimization barrier on the other operand keeps it computed before the product.
 
 None of this changes a value beyond float32 rounding (the pieces' sums associate
 differently). Only the step's own equations are followed: a decode that reaches a
@@ -33,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
@@ -125,7 +127,7 @@ def _product(
   params = eqn.primitive.get_bind_params(eqn.params)
   with eqn.ctx.manager:
     if lhs_coded == rhs_coded:
-      return lax.optimization_barrier(eqn.primitive.bind(lhs, rhs, **params))
+      return _fence(eqn.primitive.bind(lhs, rhs, **params))
     # Fence the activations: computed before the product, not fused into it.
     if lhs_coded:
       rhs = lax.optimization_barrier(rhs)
@@ -134,7 +136,7 @@ def _product(
     vector, vc, matrix_var, mc = (rhs, rc, lhs_var, lc) if lhs_coded else (lhs, lc, rhs_var, rc)
     rows = int(np.prod([n for d, n in enumerate(vector.shape) if d not in vc], dtype=np.int64))
     if rows != 1 or len(vc) != 1 or lb or rb:
-      return lax.optimization_barrier(eqn.primitive.bind(lhs, rhs, **params))
+      return _fence(eqn.primitive.bind(lhs, rhs, **params))
     pieces, axis = blocks.get(matrix_var, ([matrix_var], mc[0]))
     if axis != mc[0]:
       pieces = [matrix_var]
@@ -148,7 +150,19 @@ def _product(
       piece = lax.dot_general(
         flat[start:stop], block, (((0,), (mc[0],)), ((), ())), precision=params.get("precision")
       )
-      piece = lax.optimization_barrier(piece.reshape(out_shape))
+      piece = _fence(piece.reshape(out_shape))
       total = piece if total is None else total + piece
       start = stop
     return total
+
+
+def _fence(x: Any) -> Any:
+  """``x``, through an op XLA cannot fold into the matmul that made it: rounding to its
+  own precision (exact, a no-op on the values). An add that follows a matmul directly
+  (a bias, or the sum of a kernel's blocks) is otherwise fused into it as an "output
+  fusion", which leaves the decode outside; an optimization barrier does not stop that
+  on CPU."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  info = jnp.finfo(x.dtype)
+  return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)

@@ -22,6 +22,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jax_residency._src.errors import PlacementError
+from jax_residency._src.quant.encoding import DECODE_JIT_NAME
 from jax_residency._src.report.compile_time import temp_bytes
 
 #: ``fetch(u, upcoming) -> unit leaves`` in its stack's leaf order. ``u`` is a
@@ -57,6 +58,9 @@ class StagedForward:
     out_tree: the pytree structure of the outputs.
     in_loop: compile each step inside a run-time-bounded while loop, so its
       math is the plain model's scanned loop bit for bit (used on CPU).
+    decoded: the decoded values of quantized static tensors, by the positions of their
+      parts among the static leaves: computed on the first pass and reused (the
+      engine shares one dict among its forwards: the plan's "decoded static" item).
     bodies: compiled loop bodies, one per unit-loop equation.
     stacks: where each stack's units and leaves lie.
     loops: per unit-loop equation, in order: its index and the unit ids it
@@ -68,6 +72,7 @@ class StagedForward:
   n_units: int
   out_tree: Any
   in_loop: bool = True
+  decoded: dict[tuple[int, ...], list[Any]] = dataclasses.field(default_factory=dict)
   bodies: dict[int, CompiledStep] = dataclasses.field(default_factory=dict)
   stacks: tuple[StackSpan, ...] = ()
   loops: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
@@ -147,6 +152,23 @@ def trace(
   return staged
 
 
+def _static_decode_key(eqn: Any, static_at: dict[Any, int]) -> tuple[int, ...] | None:
+  """For an equation that decodes a quantized static tensor (`quant.encoding`'s jitted
+  decode) from static leaves only, whose result is the same on every pass: the
+  positions of those leaves; else None."""
+  if eqn.primitive.name not in ("pjit", "jit") or eqn.params.get("name") != DECODE_JIT_NAME:
+    return None
+  if not all(not isinstance(v, jcore.Literal) and v in static_at for v in eqn.invars):
+    return None
+  return tuple(static_at[v] for v in eqn.invars)
+
+
+def _bind(eqn: Any, read: Callable[[Any], Any]) -> list[Any]:
+  with eqn.ctx.manager:
+    outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
 def _check_units_only_in_loops(staged: StagedForward) -> None:
   unit_vars = staged._unit_vars()
   for eqn in staged.closed.jaxpr.eqns:
@@ -194,10 +216,16 @@ def run_staged(
     write(v, x)
 
   last_use = _last_uses(jaxpr)
+  static_at = {v: i for i, v in enumerate(ins[: staged.n_static])}
   for k, eqn in enumerate(jaxpr.eqns):
     operands = staged._unit_operands(eqn)
+    key = _static_decode_key(eqn, static_at)
     if operands is not None:
       outs = _run_unit_loop(staged, k, eqn, operands, read, fetch, after_step)
+    elif key is not None:  # a static tensor's decode: computed once, kept
+      if key not in staged.decoded:
+        staged.decoded[key] = _bind(eqn, read)
+      outs = staged.decoded[key]
     else:
       with eqn.ctx.manager:
         outs = eqn.primitive.bind(

@@ -117,7 +117,8 @@ def memory_items(
         memory="device",
         nbytes=static_floats,
         counted_in=DEVICE_BUDGET,
-        note="quantized static tensors as floats while the forward uses them (at most)",
+        note="quantized static tensors as floats (a dense stream keeps them after its "
+        "first pass; the jitted policies decode them in each forward, at most this)",
       )
     )
   if unit_floats:

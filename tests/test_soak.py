@@ -78,9 +78,12 @@ def test_300_passes_of_a_tiny_model_stay_bounded_and_equal(tiny, host_units):
   passes, warm = 300, 30
   differ = []
   with jr.place(model, policy, store=path, mesh=MESH1) as placed:
+    half = (warm + passes) // 2
     for k in range(passes):
       if k == warm:  # allocators, compiled steps and the buffer pool are warm
         rss_warm = _rss()
+      if k == half:
+        rss_half = _rss()
       if not np.array_equal(np.asarray(placed(tokens)), expected):
         differ.append(k)
     rss_end = _rss()
@@ -100,8 +103,12 @@ def test_300_passes_of_a_tiny_model_stay_bounded_and_equal(tiny, host_units):
   assert meta.device_window_bytes == 2 * TINY_UNIT
   assert meta.item_bytes("host cache") == host_units * TINY_UNIT
   assert 0 < total.peak_buffer_bytes <= (2 + host_units) * _slab_bytes(model)
-  # The pass history (up to 256 reports) and allocator noise, not a unit per pass.
-  assert rss_end - rss_warm < 24 * TINY_UNIT, (rss_warm, rss_end)
+  # The pass history (up to 256 reports) and allocator noise, not a unit per pass: RSS
+  # does not keep growing. Each half of the passes gets half the bound, so a one-off
+  # allocation in the process (the suite runs other files beside this one) is told
+  # apart from growth per pass, which shows in both halves.
+  growth = (rss_half - rss_warm, rss_end - rss_half)
+  assert min(growth) < 12 * TINY_UNIT and sum(growth) < 36 * TINY_UNIT, growth
 
 
 @pytest.mark.slow

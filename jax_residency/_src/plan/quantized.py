@@ -221,7 +221,7 @@ def _part_spec(spec: PartitionSpec, ndim: int, encoding: Encoding, first: bool) 
   """A part's spec: the tensor's, laid out as rows along the input axis (a kernel's
   last two entries swapped); a scale's or offset's not split along the input axis."""
   entries = list(spec) + [None] * (ndim - len(spec))
-  if encoding.rows_shape((0, 1)) == (1, 0):  # stored transposed
+  if encoding.kernel:  # stored transposed
     entries[-2], entries[-1] = entries[-1], entries[-2]
   if not first:
     entries[-1] = None

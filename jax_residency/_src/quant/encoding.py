@@ -108,11 +108,16 @@ class Encoding:
     groups = ((*lead, n_rows, n_in // q.group_size), np.dtype(np.float32))
     return [((*lead, n_rows // 2, n_in), np.dtype(np.uint8)), groups, groups]
 
+  @property
+  def kernel(self) -> bool:
+    """Whether the parts hold the tensor's last two axes swapped: a kernel ``(in, out)``
+    stored as rows along its input axis (or a GGUF matrix marked ``transpose``)."""
+    return self.transpose if self.ggml_type is not None else self.axis == -2
+
   def rows_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
     """``shape`` as rows along the input axis (the layout of the stored parts): a
     kernel's last two axes swapped, a table's as they are."""
-    swap = self.transpose if self.ggml_type is not None else self.axis == -2
-    return (*shape[:-2], shape[-1], shape[-2]) if swap else tuple(shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if self.kernel else tuple(shape)
 
   def encode(self, w: Any, name: str = "tensor") -> tuple[np.ndarray, ...]:
     """The parts of ``w`` (NumPy, on the host)."""
@@ -131,9 +136,8 @@ class Encoding:
     input rows, concatenated: `quant.fused` then multiplies a one-token step's row by
     each block on its own, which XLA fuses with the block's decode.
     """
-    kernel = self.transpose if self.ggml_type is not None else self.axis == -2
     n_in = np.shape(parts[0])[-1] if self.ggml_type is None else self._ggml_inputs(parts[0])
-    if not kernel or n_in <= MATVEC_CHUNK:
+    if not self.kernel or n_in <= MATVEC_CHUNK:
       return self._decode(parts)
     blocks = [
       self._decode(self._inputs(parts, start, min(start + MATVEC_CHUNK, n_in)))
@@ -155,11 +159,10 @@ class Encoding:
     """The parts of input rows ``start:stop`` of a kernel (stored as rows along the
     input axis: the inputs are the parts' last axis)."""
     if self.ggml_type is not None:
-      t = ggml.ggml_type(self.ggml_type)
-      per = t.block_bytes // t.block_size if t.block_size == 1 else None
-      lo = start * per if per else start // t.block_size * t.block_bytes
-      hi = stop * per if per else stop // t.block_size * t.block_bytes
-      return (parts[0][..., lo:hi],)
+      t = ggml.ggml_type(self.ggml_type)  # start, stop: multiples of the block size
+      return (
+        parts[0][..., start // t.block_size * t.block_bytes : stop // t.block_size * t.block_bytes],
+      )
     if self.quantization.scheme == "int8":
       return (parts[0][..., start:stop], parts[1])
     g = self.quantization.group_size
@@ -239,8 +242,3 @@ def decode_tree(tree: Any) -> Any:
 def encoded_nbytes(encoding: Encoding, shape: Sequence[int]) -> int:
   """Bytes at rest of a tensor of ``shape`` under ``encoding`` (all its parts)."""
   return sum(int(np.prod(s, dtype=np.int64)) * dt.itemsize for s, dt in encoding.part_shapes(shape))
-
-
-def decoded(parts: Sequence[Any], encoding: Encoding) -> Any:
-  """A jitted decode of ``parts`` (used for reference values: same program shape as a step)."""
-  return jax.jit(lambda p: encoding.decode(p))(tuple(jnp.asarray(p) for p in parts))

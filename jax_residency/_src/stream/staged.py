@@ -227,12 +227,7 @@ def run_staged(
         staged.decoded[key] = _bind(eqn, read)
       outs = staged.decoded[key]
     else:
-      with eqn.ctx.manager:
-        outs = eqn.primitive.bind(
-          *map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
-        )
-      if not eqn.primitive.multiple_results:
-        outs = [outs]
+      outs = _bind(eqn, read)
     for v, val in zip(eqn.outvars, outs, strict=True):
       write(v, val)
     for v in eqn.invars:  # free intermediates as soon as nothing needs them

@@ -117,8 +117,8 @@ def memory_items(
         memory="device",
         nbytes=static_floats,
         counted_in=DEVICE_BUDGET,
-        note="quantized static tensors as floats (a dense stream keeps them after its "
-        "first pass; the jitted policies decode them in each forward, at most this)",
+        note="quantized static tensors as floats, at most: each is decoded inside the "
+        "operation that uses it (a one-token step decodes only what it reads)",
       )
     )
   if unit_floats:

@@ -149,7 +149,6 @@ class DenseStreamEngine:
     self._ahead: dict[int, tuple[Reservation, Callable[[], Mapping[ParamPath, np.ndarray]]]] = {}
     self._ahead_lock = threading.Lock()
     self._staged: dict[Any, StagedForward] = {}
-    self._decoded: dict[tuple[int, ...], list[Any]] = {}  # quantized static tensors, decoded
     self._pass_start = time.perf_counter()
     self._at_start = (0, 0)
     self._run_lock = threading.Lock()
@@ -188,7 +187,6 @@ class DenseStreamEngine:
       # it out of the matmul and writes the float unit; a plain step keeps it fused.
       quantized = self._split.quantization is not None
       staged.in_loop = self._platform in STEP_IN_LOOP_PLATFORMS and not quantized
-      staged.decoded = self._decoded  # static decodes, shared by every signature
       if staged.unit_loop_count == 0:
         raise not_looped_error([s.name for s in self._split.stacks])
       self._staged[key] = staged

@@ -22,8 +22,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jax_residency._src.errors import PlacementError
-from jax_residency._src.quant.encoding import DECODE_JIT_NAME
 from jax_residency._src.report.compile_time import temp_bytes
+from jax_residency._src.stream.static_decode import StaticDecodes, plan_static_decodes
 
 #: ``fetch(u, upcoming) -> unit leaves`` in its stack's leaf order. ``u`` is a
 #: unit id (stacks number their units one after another, `split.Stack.units`);
@@ -58,9 +58,7 @@ class StagedForward:
     out_tree: the pytree structure of the outputs.
     in_loop: compile each step inside a run-time-bounded while loop, so its
       math is the plain model's scanned loop bit for bit (used on CPU).
-    decoded: the decoded values of quantized static tensors, by the positions of their
-      parts among the static leaves: computed on the first pass and reused (the
-      engine shares one dict among its forwards: the plan's "decoded static" item).
+    static_decodes: where its quantized static tensors are decoded (`static_decode`).
     bodies: compiled loop bodies, one per unit-loop equation.
     stacks: where each stack's units and leaves lie.
     loops: per unit-loop equation, in order: its index and the unit ids it
@@ -72,7 +70,7 @@ class StagedForward:
   n_units: int
   out_tree: Any
   in_loop: bool = True
-  decoded: dict[tuple[int, ...], list[Any]] = dataclasses.field(default_factory=dict)
+  static_decodes: StaticDecodes | None = None
   bodies: dict[int, CompiledStep] = dataclasses.field(default_factory=dict)
   stacks: tuple[StackSpan, ...] = ()
   loops: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
@@ -143,6 +141,11 @@ def trace(
     stacks=tuple(stacks),
   )
   _check_units_only_in_loops(staged)
+  staged.static_decodes = plan_static_decodes(
+    closed.jaxpr,
+    closed.jaxpr.invars[: staged.n_static],
+    lambda eqn: staged._unit_operands(eqn) is not None,
+  )
   for k, eqn in enumerate(closed.jaxpr.eqns):
     operands = staged._unit_operands(eqn)
     if operands is not None:
@@ -150,17 +153,6 @@ def trace(
       steps = range(span.count - 1, -1, -1) if eqn.params["reverse"] else range(span.count)
       staged.loops.append((k, [span.offset + i for i in steps]))
   return staged
-
-
-def _static_decode_key(eqn: Any, static_at: dict[Any, int]) -> tuple[int, ...] | None:
-  """For an equation that decodes a quantized static tensor (`quant.encoding`'s jitted
-  decode) from static leaves only, whose result is the same on every pass: the
-  positions of those leaves; else None."""
-  if eqn.primitive.name not in ("pjit", "jit") or eqn.params.get("name") != DECODE_JIT_NAME:
-    return None
-  if not all(not isinstance(v, jcore.Literal) and v in static_at for v in eqn.invars):
-    return None
-  return tuple(static_at[v] for v in eqn.invars)
 
 
 def _bind(eqn: Any, read: Callable[[Any], Any]) -> list[Any]:
@@ -216,22 +208,23 @@ def run_staged(
     write(v, x)
 
   last_use = _last_uses(jaxpr)
-  static_at = {v: i for i, v in enumerate(ins[: staged.n_static])}
+  static = set(ins[: staged.n_static])
+  decodes = staged.static_decodes or StaticDecodes(frozenset(), {})
   for k, eqn in enumerate(jaxpr.eqns):
+    if k in decodes.deferred:  # computed inside the regions that use it
+      continue
     operands = staged._unit_operands(eqn)
-    key = _static_decode_key(eqn, static_at)
+    region = decodes.regions.get(k)
     if operands is not None:
       outs = _run_unit_loop(staged, k, eqn, operands, read, fetch, after_step)
-    elif key is not None:  # a static tensor's decode: computed once, kept
-      if key not in staged.decoded:
-        staged.decoded[key] = _bind(eqn, read)
-      outs = staged.decoded[key]
+    elif region is not None:
+      outs = region([read(v) for v in region.inputs])
     else:
       outs = _bind(eqn, read)
     for v, val in zip(eqn.outvars, outs, strict=True):
       write(v, val)
     for v in eqn.invars:  # free intermediates as soon as nothing needs them
-      if not isinstance(v, jcore.Literal) and last_use.get(v) == k:
+      if not isinstance(v, jcore.Literal) and last_use.get(v) == k and v not in static:
         env.pop(v, None)
   return jax.tree.unflatten(staged.out_tree, [read(v) for v in jaxpr.outvars])
 

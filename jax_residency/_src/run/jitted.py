@@ -25,6 +25,7 @@ from jax_residency._src.plan.budget import ModelMetadata, metadata_for
 from jax_residency._src.plan.memory import OVERHEAD, MemoryItem
 from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResidency
+from jax_residency._src.quant.fused import fenced
 from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.records import PassCounters
@@ -81,6 +82,14 @@ class JittedExecutor:
         bound, stacks, kind=policy.execution_residency, names=names, args=args, kwargs=kwargs
       )
       return out
+
+    if split.quantization is not None:
+      # Static tensors' decodes too, each inside the operation that uses it (as the unit
+      # loop's steps are): a one-token head reads its codes once (quant/fused.py).
+      plain = forward
+
+      def forward(static: list[Any], units: list[Any], *args: Any, **kwargs: Any) -> Any:
+        return fenced(lambda s, u, a, kw: plain(s, u, *a, **kw), static, units, args, kwargs)
 
     self._jitted = jax.jit(forward)
     self.telemetry = Telemetry.for_policy(

@@ -54,3 +54,20 @@ def delete_chunk_file(store: str, tensor: str, unit: int | None) -> str:
   extent = chunk_extent(store, tensor, unit)
   os.remove(extent.file)
   return extent.file
+
+
+def flip_bit_on_disk(store: str, tensor: str, unit: int | None) -> mapped.Extent:
+  """Flips one bit of ``tensor``'s chunk ``unit`` as a fault of the disk would: the file
+  keeps its modification time, and its pages leave the page cache, so the next read
+  finds the flipped bit on disk. Returns the chunk's extent."""
+  extent = chunk_extent(store, tensor, unit)
+  before = os.stat(extent.file)
+  flip_bit(store, tensor, unit)
+  os.utime(extent.file, ns=(before.st_atime_ns, before.st_mtime_ns))
+  fd = os.open(extent.file, os.O_RDONLY)
+  try:
+    os.fsync(fd)  # dirty pages are not dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+  finally:
+    os.close(fd)
+  return extent

@@ -10,14 +10,14 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from damage import damaged_copy
+from damage import damaged_copy, flip_bit_on_disk
 from flax import nnx
 from policies import dense
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
 from jax_residency._src.cli import main as cli
-from jax_residency._src.store import mapped, writer
+from jax_residency._src.store import mapped, residency, writer
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store.verify import verify_store
 from jax_residency.toy import ToyConfig
@@ -198,3 +198,35 @@ def test_direct_reads_match_tensorstore_reads(store, monkeypatch):
   # Every out-of-line kernel was read directly (the small biases sit inline in the index).
   assert {"layers.up.kernel", "layers.down.kernel", "layers.qkv.kernel"} <= set(calls)
   assert len(calls) == CFG.n_layers * len(set(calls))
+
+
+@pytest.mark.parametrize("reads", ["mapped", "direct", "mapped-mincore"])
+def test_a_chunk_is_checked_when_read_from_disk_not_on_each_page_cache_hit(
+  reads, store, tmp_path, monkeypatch
+):
+  """docs/design.md, section 5.4: a chunk's CRC is checked on its first read, and again
+  only when its pages come back from disk; a bit flipped on disk after a verified read
+  is caught once the page cache no longer holds the page."""
+  if reads == "direct":
+    monkeypatch.setenv(mapped.MAPPED_READS_ENV, "0")
+  if reads == "mapped-mincore":  # kernels before cachestat(2), and macOS
+    monkeypatch.setattr(residency, "_cachestat_ok", False)
+  copy = str(tmp_path / "store")
+  shutil.copytree(store, copy)
+  opened = st.UnitStore.open(copy)
+  if reads != "direct":
+    assert opened.use_mapped_reads()
+  first = {i: opened.read_unit(i) for i in range(CFG.n_layers)}
+  checked = opened.checked_bytes_total
+  kernel_bytes = first[1][("up", "kernel")].nbytes
+  assert checked >= CFG.n_layers * kernel_bytes  # every raw chunk, on its first read
+  del first
+  for i in range(CFG.n_layers):  # served from the page cache: nothing checked again
+    opened.read_unit(i)
+  assert opened.checked_bytes_total == checked
+  extent = flip_bit_on_disk(copy, KERNEL, 1)
+  with pytest.raises(jr.errors.StoreCorruptionError) as info:
+    opened.read_unit(1)
+  assert (info.value.tensor, info.value.unit) == (KERNEL, 1)
+  assert extent.file in str(info.value)
+  opened.close()

@@ -102,7 +102,7 @@ def _unit_specs(store: Any) -> dict[Any, Any]:
 
 #: What ``inspect`` says about a store's checksums (``store.verify.checksums``).
 _CHECKSUMS = {
-  "crc32c": "crc32c on every chunk, checked on every read",
+  "crc32c": "crc32c on every chunk, checked when read from disk",
   "some": "crc32c on some arrays only; the rest are not checked",
   "none": "none: damaged data cannot be detected (`jr.save` writes stores with them)",
 }

@@ -71,9 +71,10 @@ class StoreLayoutError(StoreError):
 class StoreCorruptionError(StoreError):
   """A chunk of a store holds data that does not match its checksum.
 
-  Stores written by `save` keep a CRC-32C after each chunk, and every read
-  checks it: the placement, the dense stream (mapped or copied reads) and
-  ``jax-residency verify``, which lists every damaged tensor. Carries ``store``,
+  Stores written by `save` keep a CRC-32C after each chunk, checked when a chunk's
+  bytes come from disk (docs/memory.md, "Checksums on the read path"): by the
+  placement, the dense stream (mapped or copied reads) and ``jax-residency verify``,
+  which checks every chunk and lists every damaged tensor. Carries ``store``,
   ``tensor`` (the dot-separated path) and ``unit`` (None for a static tensor).
 
   Example:

@@ -22,10 +22,11 @@ What it costs and holds:
 * A tensor that cannot be mapped (compressed, inline in the OCDBT index, not
   aligned, a remote store) is read into a buffer as before; a unit may mix both.
 * A chunk with a checksum (the zarr3 ``crc32c`` codec after ``bytes``, as
-  `jax_residency.save` writes it) is checked on every map, as TensorStore checks
-  the chunks it decodes: a CRC-32C over the mapped pages, without a copy, on the
-  read thread (about 12 GiB/s on the development VM). A mismatch raises
-  `StoreCorruptionError` naming the store, the tensor and the unit.
+  `jax_residency.save` writes it) is checked when its bytes come from disk: on its
+  first read, and on any read that finds one of its pages out of the page cache
+  (`residency` gives the exact rule). The check is a CRC-32C over the mapped pages,
+  without a copy, on the read thread (about 12 GiB/s on the development VM). A
+  mismatch raises `StoreCorruptionError` naming the store, the tensor and the unit.
 
 The chunk locations come from the store's OCDBT index (``ts.ocdbt.dump``), read
 once, on the first mapped read, for the version that is newest then. OCDBT data
@@ -52,6 +53,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_residency._src import errors
+from jax_residency._src.store import residency
 from jax_residency._src.store.buffers import padded_nbytes
 from jax_residency._src.typing import ParamPath, tensor_nbytes
 
@@ -154,7 +156,7 @@ class UnitMapper:
     tensors: For each mappable unit tensor (see `mappable`), by its path
       relative to the unit prefix: (array name, per-unit shape, dtype). A chunk
       `CHECKSUM_BYTES` longer than its data has a checksum (`chunk_trailer`):
-      it is checked on every map.
+      it is checked when read from disk (`residency`).
   """
 
   def __init__(
@@ -175,6 +177,8 @@ class UnitMapper:
     self._unmapped_sizes: collections.deque[int] = collections.deque()
     self.total_bytes = 0  # tensor bytes mapped so far
     self.direct_bytes = 0  # bytes read straight from the data files so far
+    self.checked_bytes = 0  # chunk bytes whose checksum was checked so far
+    self.verified = residency.VerifiedExtents()
 
   @property
   def mapped_bytes(self) -> int:
@@ -211,10 +215,10 @@ class UnitMapper:
     """Maps what can be mapped of unit ``unit``; tensors missing from the result
     must be read (their chunk is inline, compressed, unaligned or unreadable).
 
-    Returns the mapped arrays, and for each one whose chunk has a checksum the
-    future of its check, which runs on the read threads (so the CRC overlaps
-    the caller's work) and raises `StoreCorruptionError` on a mismatch: the
-    arrays must not be used before every check has passed.
+    Returns the mapped arrays, and for each one whose chunk has a checksum to check
+    (`residency`) the future of its check, which runs on the read threads (so the
+    CRC overlaps the caller's work) and raises `StoreCorruptionError` on a mismatch:
+    the arrays must not be used before every check has passed.
     """
     out, checks = {}, []
     for rel, (name, shape, dtype) in self._tensors.items():
@@ -225,15 +229,25 @@ class UnitMapper:
       if not nbytes or trailer not in (0, CHECKSUM_BYTES):
         continue
       assert extent is not None
-      array = self._map(extent, shape, dtype)
-      if array is None:
+      mapped = self._map(extent, shape, dtype)
+      if mapped is None:
         continue
+      array, identity, was_resident = mapped
       out[rel] = array
-      if trailer:
+      key = (extent.file, extent.offset, extent.length)
+      if trailer and self.verified.needs_check(key, identity, was_resident):
         checks.append(
-          (rel, _pool().submit(_check_mapped, array, extent, nbytes, self._root, name, unit))
+          (rel, _pool().submit(self._check, array, extent, nbytes, name, unit, identity))
         )
     return out, checks
+
+  def _check(
+    self, array: np.ndarray, extent: Extent, nbytes: int, name: str, unit: int, identity: Any
+  ) -> None:
+    _check_mapped(array, extent, nbytes, self._root, name, unit)
+    self.verified.passed((extent.file, extent.offset, extent.length), identity)
+    with self._count_lock:
+      self.checked_bytes += nbytes
 
   def read_into(
     self, unit: int, rel: ParamPath, out: np.ndarray
@@ -255,11 +269,14 @@ class UnitMapper:
     assert extent is not None
     with self._count_lock:  # the checksum too: it is read with the data
       self.direct_bytes += extent.length
-    return _pool().submit(_read_extent, extent, out, trailer, self._root, name, unit)
+    return _pool().submit(_read_extent, extent, out, trailer, self._root, name, unit, self)
 
-  def _map(self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+  def _map(
+    self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype
+  ) -> tuple[np.ndarray, Any, bool] | None:
     """Maps one chunk (its checksum too, if any) and returns its data as an array
-    viewing the mapping (None: read it instead)."""
+    viewing the mapping, its file's identity, and whether all of its pages were in
+    the page cache before the mapping faulted them in (None: read it instead)."""
     start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
     skip = extent.offset - start
     if skip % ALIGNMENT:
@@ -271,10 +288,16 @@ class UnitMapper:
     try:
       # A file shorter than the extent (truncated, replaced) would fault with
       # SIGBUS on access: such chunks are read instead, and the read reports it.
-      if os.fstat(fd).st_size < extent.offset + extent.length:
+      stat = os.fstat(fd)
+      if stat.st_size < extent.offset + extent.length:
         return None
-      flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-      region = mmap.mmap(fd, skip + extent.length, flags=flags, prot=mmap.PROT_READ, offset=start)
+      was_resident = residency.resident_in_file(fd, extent.offset, extent.length)
+      span = skip + extent.length
+      region = mmap.mmap(fd, span, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=start)
+      if not residency.populate(region):  # an older kernel: map it again, populated
+        region.close()
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        region = mmap.mmap(fd, span, flags=flags, prot=mmap.PROT_READ, offset=start)
     except OSError:
       return None
     finally:
@@ -290,7 +313,7 @@ class UnitMapper:
     array = np.frombuffer(region, dtype, count, skip).reshape(shape)
     done = weakref.finalize(region, self._unmapped, size)
     done.atexit = False
-    return array
+    return array, residency.file_identity(stat), was_resident
 
   def _unmapped(self, size: int) -> None:
     # Runs from a finalizer, possibly inside a garbage collection on a thread
@@ -316,13 +339,24 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _read_extent(
-  extent: Extent, out: np.ndarray, trailer: int, where: str, tensor: str, unit: int
+  extent: Extent,
+  out: np.ndarray,
+  trailer: int,
+  where: str,
+  tensor: str,
+  unit: int,
+  mapper: UnitMapper | None = None,
 ) -> None:
-  """Reads one chunk's data into ``out`` and checks the checksum after it."""
+  """Reads one chunk's data into ``out`` and checks the checksum after it when its
+  bytes come from disk (`residency`; every time without a ``mapper``)."""
   data = out.reshape(-1).view(np.uint8).data
   tail = bytearray(trailer)
   fd = os.open(extent.file, os.O_RDONLY)
   try:
+    identity = residency.file_identity(os.fstat(fd))
+    was_resident = mapper is not None and residency.resident_in_file(
+      fd, extent.offset, extent.length
+    )
     done, offset = 0, extent.offset
     while done < len(data):  # a read may return less than asked; a short file, nothing
       n = os.preadv(fd, [data[done:]], offset + done)
@@ -336,10 +370,15 @@ def _read_extent(
       raise OSError(f"{extent.file} ends before the checksum of unit {unit}'s chunk of {tensor!r}")
   finally:
     os.close(fd)
-  if trailer:
+  key = (extent.file, extent.offset, extent.length)
+  if trailer and (mapper is None or mapper.verified.needs_check(key, identity, was_resident)):
     stored, computed = int.from_bytes(tail, "little"), crc32c.crc32c(data)
     if computed != stored:
       raise _corrupt(where, tensor, unit, extent, stored, computed)
+    if mapper is not None:
+      mapper.verified.passed(key, identity)
+      with mapper._count_lock:
+        mapper.checked_bytes += len(data)
 
 
 def _corrupt(

@@ -46,7 +46,8 @@ _CHECKPOINT_MARKERS = ("_METADATA", "manifest.ocdbt", SIDECAR_KEY)
 #: Bytes a writer lets be in flight before it waits for the oldest write.
 WRITE_IN_FLIGHT_BYTES = 256 << 20
 #: Whether stores are written with a CRC-32C after each chunk (the zarr3 ``crc32c``
-#: codec), which every read checks. Off only to make stores as older versions did.
+#: codec), which reads check (docs/memory.md, "Checksums on the read path"). Off only
+#: to make stores as older versions did.
 WRITE_CHECKSUMS = True
 
 

@@ -253,12 +253,6 @@ class UnitStore(StackLayout):
     return sum(m.total_bytes for m in self._mappers)
 
   @property
-  def checked_bytes_total(self) -> int:
-    """Chunk bytes of mapped or directly read tensors whose checksum was checked since
-    the store opened: each chunk when its bytes came from disk (`residency`)."""
-    return sum(m.checked_bytes for m in self._mappers)
-
-  @property
   def read_options(self) -> ReadOptions:
     return self._loc.reads
 

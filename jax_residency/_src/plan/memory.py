@@ -128,7 +128,8 @@ def memory_items(
         memory="device",
         nbytes=unit_floats,
         counted_in=DEVICE_BUDGET,
-        note="a quantized unit's float tensors while its step runs (a step temporary)",
+        note="a quantized unit's float tensors while its step runs, at most (a step "
+        "temporary: a several-token step decodes one matrix at a time)",
       )
     )
   if isinstance(policy, LayerwiseHost):

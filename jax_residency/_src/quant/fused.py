@@ -95,61 +95,84 @@ def evaluate_eqns(
   does: the int8/uint8 inputs are codes. A static tensor's decode (`encoding`'s jitted
   decode, `DECODE_JIT_NAME`) is followed inside, like a decode traced in place."""
   env: dict[Any, Any] = dict(zip(invars, args, strict=True))
-  state = _State(env, {v for v in invars if np.dtype(v.aval.dtype) in CODE_DTYPES}, {})
+  state = _State(env, {v for v in invars if np.dtype(v.aval.dtype) in CODE_DTYPES})
   state.run(eqns)
   return [state.read(v) for v in outvars]
 
 
 class _State:
-  """Values, which variables hold decoded values, and a concatenated decode's blocks
-  (their values and the axis they were joined along)."""
+  """An evaluation: values (``env``), the variables that hold decoded values, and the
+  decodes not computed yet (``pending``). A decode is computed where its value is first
+  read, so that a product computes its operand's decode inside its own program
+  (`_rows_product`). ``blocks``: a concatenated decode's pieces (variables) and axis;
+  ``alias``: an inlined decode's outputs, by the outer variable."""
 
-  def __init__(self, env: dict[Any, Any], decoded: set[Any], blocks: dict[Any, Any]) -> None:
-    self.env, self.decoded, self.blocks = env, decoded, blocks
+  def __init__(self, env: dict[Any, Any], decoded: set[Any], parent: _State | None = None):
+    self.env, self.decoded = env, decoded
+    self.pending: dict[Any, Any] = {} if parent is None else parent.pending
+    self.blocks: dict[Any, tuple[list[Any], int]] = {} if parent is None else parent.blocks
+    self.alias: dict[Any, Any] = {} if parent is None else parent.alias
+
+  def fork(self) -> _State:
+    """A state whose decodes are computed apart (inside a branch being traced)."""
+    return _State(dict(self.env), self.decoded, self)
 
   def read(self, v: Any) -> Any:
-    return v.val if isinstance(v, jcore.Literal) else self.env[v]
+    if isinstance(v, jcore.Literal):
+      return v.val
+    while v in self.alias:
+      v = self.alias[v]
+    if v not in self.env:
+      self._bind(self.pending[v])
+    return self.env[v]
+
+  def _bind(self, eqn: Any) -> list[Any]:
+    with eqn.ctx.manager:
+      outs = eqn.primitive.bind(
+        *map(self.read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
+      )
+    outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    self.env.update(zip(eqn.outvars, outs, strict=True))
+    return outs
 
   def run(self, eqns: Sequence[Any]) -> None:
     for eqn in eqns:
       ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
-      from_codes = any(v in self.decoded for v in ins)
+      from_codes = any(self._resolve(v) in self.decoded for v in ins)
       name = eqn.primitive.name
       if from_codes and name == "dot_general":
-        outs = [_product(eqn, self)]
+        self.env[eqn.outvars[0]] = _product(eqn, self)
       elif from_codes and name in ("pjit", "jit") and eqn.params.get("name") == DECODE_JIT_NAME:
-        outs = self._inline(eqn)
+        self._inline(eqn)
+      elif from_codes and name in DECODE_PRIMITIVES:
+        self.decoded.update(eqn.outvars)
+        self.pending.update(dict.fromkeys(eqn.outvars, eqn))
+        if name == "concatenate" and all(self._resolve(v) in self.decoded for v in ins):
+          self.blocks[eqn.outvars[0]] = (list(eqn.invars), int(eqn.params["dimension"]))
       else:
-        with eqn.ctx.manager:
-          outs = eqn.primitive.bind(
-            *map(self.read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
-          )
-        if not eqn.primitive.multiple_results:
-          outs = [outs]
-        if from_codes and name in DECODE_PRIMITIVES:
-          self.decoded.update(eqn.outvars)
-          if name == "concatenate" and all(v in self.decoded for v in ins):
-            pieces = [self.read(v) for v in eqn.invars]
-            self.blocks[eqn.outvars[0]] = (pieces, int(eqn.params["dimension"]))
-      for v, value in zip(eqn.outvars, outs, strict=True):
-        self.env[v] = value
+        self._bind(eqn)
 
-  def _inline(self, eqn: Any) -> list[Any]:
-    """A nested decode, evaluated equation by equation in this state."""
+  def _resolve(self, v: Any) -> Any:
+    while v in self.alias:
+      v = self.alias[v]
+    return v
+
+  def _inline(self, eqn: Any) -> None:
+    """A nested decode, followed equation by equation in this state."""
     closed = eqn.params["jaxpr"]
     inner = closed.jaxpr
     self.env.update(zip(inner.constvars, closed.consts, strict=True))
     for outer, v in zip(eqn.invars, inner.invars, strict=True):
-      self.env[v] = self.read(outer)
-      if outer in self.decoded:
+      self.alias[v] = outer
+      if self._resolve(outer) in self.decoded:
         self.decoded.add(v)
     self.run(inner.eqns)
     for v, outer in zip(inner.outvars, eqn.outvars, strict=True):
-      if v in self.decoded:
+      self.alias[outer] = v
+      if self._resolve(v) in self.decoded:
         self.decoded.add(outer)
-      if v in self.blocks:
-        self.blocks[outer] = self.blocks[v]
-    return [self.read(v) for v in inner.outvars]
+      if self._resolve(v) in self.blocks:
+        self.blocks[outer] = self.blocks[self._resolve(v)]
 
 
 def _product(eqn: Any, state: _State) -> Any:
@@ -157,20 +180,24 @@ def _product(eqn: Any, state: _State) -> Any:
   per decoded block (`encoding.Encoding.decode`)."""
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   lhs_var, rhs_var = eqn.invars
-  lhs, rhs = state.read(lhs_var), state.read(rhs_var)
-  lhs_coded, rhs_coded = lhs_var in state.decoded, rhs_var in state.decoded
+  lhs_coded = state._resolve(lhs_var) in state.decoded
+  rhs_coded = state._resolve(rhs_var) in state.decoded
   params = eqn.primitive.get_bind_params(eqn.params)
   with eqn.ctx.manager:
     if lhs_coded == rhs_coded:
-      return _fence(eqn.primitive.bind(lhs, rhs, **params))
-    vector, vc, matrix_var, mc = (rhs, rc, lhs_var, lc) if lhs_coded else (lhs, lc, rhs_var, rc)
+      return _fence(eqn.primitive.bind(state.read(lhs_var), state.read(rhs_var), **params))
+    vector_var, vc, matrix_var, mc = (
+      (rhs_var, rc, lhs_var, lc) if lhs_coded else (lhs_var, lc, rhs_var, rc)
+    )
+    vector = state.read(vector_var)
     rows = int(np.prod([n for d, n in enumerate(vector.shape) if d not in vc], dtype=np.int64))
     if rows != 1 or len(vc) != 1 or lb or rb:
-      return _fence(eqn.primitive.bind(lhs, rhs, **params))
-    matrix = state.read(matrix_var)
-    pieces, axis = state.blocks.get(matrix_var, ([matrix], mc[0]))
+      return _rows_product(eqn, state, vector)
+    matrix_var = state._resolve(matrix_var)
+    piece_vars, axis = state.blocks.get(matrix_var, ([matrix_var], mc[0]))
     if axis != mc[0]:
-      pieces = [matrix]
+      piece_vars = [matrix_var]
+    pieces = [state.read(v) for v in piece_vars]
     # The row as a vector (XLA fuses a decode only into a product with a rank-1 result),
     # computed before the product (`_materialized`).
     flat = _materialized(vector.reshape(-1))
@@ -185,6 +212,24 @@ def _product(eqn: Any, state: _State) -> Any:
       total = piece if total is None else total + piece
       start = stop
     return total
+
+
+def _rows_product(eqn: Any, state: _State, activations: Any) -> Any:
+  """A product of several rows (a prefill) by a decoded matrix: the float matrix, then
+  XLA's matmul. The decode is computed inside a conditional whose predicate XLA cannot
+  know (false only for a NaN, and then the other branch computes the same), so each
+  matrix is decoded right before its product and its float copy freed after it: a
+  step holds one decoded matrix at a time, not its whole unit (XLA would otherwise
+  schedule every decode, which depends only on the codes, first)."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  first = activations.reshape(-1)[0]
+
+  def product(_: Any) -> Any:
+    inner = state.fork()
+    lhs, rhs = inner.read(eqn.invars[0]), inner.read(eqn.invars[1])
+    return _fence(eqn.primitive.bind(lhs, rhs, **params))
+
+  return lax.cond(first == first, product, product, None)
 
 
 def _materialized(v: Any) -> Any:

@@ -186,9 +186,10 @@ def main() -> int:
     "limit_bytes": limit,
     "targets_met": {"peak_rss_growth_le_unit_plus_64MiB": r["peak_rss_growth_bytes"] <= limit},
   }
+  missed = [name for name, ok in result["targets_met"].items() if not ok]
   if args.json:
     print(json.dumps(result))
-    return 0
+    return 1 if missed else 0
   print(f"checkpoint             {checkpoint / GiB:.2f} GiB, {r['units']} units")
   print(f"unit                   {r['unit_bytes'] / MiB:.0f} MiB")
   print(
@@ -199,8 +200,8 @@ def main() -> int:
     f"peak RSS growth        {r['peak_rss_growth_bytes'] / MiB:.0f} MiB"
     f"  (limit: one unit + 64 MiB = {limit / MiB:.0f} MiB)"
   )
-  print(f"targets met: {result['targets_met']}")
-  return 0
+  print(f"targets met: {result['targets_met']}" if not missed else f"targets MISSED: {missed}")
+  return 1 if missed else 0
 
 
 if __name__ == "__main__":

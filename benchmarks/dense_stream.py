@@ -284,7 +284,9 @@ def run_child(args: argparse.Namespace, which: str, *extra: str) -> dict:
   return json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
 
 
-def main() -> None:
+def main() -> int:
+  """Runs the benchmark; returns 1 when a target was missed (the pass targets, or a
+  row of the memory sweep over its limit), else 0."""
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
@@ -307,12 +309,15 @@ def main() -> None:
   args = parser.parse_args()
   if args.child:
     print(json.dumps(sweep_child(args) if args.child == "sweep" else child(args)))
-    return
+    return 0
   if args.unit_mib:
     rows = sweep(args)
     if args.json:
       print(json.dumps(rows))
-    return
+    over = [row for row in rows if not row.get("target_met", True)]
+    if over:
+      print(f"{len(over)} sweep row(s) over the RSS limit: MISSED", file=sys.stderr)
+    return 1 if over else 0
 
   args.store = os.path.join(args.dir, f"toy-{args.layers}x{args.d_model}x{args.d_ff}")
   if not os.path.exists(args.store):
@@ -340,9 +345,10 @@ def main() -> None:
     "cold_bandwidth_ge_0.8_raw": cold_bw >= 0.8 * raw_bw,
     "warm_le_1.5_resident": result["warm_pass_s"] <= 1.5 * result["resident_pass_s"],
   }
+  missed = [name for name, ok in result["targets"].items() if not ok]
   if args.json:
     print(json.dumps(result))
-    return
+    return 1 if missed else 0
   rows = [
     ("unit weights", f"{unit_bytes / MiB:,.0f} MiB in {args.layers} units"),
     ("raw read (cold)", f"{result['raw_read_s']:.2f} s  {result['raw_read_gbps']:.2f} GB/s"),
@@ -358,8 +364,9 @@ def main() -> None:
   width = max(len(k) for k, _ in rows)
   for k, v in rows:
     print(f"{k:<{width}}  {v}")
-  print("targets met:" if all(result["targets"].values()) else "targets MISSED:", result["targets"])
+  print("targets met:" if not missed else "targets MISSED:", result["targets"])
+  return 1 if missed else 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -22,11 +22,17 @@ decoded from codes:
 * the result goes through a no-op rounding (`_fence`), so XLA cannot fuse the add
   after it (a bias, the sum of blocks) into the product instead of the decode;
 * a one-token row is copied first (`_materialized`), so the ops that compute it stay
-  out of the product's loop.
+  out of the product's loop;
+* a product of several rows (a prefill) decodes its matrix inside a conditional
+  (`_rows_product`), so XLA decodes one matrix at a time, right before its product.
+
+Decodes are traced where their value is first needed, not where the step computes
+them, which is what lets a product take its decode inside its own program.
 
 None of this changes a value beyond float32 rounding (the pieces' sums associate
-differently). Only the step's own equations are followed: a decode that reaches a
-matmul through a nested ``jit`` is evaluated as it is.
+differently). Only the step's own equations are followed, and the equations of
+`encoding`'s jitted decode (a static tensor's): a decode that reaches a matmul
+through any other nested ``jit`` is evaluated as it is.
 """
 
 from __future__ import annotations
@@ -120,8 +126,7 @@ class _State:
   def read(self, v: Any) -> Any:
     if isinstance(v, jcore.Literal):
       return v.val
-    while v in self.alias:
-      v = self.alias[v]
+    v = self._resolve(v)
     if v not in self.env:
       self._bind(self.pending[v])
     return self.env[v]

@@ -150,3 +150,39 @@ def test_a_wide_kernel_is_multiplied_block_by_block_each_block_fused(scheme):
     values.append(value)
   plain = split.bind_stacks(values, ()).call
   np.testing.assert_allclose(out, nnx.jit(lambda m, x: m(x))(plain, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_prefill_decodes_one_matrix_at_a_time_and_a_wide_one_in_slices(scheme, monkeypatch):
+  """quant/fused.py, _rows_product: a product of several rows decodes its matrix inside a
+  conditional, so a step holds one decoded matrix at a time; a matrix over
+  ROWS_CHUNK_BYTES as floats is decoded and multiplied in slices of its outputs."""
+  from jax_residency._src.quant import fused
+  from jax_residency._src.quant.encoding import Encoding, QuantizedTensor, decode_tree
+  from jax_residency._src.quant.schemes import Quantization
+
+  rng = np.random.default_rng(0)
+  quant = {"scheme": "int4", "group_size": 32} if scheme == "int4" else "int8"
+  enc = Encoding(Quantization.of(quant), -2, "float32")
+  ws = [rng.standard_normal((256, 1024)).astype(np.float32) for _ in range(3)]
+  ts = [QuantizedTensor(tuple(map(jnp.asarray, enc.encode(w))), enc) for w in ws]
+  x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
+  decoded = 256 * 1024 * 4  # one matrix as floats
+
+  def step(ts: list[QuantizedTensor], x: jax.Array) -> jax.Array:
+    return sum(x @ w for w in decode_tree(ts))
+
+  want = sum(x @ jax.jit(enc.decode)(t.parts) for t in ts)
+
+  def temp_and_value() -> tuple[int, jax.Array]:
+    run = jax.jit(lambda ts, x: fused.fenced(step, ts, x))
+    compiled = run.lower(ts, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, compiled(ts, x)
+
+  temp, out = temp_and_value()
+  assert decoded <= temp < 2 * decoded  # one decoded matrix at a time, not three
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+  monkeypatch.setattr(fused, "ROWS_CHUNK_BYTES", decoded // 4)
+  temp, out = temp_and_value()
+  assert temp < decoded  # slices of a quarter of the outputs
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)

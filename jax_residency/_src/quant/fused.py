@@ -74,6 +74,9 @@ DECODE_PRIMITIVES = frozenset(
 )
 #: Dtypes of stored codes.
 CODE_DTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
+#: Most bytes of a decoded matrix that a product of several rows decodes at once: a
+#: larger one is multiplied in slices of its outputs (`_rows_product`).
+ROWS_CHUNK_BYTES = 64 << 20
 
 
 def fenced(fn: Callable[..., Any], *args: Any) -> Any:
@@ -225,16 +228,53 @@ def _rows_product(eqn: Any, state: _State, activations: Any) -> Any:
   know (false only for a NaN, and then the other branch computes the same), so each
   matrix is decoded right before its product and its float copy freed after it: a
   step holds one decoded matrix at a time, not its whole unit (XLA would otherwise
-  schedule every decode, which depends only on the codes, first)."""
+  schedule every decode, which depends only on the codes, first). A matrix of more
+  than `ROWS_CHUNK_BYTES` as floats (an output head: 2 GiB for a vocabulary of 128K
+  by 4096) is decoded and multiplied in slices of its outputs, one conditional each."""
   params = eqn.primitive.get_bind_params(eqn.params)
   first = activations.reshape(-1)[0]
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  matrix_at = 0 if state._resolve(eqn.invars[0]) in state.decoded else 1
+  aval = eqn.invars[matrix_at].aval
+  contracted, batch = (lc, lb) if matrix_at == 0 else (rc, rb)
+  free = [d for d in range(len(aval.shape)) if d not in contracted and d not in batch]
+  nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+  if len(free) != 1 or nbytes <= ROWS_CHUNK_BYTES:
 
-  def product(_: Any) -> Any:
-    inner = state.fork()
-    lhs, rhs = inner.read(eqn.invars[0]), inner.read(eqn.invars[1])
-    return _fence(eqn.primitive.bind(lhs, rhs, **params))
+    def whole(_: Any) -> Any:
+      return _decoded_product(eqn, state, params)
 
-  return lax.cond(first == first, product, product, None)
+    return lax.cond(first == first, whole, whole, None)
+  axis, n = free[0], aval.shape[free[0]]
+  # Where the matrix's free axis lands in the product: after the batch axes and, for
+  # the right-hand operand, after the left-hand one's free axes.
+  other = eqn.invars[1 - matrix_at].aval
+  other_free = len(other.shape) - len(lc if matrix_at == 1 else rc) - len(batch)
+  out_axis = len(batch) + (other_free if matrix_at == 1 else 0)
+  step = max(1, n * ROWS_CHUNK_BYTES // nbytes)
+  pieces = []
+  for start in range(0, n, step):
+    stop = min(n, start + step)
+
+    def piece(_: Any, start: int = start, stop: int = stop) -> Any:
+      return _decoded_product(eqn, state, params, (matrix_at, axis, start, stop))
+
+    pieces.append(lax.cond(first == first, piece, piece, None))
+  return jnp.concatenate(pieces, axis=out_axis)
+
+
+def _decoded_product(
+  eqn: Any, state: _State, params: dict[str, Any], part: tuple[int, int, int, int] | None = None
+) -> Any:
+  """The product, its decode traced here (in a fork of ``state``); with ``part``
+  (operand, axis, start, stop), of that slice of the decoded operand only (XLA fuses
+  the slice into the decode: nothing outside it is decoded)."""
+  inner = state.fork()
+  operands = [inner.read(eqn.invars[0]), inner.read(eqn.invars[1])]
+  if part is not None:
+    at, axis, start, stop = part
+    operands[at] = lax.slice_in_dim(operands[at], start, stop, axis=axis)
+  return _fence(eqn.primitive.bind(*operands, **params))
 
 
 def _materialized(v: Any) -> Any:

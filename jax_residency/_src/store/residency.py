@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import sys
@@ -89,7 +90,9 @@ def resident_in_file(fd: int, offset: int, length: int) -> bool:
     stat = _Cachestat()
     if _LIBC.syscall(_CACHESTAT, fd, ctypes.byref(where), ctypes.byref(stat), 0) == 0:
       return stat.nr_cache >= end - first
-    _cachestat_ok = False  # an older kernel: mincore from now on
+    if ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):
+      return False  # this file's range cannot be told: check it
+    _cachestat_ok = False  # an older kernel (or a sandbox without it): mincore from now on
   start = offset - offset % mmap.ALLOCATIONGRANULARITY
   try:
     region = mmap.mmap(fd, offset - start + length, prot=mmap.PROT_READ, offset=start)

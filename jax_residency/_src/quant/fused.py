@@ -75,7 +75,9 @@ DECODE_PRIMITIVES = frozenset(
 #: Dtypes of stored codes.
 CODE_DTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
 #: Most bytes of a decoded matrix that a product of several rows decodes at once: a
-#: larger one is multiplied in slices of its outputs (`_rows_product`).
+#: larger one is multiplied in slices of its outputs (`_rows_product`). Smaller slices
+#: cost speed: at 32 MiB a 128-token prefill of a 2048/8192 layer took 0.19-0.20 s
+#: against 0.15 s, to hold 38 MB of floats instead of 69 MB.
 ROWS_CHUNK_BYTES = 64 << 20
 
 

@@ -177,8 +177,9 @@ class PlanInputs:
     host_budget_bytes: the host budget; ``None`` means unbounded, ``0`` means
       direct disk-to-device streaming for ``DenseDiskStream``.
     device_is_host: planned for CPU devices, whose memory is host memory.
-    decoded_bytes: for a quantized store, the float bytes of its static tensors and of
-      its heaviest unit while they are used, which the device budget pays for too.
+    decoded_bytes: for a quantized store, the float bytes of its largest static tensor
+      and of a unit's largest while they are used (one at a time), which the device
+      budget pays for too.
     quantization: for a quantized store, its scheme and bytes (as ``inspect`` shows).
   """
 
@@ -242,8 +243,9 @@ class BudgetPlan:
       q = i.quantization
       lines[1:1] = [
         f"quantized: {q['scheme']}, {q['tensors']} matrices {fmt_bytes(q['float_bytes'])} "
-        f"as floats -> {fmt_bytes(q['stored_bytes'])} stored; decoded while used: static "
-        f"{fmt_bytes(i.decoded_bytes[0])}, one unit {fmt_bytes(i.decoded_bytes[1])}"
+        f"as floats -> {fmt_bytes(q['stored_bytes'])} stored; decoded while used, one at a "
+        f"time: static {fmt_bytes(i.decoded_bytes[0])}, in a unit "
+        f"{fmt_bytes(i.decoded_bytes[1])}"
       ]
     rows = [row for p in self.plans for row in p.table_rows()]
     lines += table(("policy", "tier", "static + window = required", "budget", "fits"), rows)

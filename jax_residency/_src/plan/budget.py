@@ -255,8 +255,8 @@ def check_budgets(
   ``device_is_host``: the devices are CPU devices, whose memory is host memory
   (a dense stream's read buffers then become device arrays without a copy).
   ``decoded_bytes``: for a quantized store, the float tensors one device holds
-  while they are used: the static ones, and the heaviest unit's while its step
-  runs (temporaries, planned in the device budget).
+  while they are used: the largest static one, and a unit's largest while its step
+  runs (temporaries, decoded one at a time, planned in the device budget).
 
   Raises:
     DeviceBudgetTooSmallError: static bytes plus the heaviest device window

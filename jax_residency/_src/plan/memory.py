@@ -117,8 +117,8 @@ def memory_items(
         memory="device",
         nbytes=static_floats,
         counted_in=DEVICE_BUDGET,
-        note="quantized static tensors as floats, at most: each is decoded inside the "
-        "operation that uses it (a one-token step decodes only what it reads)",
+        note="the largest quantized static tensor as floats: each is decoded inside the "
+        "operation that uses it, one at a time (a one-token step only what it reads)",
       )
     )
   if unit_floats:
@@ -128,7 +128,7 @@ def memory_items(
         memory="device",
         nbytes=unit_floats,
         counted_in=DEVICE_BUDGET,
-        note="a quantized unit's float tensors while its step runs, at most (a step "
+        note="a unit's largest quantized tensor as floats while its step runs (a step "
         "temporary: a several-token step decodes one matrix at a time)",
       )
     )

@@ -356,20 +356,23 @@ def decoded_bytes(
   slice_shardings: Sequence[jax.sharding.Sharding],
 ) -> tuple[int, int]:
   """Bytes one device holds of a quantized split's float tensors while they are used:
-  the static ones (decoded where the forward begins) and the heaviest unit's (decoded
-  by its step). ``(0, 0)`` for a float model."""
+  the largest static tensor's, and the largest tensor's of a unit. Each is decoded
+  inside the operation that uses it, one at a time (`quant.fused`: a one-token product
+  decodes inside its loop, a several-row product one matrix, or a slice of it, at a
+  time; a dense stream's static regions, `stream.static_decode`, one operation at a
+  time), so the largest is what a step adds. ``(0, 0)`` for a float model."""
   if split.quantization is None:
     return 0, 0
   tensors = split.quantization.by_path()
 
   def floats(leaves: Sequence[Any], shardings: Sequence[jax.sharding.Sharding], unit: bool) -> int:
-    total = 0
+    largest = 0
     for leaf, s in zip(leaves, shardings, strict=True):
       t = tensors.get(leaf.path[:-1])
       if t is not None and leaf.path[-1] == t.encoding.part_names[0]:
         shape = t.shape[1:] if unit else t.shape
-        total += per_device_bytes(shape, np.dtype(t.encoding.dtype), s)
-    return total
+        largest = max(largest, per_device_bytes(shape, np.dtype(t.encoding.dtype), s))
+    return largest
 
   units = [
     floats(split.stack_leaves(st), slice_shardings[st.leaf_slice], True) for st in split.stacks
@@ -379,14 +382,14 @@ def decoded_bytes(
 
 def plan_decoded_bytes(plan: QuantPlan, stacks: Sequence[ParamPath]) -> tuple[int, int]:
   """`decoded_bytes` on one device, from a store's plan and its stacks' path prefixes
-  (leaf paths, e.g. ``("params", "layers")``): the static tensors' float bytes, and the
-  heaviest unit's."""
+  (leaf paths, e.g. ``("params", "layers")``): the largest static tensor's float bytes,
+  and the largest of one unit's tensors."""
   static = 0
   per_stack = dict.fromkeys(stacks, 0)
   for t in plan.tensors:
     prefix = next((p for p in stacks if t.path[: len(p)] == p), None)
     if prefix is None:
-      static += t.float_nbytes
+      static = max(static, t.float_nbytes)
     else:
-      per_stack[prefix] += t.float_nbytes // t.shape[0]
+      per_stack[prefix] = max(per_stack[prefix], t.float_nbytes // t.shape[0])
   return static, max(per_stack.values(), default=0)

@@ -6,9 +6,10 @@ and checks the scheme can encode each. `quantized_split` turns a `SplitModel` in
 one whose leaves are the stored parts (``<path>.codes``, ``<path>.scale``,
 ``<path>.offset``) in place of each quantized tensor, so every part of placement that
 counts, lays out, stores or streams leaves counts quantized bytes. Its ``bind``
-regroups the parts: a static tensor is decoded where the forward begins, a unit's
-tensor reaches the layer loop as a `QuantizedTensor` and is decoded at the top of the
-step that runs the unit.
+regroups the parts: a static tensor's decode is traced where the forward begins, a
+unit's tensor reaches the layer loop as a `QuantizedTensor` whose decode is traced at
+the top of the step that runs the unit; `quant.fused` computes each decode inside the
+operation that uses it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ store holds for it (int8: ``codes`` and ``scale``; int4: ``codes``, ``scale``,
 ``offset``), and decodes the parts back in JAX. A placed model's parameter tree
 holds a :class:`QuantizedTensor` (the parts plus their encoding) where the plain
 model holds a float array; the layer loop decodes the units' tensors at the top
-of each step, and static tensors are decoded where the placed forward begins.
+of each step, and static tensors are decoded where the placed forward begins (where
+the decodes are traced: `quant.fused` computes each inside the operation that uses
+it).
 
 Which tensors a store quantizes (`quantized_axis`): floating matrices, per unit
 for a layer stack's tensors, whose two dimensions both reach `MIN_QUANTIZED_DIM`.
@@ -206,9 +208,9 @@ class QuantizedTensor:
   encoding: Encoding = dataclasses.field(metadata={"static": True})
 
   def decode(self) -> jax.Array:
-    """The value, as one jitted program (`DECODE_JIT_NAME`): inlined when traced in a
-    jitted forward; a dense stream finds it in its staged forward and computes it once
-    for a static tensor."""
+    """The value, as one jitted program (`is_decode_call` finds it in a jaxpr): a
+    static tensor's decode, which `quant.fused` follows inside and a dense stream
+    compiles with the operation that uses it (`stream.static_decode`)."""
     return _decode_jit(tuple(self.parts), self.encoding)
 
 
@@ -217,8 +219,13 @@ def _decode_jit(parts: tuple[Any, ...], encoding: Encoding) -> jax.Array:
   return encoding.decode(parts)
 
 
-#: The name a traced static decode carries (a dense stream computes it once).
+#: The name a traced static decode carries.
 DECODE_JIT_NAME = "_decode_jit"
+
+
+def is_decode_call(eqn: Any) -> bool:
+  """Whether a jaxpr equation is a call of `QuantizedTensor.decode`'s jitted program."""
+  return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == DECODE_JIT_NAME
 
 
 def is_quantized(x: Any) -> bool:

@@ -46,7 +46,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jax_residency._src.quant.encoding import DECODE_JIT_NAME
+from jax_residency._src.quant.encoding import is_decode_call
 
 #: Primitives a decode is made of: what carries "decoded from codes" to its outputs.
 DECODE_PRIMITIVES = frozenset(
@@ -104,7 +104,7 @@ def evaluate_eqns(
 ) -> list[Any]:
   """Evaluates ``eqns`` (of one jaxpr, in order) on ``args`` for ``invars``, as `fenced`
   does: the int8/uint8 inputs are codes. A static tensor's decode (`encoding`'s jitted
-  decode, `DECODE_JIT_NAME`) is followed inside, like a decode traced in place."""
+  decode, `encoding.is_decode_call`) is followed inside, like a decode traced in place."""
   env: dict[Any, Any] = dict(zip(invars, args, strict=True))
   state = _State(env, {v for v in invars if np.dtype(v.aval.dtype) in CODE_DTYPES})
   state.run(eqns)
@@ -152,7 +152,7 @@ class _State:
       name = eqn.primitive.name
       if from_codes and name == "dot_general":
         self.env[eqn.outvars[0]] = _product(eqn, self)
-      elif from_codes and name in ("pjit", "jit") and eqn.params.get("name") == DECODE_JIT_NAME:
+      elif from_codes and is_decode_call(eqn):
         self._inline(eqn)
       elif from_codes and name in DECODE_PRIMITIVES:
         self.decoded.update(eqn.outvars)
@@ -202,7 +202,7 @@ def _product(eqn: Any, state: _State) -> Any:
     vector = state.read(vector_var)
     rows = int(np.prod([n for d, n in enumerate(vector.shape) if d not in vc], dtype=np.int64))
     if rows != 1 or len(vc) != 1 or lb or rb:
-      return _rows_product(eqn, state, vector)
+      return _rows_product(eqn, state, vector, 0 if lhs_coded else 1)
     matrix_var = state._resolve(matrix_var)
     piece_vars, axis = state.blocks.get(matrix_var, ([matrix_var], mc[0]))
     if axis != mc[0]:
@@ -224,7 +224,7 @@ def _product(eqn: Any, state: _State) -> Any:
     return total
 
 
-def _rows_product(eqn: Any, state: _State, activations: Any) -> Any:
+def _rows_product(eqn: Any, state: _State, activations: Any, matrix_at: int) -> Any:
   """A product of several rows (a prefill) by a decoded matrix: the float matrix, then
   XLA's matmul. The decode is computed inside a conditional whose predicate XLA cannot
   know (false only for a NaN, and then the other branch computes the same), so each
@@ -232,11 +232,11 @@ def _rows_product(eqn: Any, state: _State, activations: Any) -> Any:
   step holds one decoded matrix at a time, not its whole unit (XLA would otherwise
   schedule every decode, which depends only on the codes, first). A matrix of more
   than `ROWS_CHUNK_BYTES` as floats (an output head: 2 GiB for a vocabulary of 128K
-  by 4096) is decoded and multiplied in slices of its outputs, one conditional each."""
+  by 4096) is decoded and multiplied in slices of its outputs, one conditional each.
+  ``matrix_at``: which operand is decoded (0 or 1)."""
   params = eqn.primitive.get_bind_params(eqn.params)
   first = activations.reshape(-1)[0]
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  matrix_at = 0 if state._resolve(eqn.invars[0]) in state.decoded else 1
   aval = eqn.invars[matrix_at].aval
   contracted, batch = (lc, lb) if matrix_at == 0 else (rc, rb)
   free = [d for d in range(len(aval.shape)) if d not in contracted and d not in batch]

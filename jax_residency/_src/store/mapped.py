@@ -234,8 +234,7 @@ class UnitMapper:
         continue
       array, identity, was_resident = mapped
       out[rel] = array
-      key = (extent.file, extent.offset, extent.length)
-      if trailer and self.verified.needs_check(key, identity, was_resident):
+      if trailer and self.verified.needs_check(extent, identity, was_resident):
         checks.append(
           (rel, _pool().submit(self._check, array, extent, nbytes, name, unit, identity))
         )
@@ -245,7 +244,11 @@ class UnitMapper:
     self, array: np.ndarray, extent: Extent, nbytes: int, name: str, unit: int, identity: Any
   ) -> None:
     _check_mapped(array, extent, nbytes, self._root, name, unit)
-    self.verified.passed((extent.file, extent.offset, extent.length), identity)
+    self._passed(extent, identity, nbytes)
+
+  def _passed(self, extent: Extent, identity: Any, nbytes: int) -> None:
+    """Records a chunk whose checksum matched (mapped or read directly)."""
+    self.verified.passed(extent, identity)
     with self._count_lock:
       self.checked_bytes += nbytes
 
@@ -370,15 +373,12 @@ def _read_extent(
       raise OSError(f"{extent.file} ends before the checksum of unit {unit}'s chunk of {tensor!r}")
   finally:
     os.close(fd)
-  key = (extent.file, extent.offset, extent.length)
-  if trailer and (mapper is None or mapper.verified.needs_check(key, identity, was_resident)):
+  if trailer and (mapper is None or mapper.verified.needs_check(extent, identity, was_resident)):
     stored, computed = int.from_bytes(tail, "little"), crc32c.crc32c(data)
     if computed != stored:
       raise _corrupt(where, tensor, unit, extent, stored, computed)
     if mapper is not None:
-      mapper.verified.passed(key, identity)
-      with mapper._count_lock:
-        mapper.checked_bytes += len(data)
+      mapper._passed(extent, identity, len(data))
 
 
 def _corrupt(

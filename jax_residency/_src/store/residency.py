@@ -125,14 +125,15 @@ def populate(region: mmap.mmap) -> bool:
 
 
 class VerifiedExtents:
-  """The chunks of one open store whose checksum passed, each with the identity its
-  data file had then; thread-safe."""
+  """The chunks of one open store whose checksum passed (by any hashable key naming
+  the chunk's file and byte range: `mapped.Extent`), each with the identity its data
+  file had then; thread-safe."""
 
   def __init__(self) -> None:
     self._lock = threading.Lock()
-    self._passed: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
+    self._passed: dict[Any, tuple[int, int, int, int]] = {}
 
-  def needs_check(self, key: tuple[str, int, int], identity: Any, all_resident: bool) -> bool:
+  def needs_check(self, key: Any, identity: Any, all_resident: bool) -> bool:
     """Whether a read of chunk ``key`` must check it: its pages were not all in the page
     cache before the read, or it never passed, or its file changed since."""
     if not all_resident:
@@ -140,7 +141,7 @@ class VerifiedExtents:
     with self._lock:
       return self._passed.get(key) != identity
 
-  def passed(self, key: tuple[str, int, int], identity: Any) -> None:
+  def passed(self, key: Any, identity: Any) -> None:
     with self._lock:
       self._passed[key] = identity
 

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jax_residency._src.quant.encoding import DECODE_JIT_NAME
+from jax_residency._src.quant.encoding import is_decode_call
 from jax_residency._src.quant.fused import DECODE_PRIMITIVES, evaluate_eqns
 
 
@@ -76,15 +76,15 @@ def plan_static_decodes(
     ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
     if not ins or not all(v in static or v in made_by for v in ins):
       continue
-    is_decode = eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == DECODE_JIT_NAME
     follows = eqn.primitive.name in DECODE_PRIMITIVES and any(v in made_by for v in ins)
-    if is_decode or follows:
+    if is_decode_call(eqn) or follows:
       made_by.update(dict.fromkeys(eqn.outvars, k))
+  decodes = set(made_by.values())
   regions: dict[int, Region] = {}
   kept: set[int] = set()  # decodes something else needs: bound where they are
   for k, eqn in enumerate(jaxpr.eqns):
     uses = [v for v in eqn.invars if not isinstance(v, jcore.Literal) and v in made_by]
-    if not uses or made_by.get(eqn.outvars[0] if eqn.outvars else None) == k:
+    if not uses or k in decodes:
       continue
     needed = _producers(jaxpr, uses, made_by)
     if is_loop(eqn):
@@ -95,7 +95,7 @@ def plan_static_decodes(
   for v in jaxpr.outvars:
     if not isinstance(v, jcore.Literal) and v in made_by:
       kept.update(_producers(jaxpr, [v], made_by))
-  return StaticDecodes(frozenset(set(made_by.values()) - kept), regions)
+  return StaticDecodes(frozenset(decodes - kept), regions)
 
 
 def _producers(jaxpr: jcore.Jaxpr, vs: Sequence[Any], made_by: dict[Any, int]) -> set[int]:

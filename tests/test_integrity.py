@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 
 import jax
 import numpy as np
@@ -233,4 +234,36 @@ def test_a_chunk_is_checked_when_read_from_disk_not_on_each_page_cache_hit(
     opened.read_unit(1)
   assert (info.value.tensor, info.value.unit) == (KERNEL, 1)
   assert extent.file in str(info.value)
+  opened.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+@pytest.mark.parametrize("reads", ["mapped", "direct"])
+def test_a_chunk_read_ahead_from_disk_is_checked_when_read(reads, store, tmp_path, monkeypatch):
+  """docs/design.md, section 5.4: direct loading asks the kernel for a unit's chunks ahead
+  of their read, so their pages are cached by the time it runs; a chunk that was out of
+  the page cache when asked for came from disk, and its read checks it."""
+  if reads == "direct":
+    monkeypatch.setenv(mapped.MAPPED_READS_ENV, "0")
+  copy = str(tmp_path / "store")
+  shutil.copytree(store, copy)
+  opened = st.UnitStore.open(copy)
+  if reads == "mapped":
+    assert opened.use_mapped_reads()
+  opened.read_unit(1)  # checked once, on its first read
+  extent = flip_bit_on_disk(copy, KERNEL, 1)
+  assert opened.advise_unit(1) >= extent.length
+  assert opened.advised_bytes >= extent.length
+  fd = os.open(extent.file, os.O_RDONLY)
+  try:
+    deadline = time.monotonic() + 30
+    while not residency.resident_in_file(fd, extent.offset, extent.length):
+      assert time.monotonic() < deadline, "the read-ahead never brought the chunk in"
+      time.sleep(0.005)
+  finally:
+    os.close(fd)
+  with pytest.raises(jr.errors.StoreCorruptionError) as info:
+    opened.read_unit(1)
+  assert (info.value.tensor, info.value.unit) == (KERNEL, 1)
+  assert opened.advise_unit(0) == 0  # cached since its first read: nothing to ask for
   opened.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -15,7 +16,7 @@ import jax_residency as jr
 from jax_residency import testing
 from jax_residency._src.store import mapped
 from jax_residency._src.store import unit_store as st
-from jax_residency._src.stream.engine import release_dropped_buffers
+from jax_residency._src.store.buffers import release_dropped_buffers
 from jax_residency.toy import ToyConfig
 
 # Kernels of 16-64 KiB: stored out of line in the OCDBT data files, so mappable.
@@ -157,6 +158,51 @@ def test_stream_parity_and_accounting_with_and_without_mapping(
     assert 0 < report.total.mapped_bytes <= moved
   else:
     assert report.total.mapped_bytes == 0
+
+
+def _drop_pages(path: str) -> None:
+  for root, _, files in os.walk(path):
+    for name in files:
+      fd = os.open(os.path.join(root, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)  # dirty pages (a fresh copy's) are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_direct_loading_from_disk_asks_for_the_unit_after_next(
+  model, tokens, store, tmp_path, monkeypatch
+):
+  """docs/design.md, section 4.4: without a host cache, while units come from disk the
+  stream asks the kernel for the unit after next, into the page cache only; a pass
+  served from the page cache asks for nothing."""
+  copy = str(tmp_path / "store")
+  shutil.copytree(store, copy)
+  asked: list[tuple[int, int]] = []
+  real = st.UnitStore.advise_unit
+
+  def advise(self: st.UnitStore, i: int) -> int:
+    nbytes = real(self, i)
+    asked.append((i, nbytes))
+    return nbytes
+
+  monkeypatch.setattr(st.UnitStore, "advise_unit", advise)
+  policy = jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(device_budget_bytes=2**30, host_budget_bytes=0)
+  )
+  expected = model(tokens)
+  with jr.place(model, policy, store=copy, mesh=MESH1) as placed:
+    _drop_pages(copy)
+    np.testing.assert_array_equal(placed(tokens), expected)
+    # Units 0 and 1 are read first; each later one is asked for a unit ahead (what the
+    # kernel's own read-ahead of units 0 and 1 brought in is not asked for again).
+    assert [i for i, _ in asked] == list(range(2, CFG.n_layers))
+    asked.clear()
+    np.testing.assert_array_equal(placed(tokens), expected)  # from the page cache
+    assert asked == []
+    testing.assert_within_budgets(placed)
 
 
 def test_odd_sized_values_do_not_shift_the_others_off_alignment(toy_store):

@@ -12,6 +12,7 @@ kernel. This module removes that cost:
   array of a unit, the slab goes back to the pool and the next read reuses its
   already-faulted pages. This does not depend on the state of `malloc`.
 * `buffer_layout`: where each tensor of a unit lies in its slab.
+* `release_dropped_buffers`: frees the buffers of device arrays just dropped at once.
 * `tune_malloc`: opt-in glibc settings (`JAX_RESIDENCY_MALLOC_TUNING=1`) that
   let TensorStore's own large allocations (static reads, decompression, remote
   reads) be reused too; applied once, before this library opens its first
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import gc
 import logging
 import mmap
 import os
@@ -42,6 +44,11 @@ from typing import Any
 import numpy as np
 
 from jax_residency._src.typing import tensor_nbytes
+
+try:  # XLA's deferred-reference pass, see release_dropped_buffers
+  from jax._src.lib import _jax as _jax_lib
+except ImportError:  # pragma: no cover - a jaxlib that moved it
+  _jax_lib = None
 
 _log = logging.getLogger(__name__)
 
@@ -324,3 +331,19 @@ def padded_nbytes(shape: Sequence[int], dtype: Any) -> int:
   """Bytes one tensor takes in a unit buffer (or a mapping of its chunk): its
   bytes rounded up to `BUFFER_ALIGNMENT`, a page."""
   return -(-tensor_nbytes(shape, dtype) // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
+
+
+def release_dropped_buffers() -> None:
+  """Frees the host memory of arrays just dropped, now rather than at the next GC.
+
+  When a device array that aliases a numpy buffer (CPU, ``may_alias``) dies,
+  XLA defers dropping its reference to the numpy buffer to its next garbage
+  pass (jax-ml/jax#14882), which runs at Python's next garbage collection. An
+  evicted unit would then stay in memory while the next unit is read into a new
+  buffer. This runs that pass at once.
+  """
+  collect = getattr(_jax_lib, "collect_garbage", None)
+  if collect is not None:
+    collect()
+  else:  # pragma: no cover - older or newer jaxlib without the hook
+    gc.collect(0)

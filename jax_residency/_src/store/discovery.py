@@ -24,7 +24,8 @@ import tensorstore as ts
 from jax_residency._src import errors
 from jax_residency._src.store import mapped, remote
 from jax_residency._src.store.read_options import ReadOptions
-from jax_residency._src.typing import ParamPath, path_str
+from jax_residency._src.store.unit_reads import read_advice
+from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 #: The sidecar's ``format`` field.
 FORMAT_NAME = "jax_residency.unit_store"
@@ -340,6 +341,11 @@ class Discovered:
   sidecar: dict[str, Any] | None
   use_ocdbt: bool
 
+  def largest_chunk_cache_bytes(self) -> int:
+    """A chunk cache that holds the store's largest decoded chunk, with a margin."""
+    largest = max(tensor_nbytes(a.read_chunk, a.dtype) for a in self.arrays.values())
+    return largest + largest // 4 + (1 << 20)
+
 
 def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discovered:
   """Reads a checkpoint's metadata (never tensor data): Orbax's `_METADATA`, the
@@ -393,3 +399,21 @@ def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discove
       p[:-1]: dataclasses.replace(a, path=p[:-1], name=path_str(p)) for p, a in arrays.items()
     }
   return Discovered(arrays=arrays, sidecar=sidecar, use_ocdbt=use_ocdbt)
+
+
+def discover_checked(
+  path: str, loc: Location, context: ts.Context, *, sidecar_key: str
+) -> Discovered:
+  """The store's arrays and sidecar (`discover`), with unreadable metadata,
+  manifests or data files raised as a `StoreError` that names ``path`` and the fix."""
+  try:
+    return discover(loc, context, sidecar_key=sidecar_key)
+  except errors.StoreError:
+    raise
+  except (ValueError, OSError) as e:  # corrupt metadata, manifest or data files
+    advice = read_advice(str(e))
+    if advice.startswith("Check that"):  # not a permission problem: damaged or not a store
+      advice = "Write it again with jax_residency.save, or point at the checkpoint directory."
+    raise errors.StoreError(
+      f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). {advice}"
+    ) from e

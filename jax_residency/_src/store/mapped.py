@@ -10,10 +10,14 @@ then makes them device arrays with no copy at all.
 
 What it costs and holds:
 
-* A mapping is made with ``MAP_POPULATE``: the read thread faults the whole
-  range in (reading it from disk if it is not in the page cache), so the step
-  that uses the unit finds every page present. This is the "read" of a mapped
-  unit, and it overlaps the previous unit's step like any other read.
+* A mapping is faulted in whole (``MADV_POPULATE_READ``, else ``MAP_POPULATE``)
+  by the read thread (reading it from disk if it is not in the page cache), so the
+  step that uses the unit finds every page present. This is the "read" of a mapped
+  unit, and it overlaps the previous unit's step like any other read. The chunks of
+  a unit that are out of the page cache are asked of the kernel first, all at once
+  (``posix_fadvise(WILLNEED)``, `UnitMapper.advise_unit`), and a mapping of 2 MiB or
+  more is advised ``MADV_HUGEPAGE``, so that what it faults in from disk is kept in
+  huge pages where the filesystem allows and maps again cheaply.
 * Mapped pages are the kernel's page cache: clean and file-backed, so they
   count in the process's RSS while mapped (as a unit buffer would), but the
   kernel may drop them under memory pressure and fault them in again, and no
@@ -38,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import mmap
 import os
@@ -50,11 +53,11 @@ from typing import Any
 
 import crc32c
 import numpy as np
-import tensorstore as ts
 
 from jax_residency._src import errors
 from jax_residency._src.store import residency
 from jax_residency._src.store.buffers import padded_nbytes
+from jax_residency._src.store.extents import Extent, chunk_key, ocdbt_extents
 from jax_residency._src.typing import ParamPath, tensor_nbytes
 
 _log = logging.getLogger(__name__)
@@ -86,64 +89,6 @@ def mapped_reads_enabled() -> bool:
   if os.environ.get(MAPPED_READS_ENV, "1").strip() in ("0", "false", "no", "off"):
     return False
   return sys.platform.startswith(("linux", "darwin")) and hasattr(mmap, "MAP_PRIVATE")
-
-
-@dataclasses.dataclass(frozen=True)
-class Extent:
-  """Where one chunk's bytes lie: a file, and an offset and length within it."""
-
-  file: str
-  offset: int
-  length: int
-
-
-def _parse_location(root: str, ref: str) -> Extent | None:
-  """``value:<base>:<relative file>:<offset>:<length>`` to an `Extent` under ``root``."""
-  head, _, sizes = ref.partition(":")
-  if head != "value":
-    return None
-  where, offset, length = sizes.rsplit(":", 2)
-  base, _, rel = where.partition(":")
-  path = os.path.normpath(os.path.join(root, base, rel))
-  if not path.startswith(os.path.normpath(root) + os.sep):
-    return None
-  return Extent(path, int(offset), int(length))
-
-
-def ocdbt_extents(root: str) -> dict[str, Extent]:
-  """Chunk key → `Extent` of every value stored out of line in the OCDBT database at ``root``.
-
-  Reads the manifest and the b-tree nodes of the newest version. Inline values
-  (small ones, kept in the index itself) have no extent.
-  """
-  base = ts.KvStore.open({"driver": "file", "path": root.rstrip("/") + "/"}).result()
-  manifest = ts.ocdbt.dump(base).result()
-  versions = manifest.get("versions") or []
-  if not versions:
-    return {}
-  newest = max(versions, key=lambda v: v.get("generation_number", 0))
-  location = (newest.get("root") or {}).get("location")
-  out: dict[str, Extent] = {}
-  pending = [location] if location else []
-  while pending:
-    node = ts.ocdbt.dump(base, pending.pop()).result()
-    for entry in node.get("entries", []):
-      if "location" in entry:  # an interior node: its children
-        pending.append(entry["location"])
-        continue
-      ref = entry.get("indirect_value")
-      if ref is None:
-        continue
-      key = entry["key"]
-      extent = _parse_location(root, ref)
-      if extent is not None:
-        out[key.decode() if isinstance(key, bytes) else str(key)] = extent
-  return out
-
-
-def chunk_key(name: str, unit: int, ndim: int) -> str:
-  """The zarr3 key (default encoding) of unit ``unit``'s chunk of array ``name``."""
-  return f"{name}/c/" + "/".join([str(unit)] + ["0"] * (ndim - 1))
 
 
 class UnitMapper:
@@ -178,6 +123,7 @@ class UnitMapper:
     self.total_bytes = 0  # tensor bytes mapped so far
     self.direct_bytes = 0  # bytes read straight from the data files so far
     self.checked_bytes = 0  # chunk bytes whose checksum was checked so far
+    self.advised_bytes = 0  # chunk bytes read-ahead hints asked the kernel for so far
     self.verified = residency.VerifiedExtents()
 
   @property
@@ -221,24 +167,67 @@ class UnitMapper:
     the arrays must not be used before every check has passed.
     """
     out, checks = {}, []
-    for rel, (name, shape, dtype) in self._tensors.items():
-      extent = self._extent(rel, unit)
-      nbytes = tensor_nbytes(shape, dtype)
-      # A mappable chunk is its data alone, or its data and a checksum.
-      trailer = extent.length - nbytes if extent is not None else -1
-      if not nbytes or trailer not in (0, CHECKSUM_BYTES):
-        continue
-      assert extent is not None
-      mapped = self._map(extent, shape, dtype)
+    raw = self._raw_extents(unit)
+    # The chunks out of the page cache are read ahead side by side while the mappings
+    # below wait on them one by one.
+    cold = self._ask_for([extent for _, extent, _ in raw])
+    for rel, extent, nbytes in raw:
+      name, shape, dtype = self._tensors[rel]
+      mapped = self._map(extent, shape, dtype, extent not in cold)
       if mapped is None:
         continue
       array, identity, was_resident = mapped
       out[rel] = array
-      if trailer and self.verified.needs_check(extent, identity, was_resident):
+      if extent.length > nbytes and self.verified.needs_check(extent, identity, was_resident):
         checks.append(
           (rel, _pool().submit(self._check, array, extent, nbytes, name, unit, identity))
         )
     return out, checks
+
+  def advise_unit(self, unit: int) -> int:
+    """Asks the kernel to start reading unit ``unit``'s raw chunks into the page cache
+    (``posix_fadvise(WILLNEED)``) without waiting; returns the bytes asked for.
+
+    A chunk whose pages are all cached is skipped. One that is not is marked cold
+    (`residency.VerifiedExtents.mark_cold`): the read that maps or copies it next
+    checks its checksum, although the read-ahead has brought its pages in by then.
+    """
+    cold = self._ask_for([e for _, e, _ in self._raw_extents(unit)])
+    return sum(e.length for e in cold)
+
+  def _raw_extents(self, unit: int) -> list[tuple[ParamPath, Extent, int]]:
+    """``(tensor, extent, data bytes)`` of unit ``unit``'s chunks stored raw: their data
+    alone, or their data and a checksum."""
+    out = []
+    for rel, (_, shape, dtype) in self._tensors.items():
+      extent = self._extent(rel, unit)
+      nbytes = tensor_nbytes(shape, dtype)
+      if extent is not None and nbytes and extent.length - nbytes in (0, CHECKSUM_BYTES):
+        out.append((rel, extent, nbytes))
+    return out
+
+  def _ask_for(self, extents: list[Extent]) -> set[Extent]:
+    """Asks the kernel to read each chunk not all in the page cache, without waiting
+    (``posix_fadvise(WILLNEED)``, where there is one); returns those (marked cold)."""
+    cold: set[Extent] = set()
+    for extent in extents:
+      try:
+        fd = os.open(extent.file, os.O_RDONLY)
+      except OSError:
+        continue  # the read reports it
+      try:
+        if not residency.resident_in_file(fd, extent.offset, extent.length):
+          self.verified.mark_cold(extent)
+          cold.add(extent)
+          if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, extent.offset, extent.length, os.POSIX_FADV_WILLNEED)
+      except OSError:
+        pass  # only a hint
+      finally:
+        os.close(fd)
+    with self._count_lock:
+      self.advised_bytes += sum(e.length for e in cold)
+    return cold
 
   def _check(
     self, array: np.ndarray, extent: Extent, nbytes: int, name: str, unit: int, identity: Any
@@ -275,11 +264,11 @@ class UnitMapper:
     return _pool().submit(_read_extent, extent, out, trailer, self._root, name, unit, self)
 
   def _map(
-    self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype
+    self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype, resident: bool
   ) -> tuple[np.ndarray, Any, bool] | None:
     """Maps one chunk (its checksum too, if any) and returns its data as an array
-    viewing the mapping, its file's identity, and whether all of its pages were in
-    the page cache before the mapping faulted them in (None: read it instead)."""
+    viewing the mapping, its file's identity, and ``resident``: whether all of its
+    pages were in the page cache before any read-ahead (None: read it instead)."""
     start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
     skip = extent.offset - start
     if skip % ALIGNMENT:
@@ -294,7 +283,6 @@ class UnitMapper:
       stat = os.fstat(fd)
       if stat.st_size < extent.offset + extent.length:
         return None
-      was_resident = residency.resident_in_file(fd, extent.offset, extent.length)
       span = skip + extent.length
       region = mmap.mmap(fd, span, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=start)
       if not residency.populate(region):  # an older kernel: map it again, populated
@@ -316,7 +304,7 @@ class UnitMapper:
     array = np.frombuffer(region, dtype, count, skip).reshape(shape)
     done = weakref.finalize(region, self._unmapped, size)
     done.atexit = False
-    return array, residency.file_identity(stat), was_resident
+    return array, residency.file_identity(stat), resident
 
   def _unmapped(self, size: int) -> None:
     # Runs from a finalizer, possibly inside a garbage collection on a thread

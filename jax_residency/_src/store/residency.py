@@ -12,11 +12,15 @@ or copied with ``preadv``) is checked
   modification time: a file rewritten in place, or a store replaced on disk).
 
 A chunk whose pages all stayed in the page cache since its check passed is served
-without another CRC (`VerifiedExtents`). What this leaves unchecked: a change to the
-cached pages themselves that leaves the file's modification time as it was (memory
-corruption, or a write that resets the time), and pages evicted and read back in the
-microseconds between the residency test and the read. TensorStore checks the chunks it
-decodes itself (compressed, inline or remote ones) on every read.
+without another CRC (`VerifiedExtents`). A read-ahead hint (`mapped.UnitMapper`
+asks the kernel for chunks before reading them) tests residency before it asks, and
+marks the chunks it found out of the cache: their next read checks them although their
+pages are cached by then. What this leaves unchecked: a change to the cached pages
+themselves that leaves the file's modification time as it was (memory corruption, or a
+write that resets the time), and pages evicted and read back between the residency test
+and the read (for a mapped unit, one test of each chunk before the first is mapped).
+TensorStore checks the chunks it decodes itself (compressed, inline or remote ones) on
+every read.
 
 Residency comes from ``cachestat(2)`` over the chunk's bytes (Linux 6.5+), else from
 ``mincore(2)`` over a mapping of them (older Linux, macOS); where neither is available
@@ -25,6 +29,7 @@ every read is checked.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -39,6 +44,8 @@ import numpy as np
 #: ``madvise`` advice that faults a mapping's pages in for reading (Linux 5.14+).
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _PAGE = mmap.PAGESIZE
+_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+HUGE_PAGE = 2 << 20
 
 
 def _libc() -> Any:
@@ -117,6 +124,9 @@ def _mincore(region: mmap.mmap, start: int, length: int) -> bool:
 def populate(region: mmap.mmap) -> bool:
   """Faults every page of ``region`` in for reading, as ``MAP_POPULATE`` would; False
   where the kernel lacks ``MADV_POPULATE_READ`` (map again with ``MAP_POPULATE``)."""
+  if _HUGEPAGE is not None and len(region) >= HUGE_PAGE:
+    with contextlib.suppress(OSError):
+      region.madvise(_HUGEPAGE)
   try:
     region.madvise(MADV_POPULATE_READ)
   except (OSError, ValueError, AttributeError):
@@ -127,19 +137,30 @@ def populate(region: mmap.mmap) -> bool:
 class VerifiedExtents:
   """The chunks of one open store whose checksum passed (by any hashable key naming
   the chunk's file and byte range: `mapped.Extent`), each with the identity its data
-  file had then; thread-safe."""
+  file had then; thread-safe.
+
+  A chunk whose pages a read-ahead hint asked the kernel for (`mark_cold`) came from
+  disk even if its pages are all cached by the time it is read: its next read checks it.
+  """
 
   def __init__(self) -> None:
     self._lock = threading.Lock()
     self._passed: dict[Any, tuple[int, int, int, int]] = {}
+    self._cold: set[Any] = set()
 
   def needs_check(self, key: Any, identity: Any, all_resident: bool) -> bool:
     """Whether a read of chunk ``key`` must check it: its pages were not all in the page
-    cache before the read, or it never passed, or its file changed since."""
-    if not all_resident:
-      return True
+    cache before the read (or before a hint asked for them), or it never passed, or its
+    file changed since."""
     with self._lock:
-      return self._passed.get(key) != identity
+      cold = key in self._cold
+      self._cold.discard(key)
+      return cold or not all_resident or self._passed.get(key) != identity
+
+  def mark_cold(self, key: Any) -> None:
+    """Records that chunk ``key``'s pages were not all cached when a hint asked for them."""
+    with self._lock:
+      self._cold.add(key)
 
   def passed(self, key: Any, identity: Any) -> None:
     with self._lock:

@@ -61,10 +61,9 @@ from jax_residency._src.store.unit_reads import (
   UnitRead,
   in_order,
   issue_unit_read,
-  read_advice,
   read_error,
 )
-from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
+from jax_residency._src.typing import ParamPath, path_str
 
 if TYPE_CHECKING:
   from jax.typing import DTypeLike
@@ -175,7 +174,7 @@ class UnitStore(StackLayout):
     if loc.local is not None:  # a save that died between its two renames
       commit.recover_local(loc.local)
     context = handles.store_context(reads=loc.reads)
-    found = _discover(path, loc, context)
+    found = discovery.discover_checked(path, loc, context, sidecar_key=SIDECAR_KEY)
     layout = checks.check_layout(
       path,
       found,
@@ -184,7 +183,7 @@ class UnitStore(StackLayout):
       stacks=stacks,
       require_recorded=require_recorded,
     )
-    cache_bytes = _largest_chunk_cache_bytes(found) if cache_largest_chunk else 0
+    cache_bytes = found.largest_chunk_cache_bytes() if cache_largest_chunk else 0
     if cache_bytes:
       context = handles.store_context(cache_bytes=cache_bytes, reads=loc.reads)
     store = cls(
@@ -246,6 +245,12 @@ class UnitStore(StackLayout):
     # Mapped units count against the same limit as read buffers (`limit_buffers`).
     self._pool.count_external(lambda: sum(m.mapped_bytes for m in self._mappers))
     return True
+
+  @property
+  def advised_bytes(self) -> int:
+    """Chunk bytes found out of the page cache and asked of the kernel ahead of their
+    reads (`advise_unit`, and mapped reads for their own chunks) since the store opened."""
+    return sum(m.advised_bytes for m in self._mappers)
 
   @property
   def mapped_bytes_total(self) -> int:
@@ -357,6 +362,15 @@ class UnitStore(StackLayout):
     for rel in read.tensorstore_keys:
       self._count(prefix + rel, j)
     return read
+
+  def advise_unit(self, i: int) -> int:
+    """Asks the kernel to start reading unit `i`'s raw local chunks into the page cache,
+    without waiting (`mapped.UnitMapper.advise_unit`); returns the bytes asked for."""
+    self._check_usable()
+    stack, j = locate(self._stacks, i, self.path)
+    if stack.mapper is None or not (self._map or mapped.direct_reads_enabled()):
+      return 0
+    return stack.mapper.advise_unit(j)
 
   def read_unit(
     self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
@@ -475,25 +489,3 @@ class UnitStore(StackLayout):
       use_ocdbt=self._use_ocdbt,
       context=self._context,
     )
-
-
-def _discover(path: str, loc: discovery.Location, context: ts.Context) -> discovery.Discovered:
-  """The store's arrays and sidecar (`discovery.discover`), with unreadable metadata,
-  manifests or data files raised as a `StoreError` that names ``path`` and the fix."""
-  try:
-    return discovery.discover(loc, context, sidecar_key=SIDECAR_KEY)
-  except errors.StoreError:
-    raise
-  except (ValueError, OSError) as e:  # corrupt metadata, manifest or data files
-    advice = read_advice(str(e))
-    if advice.startswith("Check that"):  # not a permission problem: damaged or not a store
-      advice = "Write it again with jax_residency.save, or point at the checkpoint directory."
-    raise errors.StoreError(
-      f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). {advice}"
-    ) from e
-
-
-def _largest_chunk_cache_bytes(found: discovery.Discovered) -> int:
-  """A chunk cache that holds the store's largest decoded chunk, with a margin."""
-  largest = max(tensor_nbytes(a.read_chunk, a.dtype) for a in found.arrays.values())
-  return largest + largest // 4 + (1 << 20)

@@ -11,7 +11,8 @@ its ``fetch(i)`` calls:
   ahead by the :class:`~.prefetch.PrefetchWorker` (``host_lookahead`` units
   protected ahead of the current one);
 * with ``host_budget_bytes == 0`` there is no host tier and no thread: units go
-  straight from the store to the device.
+  straight from the store to the device, and while they come from disk the kernel
+  is asked for the unit after next (into the page cache only).
 
 Counters are per pass and committed only when the pass succeeds.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,11 +28,6 @@ from typing import Any, NoReturn, Protocol
 
 import jax
 import numpy as np
-
-try:  # XLA's deferred-reference pass, see release_dropped_buffers
-  from jax._src.lib import _jax as _jax_lib
-except ImportError:  # pragma: no cover - a jaxlib that moved it
-  _jax_lib = None
 
 from jax_residency._src.errors import AdmissionError, ClosedError, StoreError
 from jax_residency._src.loop.unit_loop import (
@@ -49,6 +44,7 @@ from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.records import PassCounters, TimelinePoint
 from jax_residency._src.report.stream_metrics import Tier
 from jax_residency._src.report.telemetry import Telemetry
+from jax_residency._src.store.buffers import release_dropped_buffers
 from jax_residency._src.stream.boxes import from_local_box
 from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger
 from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker
@@ -141,6 +137,11 @@ class DenseStreamEngine:
     use_mapped = getattr(source, "use_mapped_reads", None)
     if use_mapped is not None and metadata.device_is_host and not self._multiprocess:
       use_mapped()
+    # Direct loading hints the kernel to read the unit after next while reads come from
+    # disk (`_after_step`); a source without local raw chunks has nothing to hint.
+    self._advise = None if self._host_enabled else getattr(source, "advise_unit", None)
+    self._from_disk = False  # the last direct read's pages came from disk
+    self._asked_ahead: set[int] = set()  # units a hint found out of the page cache
     self.worker: PrefetchWorker | None = None
     if self._host_enabled:
       self.worker = PrefetchWorker(self._prefetch, capacity=opts.background_queue_capacity)
@@ -285,6 +286,11 @@ class DenseStreamEngine:
       for j in ahead:
         if not (self.ledger.contains(Tier.HOST, j) or self.ledger.is_pending(Tier.HOST, j)):
           self.worker.submit(j)
+    if self._from_disk and self._advise is not None and len(upcoming) > 1:
+      # Into the page cache only: the disk reads on while the next steps' checks, moves
+      # and dispatches run, and the next read finds its pages on the way.
+      if self._advise(upcoming[1]):
+        self._asked_ahead.add(upcoming[1])
     for j in self._next_in_stack(i, upcoming):
       if not self.ledger.contains(Tier.DEVICE, j):
         self.ledger.protect(Tier.DEVICE, (i, j))
@@ -307,7 +313,10 @@ class DenseStreamEngine:
         host = self._host_unit(i)
         source = "host"
       else:
+        asked = self._advised()
         host = self._read_blocking(i)
+        self._from_disk = self._advised() != asked or i in self._asked_ahead
+        self._asked_ahead.discard(i)
         source = "disk"
       # On a CPU backend, page-aligned host buffers become device arrays without a
       # copy (may_alias); accelerators copy host→device as usual.
@@ -448,6 +457,10 @@ class DenseStreamEngine:
         finish()
       reservation.release()
 
+  def _advised(self) -> int:
+    """Bytes the source's reads and hints have asked the kernel to read so far."""
+    return int(getattr(self._source, "advised_bytes", 0))
+
   def _note_stall(self, seconds: float) -> None:
     with self._counters_lock:
       self._counters.stalls += 1
@@ -472,22 +485,6 @@ class DenseStreamEngine:
     self.ledger.close()
     self._static = []
     self._staged.clear()
-
-
-def release_dropped_buffers() -> None:
-  """Frees the host memory of arrays just dropped, now rather than at the next GC.
-
-  When a device array that aliases a numpy buffer (CPU, ``may_alias``) dies,
-  XLA defers dropping its reference to the numpy buffer to its next garbage
-  pass (jax-ml/jax#14882), which runs at Python's next garbage collection. An
-  evicted unit would then stay in memory while the next unit is read into a new
-  buffer. This runs that pass at once.
-  """
-  collect = getattr(_jax_lib, "collect_garbage", None)
-  if collect is not None:
-    collect()
-  else:  # pragma: no cover - older or newer jaxlib without the hook
-    gc.collect(0)
 
 
 def _raise_read_error(i: int, e: Exception) -> NoReturn:

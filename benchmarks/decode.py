@@ -84,6 +84,8 @@ Targets (docs/benchmarks.md), evaluated on the medians over ``--repeat`` runs:
   Accelerate's (page cache), with peak RSS growth <= Accelerate's;
 * page-cache decode step (host 0 / 2 units) within 1.25x of the larger of the
   resident decode step and the unit bytes divided by the warm-read bandwidth;
+* ``FullyResident``'s page-cache decode step <= the dense stream's with every
+  unit cached (``jr host all``);
 * at host 0, the quantized decode step against the float32 one: int8 <= 0.6x
   (page cache) and <= 0.35x (disk); int4 <= 0.45x and <= 0.25x;
 * each int8 row: disk decode tokens/s >= 10x Accelerate's (disk), with
@@ -929,6 +931,15 @@ def derive(run: dict, args: argparse.Namespace, unit_bytes_total: int) -> dict:
       f"{label(name)}: page-cache decode step {step:.4f} s = {step / floor:.2f}x floor "
       f"(<= {PAGE_CACHE_SLACK:g}x); {step / read_step:.2f}x the read term alone",
     )
+
+  # FullyResident, every weight resident, against the dense stream with every unit cached.
+  all_step = run["jr-all"]["regimes"]["page-cache"]["decode_step_s"]
+  check(
+    "resident step",
+    resident_step <= all_step,
+    f"jr FullyResident: page-cache decode step {resident_step:.4f} s (<= jr host all's "
+    f"{all_step:.4f} s)",
+  )
 
   # Quantized rows: the step against float32's at host 0, per regime; int8 against Accelerate.
   for scheme in SCHEMES:

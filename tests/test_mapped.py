@@ -175,7 +175,7 @@ def _drop_pages(path: str) -> None:
 def test_direct_loading_from_disk_asks_for_the_unit_after_next(
   model, tokens, store, tmp_path, monkeypatch
 ):
-  """docs/design.md, section 4.4: without a host cache, while units come from disk the
+  """docs/design.md, section 4.2: without a host cache, while units come from disk the
   stream asks the kernel for the unit after next, into the page cache only; a pass
   served from the page cache asks for nothing."""
   copy = str(tmp_path / "store")

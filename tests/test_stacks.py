@@ -113,8 +113,9 @@ class Case:
     return jax.jit(self.model.apply)(variables, TOKENS, encoded)
 
   def reference(self, policy: str, *, only_mixer: bool = False) -> jax.Array:
-    """What ``policy`` must match bit for bit: eager for a dense stream, else jitted."""
-    eager = policy in DENSE
+    """What ``policy`` must match bit for bit: eager for the policies that run a step per
+    layer on CPU (a dense stream, FullyResident: docs/parity.md), else jitted."""
+    eager = policy in DENSE or policy == "fully_resident"
     key = ("eager" if eager else "jit", only_mixer)
     if key not in self._refs:
       encoded = ENCODED if only_mixer else None
@@ -243,7 +244,7 @@ def test_plain_models_run_both_stacks_and_only_the_mixer():
 
 @pytest.mark.parametrize("variant, policy", _cases())
 def test_parity_both_stacks(case, run, variant: str, policy: str):
-  """Both stacks placed: bit-identical to the plain model (jit, or eager for dense)."""
+  """Both stacks placed: bit-identical to the plain model (eager or jit, `Case.reference`)."""
   out, _ = run(variant, policy).full()
   np.testing.assert_array_equal(out, case(variant).reference(policy))
   placed = run(variant, policy).placed

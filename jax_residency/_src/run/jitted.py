@@ -30,7 +30,9 @@ from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.records import PassCounters
 from jax_residency._src.report.telemetry import Telemetry
+from jax_residency._src.run import resident_steps
 from jax_residency._src.run.executor import note_unplaced
+from jax_residency._src.run.resident_steps import ResidentSteps
 from jax_residency._src.store.loading import StoreSource, open_for, read_all, transit_bytes
 from jax_residency._src.typing import path_str
 
@@ -65,6 +67,12 @@ class JittedExecutor:
     self._units = pl.put([values[i] for i in split.unit_index], placed_at.units)
     del values
     self._split = split
+    # On CPU, passes run per-unit steps over views of the units (no per-layer copy).
+    self._steps: ResidentSteps | None = None
+    if not self._layerwise and resident_steps.applies(mesh):
+      views = resident_steps.unit_views(split, self._units, placed_at.unit_slices)
+      if views is not None:
+        self._steps = ResidentSteps(split, self._static, views, placed_at.unit_slices)
     loops = [
       StackLoop(None, tuple(placed_at.unit_slices[s.leaf_slice]), policy.device_depth(s.count))
       for s in split.stacks
@@ -135,8 +143,13 @@ class JittedExecutor:
         self._traced_shares = self._shares(self._last_trace)
       temp, shares = 0, self._traced_shares
     else:
-      exe, temp, shares = self._program(args, kwargs)
-      out = exe(self._static, self._units, *args, **kwargs)
+      ran = self._steps.run(args, kwargs) if self._steps is not None else None
+      if ran is not None:
+        out, temp, ctx = ran
+        shares = self._shares(ctx)
+      else:
+        exe, temp, shares = self._program(args, kwargs)
+        out = exe(self._static, self._units, *args, **kwargs)
     out = jax.block_until_ready(out)
     meta = self.metadata
     moved = sum(s.bytes_moved for s in shares.values())
@@ -167,6 +180,8 @@ class JittedExecutor:
     # buffers shared with the caller's model (device_put to an equal sharding aliases).
     self._static, self._units = [], []
     self._compiled.clear()
+    if self._steps is not None:
+      self._steps.close()
 
   def _weights(
     self,

@@ -17,6 +17,7 @@ accelerators; so do calls under a JAX transformation and `lower`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,6 +96,7 @@ class ResidentSteps:
     # Per input signature: the staged forward and its trace's loops (None: run jitted).
     self._staged: dict[Any, tuple[StagedForward, LoopContext] | None] = {}
     self._ctx: LoopContext | None = None
+    self._lock = threading.Lock()  # one trace at a time (it records its loops in _ctx)
 
   def run(
     self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -122,8 +124,14 @@ class ResidentSteps:
     self, args: tuple[Any, ...], kwargs: dict[str, Any]
   ) -> tuple[StagedForward, LoopContext] | None:
     key = signature(args, kwargs)
-    if key in self._staged:
+    with self._lock:
+      if key not in self._staged:
+        self._staged[key] = self._trace(args, kwargs)
       return self._staged[key]
+
+  def _trace(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> tuple[StagedForward, LoopContext] | None:
     split = self._split
     unit_specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in split.unit_leaves()]
     spans = [StackSpan(s.offset, s.count, s.first, len(s.index)) for s in split.stacks]
@@ -139,7 +147,6 @@ class ResidentSteps:
         # XLA would hoist a quantized unit's decode out of the matmul.
         staged.in_loop = split.quantization is None
         found = (staged, self._ctx)
-    self._staged[key] = found
     return found
 
   def _forward(self, static: list[Any], units: list[Any], args: Any, kwargs: Any) -> Any:

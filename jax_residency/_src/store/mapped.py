@@ -15,9 +15,7 @@ What it costs and holds:
   step that uses the unit finds every page present. This is the "read" of a mapped
   unit, and it overlaps the previous unit's step like any other read. The chunks of
   a unit that are out of the page cache are asked of the kernel first, all at once
-  (``posix_fadvise(WILLNEED)``, `UnitMapper.advise_unit`), and a mapping of 2 MiB or
-  more is advised ``MADV_HUGEPAGE``, so that what it faults in from disk is kept in
-  huge pages where the filesystem allows and maps again cheaply.
+  (``posix_fadvise(WILLNEED)``, `UnitMapper.advise_unit`).
 * Mapped pages are the kernel's page cache: clean and file-backed, so they
   count in the process's RSS while mapped (as a unit buffer would), but the
   kernel may drop them under memory pressure and fault them in again, and no

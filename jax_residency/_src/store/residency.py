@@ -29,7 +29,6 @@ every read is checked.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -44,8 +43,6 @@ import numpy as np
 #: ``madvise`` advice that faults a mapping's pages in for reading (Linux 5.14+).
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _PAGE = mmap.PAGESIZE
-_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
-HUGE_PAGE = 2 << 20
 
 
 def _libc() -> Any:
@@ -124,9 +121,6 @@ def _mincore(region: mmap.mmap, start: int, length: int) -> bool:
 def populate(region: mmap.mmap) -> bool:
   """Faults every page of ``region`` in for reading, as ``MAP_POPULATE`` would; False
   where the kernel lacks ``MADV_POPULATE_READ`` (map again with ``MAP_POPULATE``)."""
-  if _HUGEPAGE is not None and len(region) >= HUGE_PAGE:
-    with contextlib.suppress(OSError):
-      region.madvise(_HUGEPAGE)
   try:
     region.madvise(MADV_POPULATE_READ)
   except (OSError, ValueError, AttributeError):

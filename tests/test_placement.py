@@ -357,6 +357,28 @@ def test_fully_resident_everything_on_device(nnx_toy, mesh1):
     assert md.device_window_units == 4
 
 
+class _StackUsedOutsideTheLoop(nnx.Module):
+  """Reads its stacked kernels outside the unit loop too (a per-layer norm of them)."""
+
+  def __init__(self, rngs: nnx.Rngs) -> None:
+    keys = jax.random.split(rngs.params(), 3)
+    self.layers = nnx.vmap(lambda k: nnx.Linear(8, 8, rngs=nnx.Rngs(k)))(keys)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = jr.scan_units(lambda h, layer: jnp.tanh(layer(h)), x, self.layers)
+    return h * jnp.sum(self.layers.kernel[...] ** 2)
+
+
+def test_fully_resident_runs_jitted_where_per_unit_steps_cannot(mesh1):
+  """docs/design.md, section 3.1: a forward whose stacked weights are used outside
+  scan_units has no per-unit form; on CPU FullyResident then runs the jitted program
+  (the jitted model's bits), where a dense stream refuses."""
+  model = _StackUsedOutsideTheLoop(nnx.Rngs(0))
+  x = jnp.ones((2, 8))
+  with jr.place(model, jr.FullyResident(), mesh=mesh1) as placed:
+    np.testing.assert_array_equal(placed(x), nnx.jit(lambda m, x: m(x))(model, x))
+
+
 def test_layerwise_host_bytes_count_every_replica(nnx_toy):
   """Replicated over 8 devices, each device addresses its own host copy."""
   _, units = _param_leaves(nnx_toy)

@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_residency._src.errors import PlacementError
 from jax_residency._src.loop.unit_loop import LoopContext, StackLoop, run_in_loop
 from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.types import ExecutionResidency
@@ -139,7 +138,8 @@ class ResidentSteps:
     self._ctx = None
     try:
       staged = trace(self._forward, self._static, unit_specs, (args, kwargs), spans)
-    except PlacementError:  # stacked parameters used outside the unit loop
+    except Exception:  # noqa: BLE001 - e.g. stacked weights used outside the unit loop
+      # (PlacementError): the jitted program runs it, or raises the model's own error.
       pass
     else:
       if staged.unit_loop_count and self._ctx is not None:

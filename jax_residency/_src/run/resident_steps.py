@@ -45,9 +45,10 @@ def unit_view(stacked: jax.Array, j: int, sharding: jax.sharding.Sharding) -> ja
   for shard in stacked.addressable_shards:
     if shard.index and shard.index[0] != slice(None):
       return None
-    row = np.asarray(shard.data)[j]
-    if not row.nbytes:
-      return None
+    rows = np.asarray(shard.data)
+    if not rows.nbytes or rows.ctypes.data != shard.data.unsafe_buffer_pointer():
+      return None  # the NumPy form is a copy of the shard, not a view of it
+    row = rows[j]
     on_device = jax.device_put(row, shard.device, may_alias=True)
     if on_device.unsafe_buffer_pointer() != row.ctypes.data:
       return None  # copied, not viewed: it would hold memory the plan does not

@@ -196,13 +196,16 @@ class UnitMapper:
   def _raw_extents(self, unit: int) -> list[tuple[ParamPath, Extent, int]]:
     """``(tensor, extent, data bytes)`` of unit ``unit``'s chunks stored raw: their data
     alone, or their data and a checksum."""
-    out = []
-    for rel, (_, shape, dtype) in self._tensors.items():
-      extent = self._extent(rel, unit)
-      nbytes = tensor_nbytes(shape, dtype)
-      if extent is not None and nbytes and extent.length - nbytes in (0, CHECKSUM_BYTES):
-        out.append((rel, extent, nbytes))
-    return out
+    return [(rel, *raw) for rel in self._tensors if (raw := self._raw_extent(rel, unit))]
+
+  def _raw_extent(self, rel: ParamPath, unit: int) -> tuple[Extent, int] | None:
+    """Unit ``unit``'s chunk of tensor ``rel`` and its data bytes, if stored raw."""
+    extent = self._extent(rel, unit)
+    _, shape, dtype = self._tensors[rel]
+    nbytes = tensor_nbytes(shape, dtype)
+    if extent is None or not nbytes or extent.length - nbytes not in (0, CHECKSUM_BYTES):
+      return None
+    return extent, nbytes
 
   def _ask_for(self, extents: list[Extent]) -> set[Extent]:
     """Asks the kernel to read each chunk not all in the page cache, without waiting
@@ -250,15 +253,14 @@ class UnitMapper:
     memory speed; a ``preadv`` into the caller's buffer and a hardware CRC do
     not (`benchmarks/read_path.py --checksums`).
     """
-    name, shape, dtype = self._tensors[rel]
-    extent = self._extent(rel, unit)
-    nbytes = tensor_nbytes(shape, dtype)
-    trailer = extent.length - nbytes if extent is not None else -1
-    if not nbytes or trailer not in (0, CHECKSUM_BYTES) or out.nbytes != nbytes:
+    raw = self._raw_extent(rel, unit)
+    if raw is None or out.nbytes != raw[1]:
       return None
-    assert extent is not None
+    extent, nbytes = raw
+    trailer = extent.length - nbytes
     with self._count_lock:  # the checksum too: it is read with the data
       self.direct_bytes += extent.length
+    name = self._tensors[rel][0]
     return _pool().submit(_read_extent, extent, out, trailer, self._root, name, unit, self)
 
   def _map(

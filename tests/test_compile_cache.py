@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -90,7 +91,42 @@ def test_enables_the_cache_under_the_library_cache_dir(jax_config):
   assert os.path.isdir(path)
   assert read("jax_compilation_cache_dir") == path
   assert read("jax_persistent_cache_min_compile_time_secs") == compile_cache.MIN_COMPILE_TIME_SECS
-  assert read("jax_compilation_cache_max_size") == compile_cache.MAX_SIZE_BYTES
+  assert read("jax_compilation_cache_max_size") == -1  # bounded by trim(), not by JAX
+
+
+def _entries(path: Path, ages: dict[str, int]) -> None:
+  """Cache entries of 100 bytes each, last used ``age`` seconds ago."""
+  path.mkdir(parents=True, exist_ok=True)
+  now = time.time()
+  for name, age in ages.items():
+    for suffix in ("-cache", "-atime"):
+      f = path / f"{name}{suffix}"
+      f.write_bytes(b"x" * (100 if suffix == "-cache" else 8))
+      os.utime(f, (now - age, now - age))
+
+
+def test_turning_the_cache_on_trims_it_least_recently_used_first(jax_config, monkeypatch):
+  _entries(jax_config / "xla", {"old": 300, "middle": 200, "new": 100, "newest": 0})
+  (jax_config / "xla" / "stray-atime").write_bytes(b"")  # not an entry: left alone
+  monkeypatch.setattr(compile_cache, "MAX_SIZE_BYTES", 250)
+  compile_cache.enable_default_cache()
+  assert sorted(p.name for p in (jax_config / "xla").iterdir()) == [
+    "new-atime",
+    "new-cache",
+    "newest-atime",
+    "newest-cache",
+    "stray-atime",
+  ]
+
+
+def test_a_size_limit_the_user_set_leaves_the_cache_to_jax(jax_config, monkeypatch):
+  _entries(jax_config / "xla", {"old": 300, "new": 0})
+  monkeypatch.setattr(compile_cache, "MAX_SIZE_BYTES", 0)
+  jax.config.update("jax_compilation_cache_max_size", 1 << 20)
+  compile_cache.enable_default_cache()
+  assert len(list((jax_config / "xla").iterdir())) == 4
+  assert compile_cache.trim(str(jax_config / "xla"), 150) == 100  # the newest stays
+  assert compile_cache.trim(str(jax_config / "missing"), 0) == 0
 
 
 def test_is_idempotent(jax_config):

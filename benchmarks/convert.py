@@ -16,6 +16,17 @@ The checkpoint reads are unbuffered reads into fresh arrays (nothing of the
 files is mapped) and at most ``CONVERT_IN_FLIGHT_BYTES`` of chunk writes are in
 flight, so the peak is about the largest tensor (read, then transposed into a
 copy) plus that cap. Linux only (``/proc``). ``--json`` prints one JSON object.
+
+Parity gate: the store holds exactly the parameters the Llama tensor map
+(``models.hf_tensor_map``) names, every checkpoint tensor is one of them, and
+each stored tensor equals its checkpoint tensor (read back with safetensors,
+transposed where the map says), bit for bit. ``--quick`` converts a 4-layer
+checkpoint of hidden size 64 in a temporary directory (the target is reported,
+not gated: one toy unit is far below what a process allocates anyway); a full
+run writes ``benchmarks/results/convert.json`` (``benchmarks/_result.py``).
+
+    python benchmarks/convert.py            # 2.46 GiB, 12 units
+    python benchmarks/convert.py --quick    # toy size, a few seconds
 """
 
 from __future__ import annotations
@@ -26,12 +37,16 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
+import _result
 import numpy as np
 from _measure import MiB, drop_page_cache, files_under
 
 GiB = 1 << 30
+#: ``--quick``'s checkpoint, where the size flags are left at their defaults.
+QUICK = {"hidden": 64, "intermediate": 128, "layers": 4, "heads": 4, "kv_heads": 2, "vocab": 256}
 
 CHILD = r"""
 import json, os, sys, time
@@ -146,17 +161,143 @@ def raw_read_seconds(path: str) -> float:
   return time.perf_counter() - start
 
 
+def check_store(src: str, dst: str, layers: int, checks: list[dict]) -> dict:
+  """Compares every tensor of the converted store ``dst`` with the checkpoint ``src``'s
+  (safetensors' own reader, one tensor at a time); parity checks into ``checks``."""
+  from safetensors import safe_open
+
+  from jax_residency._src.store.unit_store import UnitStore
+  from jax_residency.models import hf_tensor_map, read_llama_config
+
+  with open(os.path.join(src, "model.safetensors.index.json")) as f:
+    weight_map = json.load(f)["weight_map"]
+  static_map, unit_map = hf_tensor_map(read_llama_config(src))
+  files: dict = {}
+  used: set[str] = set()
+
+  def source(t, layer: int | None, shape: tuple) -> np.ndarray:
+    name = t.name if layer is None else t.name.format(i=layer)
+    used.add(name)
+    shard = weight_map[name]
+    if shard not in files:
+      files[shard] = safe_open(os.path.join(src, shard), framework="numpy")
+    a = files[shard].get_tensor(name)
+    return (a.T if t.transpose else a).reshape(shape)
+
+  bad, compared = [], 0
+
+  def compare(what: str, got: np.ndarray, t, layer: int | None) -> None:
+    nonlocal compared
+    want = source(t, layer, got.shape)
+    compared += 1
+    if got.dtype != want.dtype or not np.array_equal(got, want):
+      bad.append(what)
+
+  with UnitStore.open(dst) as store:
+    stacks = [(s.prefix, s.count) for s in store.stacks]
+    layout = {
+      "static": sorted(map(".".join, store.static_specs)) == sorted(map(".".join, static_map)),
+      "units": sorted(map(".".join, store.unit_specs)) == sorted(map(".".join, unit_map)),
+      "stacks": stacks == [(("layers",), layers)],
+    }
+    for path, t in static_map.items():
+      if path in store.static_specs:
+        compare(".".join(path), store.read_static_tensor(path), t, None)
+    for i in range(store.unit_count):
+      tensors = store.read_unit(i)
+      for rel, t in unit_map.items():
+        if rel in tensors:
+          compare(f"layers.{i}.{'.'.join(rel)}", tensors[rel], t, i)
+      del tensors
+  unconverted = sorted(set(weight_map) - used)
+  _result.check(
+    checks,
+    "the store holds exactly the parameters the tensor map names, in one stack",
+    all(layout.values()),
+    layout,
+    _result.PARITY,
+  )
+  _result.check(
+    checks,
+    "every checkpoint tensor is in the store",
+    not unconverted,
+    f"{len(used)}/{len(weight_map)} tensors"
+    + (f"; not converted: {unconverted[:5]}" if unconverted else ""),
+    _result.PARITY,
+  )
+  _result.check(
+    checks,
+    "each stored tensor == its checkpoint tensor (transposed as mapped), bit for bit",
+    compared > 0 and not bad,
+    f"{compared - len(bad)}/{compared} equal" + (f"; differ: {bad[:5]}" if bad else ""),
+    _result.PARITY,
+  )
+  return {"tensors_compared": compared, "tensors_differing": bad, "unconverted": unconverted}
+
+
+def render(result: dict) -> str:
+  r, limit = result, result["limit_bytes"]
+  return "\n".join(
+    [
+      f"checkpoint             {r['checkpoint_bytes'] / GiB:.2f} GiB, {r['units']} units",
+      f"unit                   {r['unit_bytes'] / MiB:.0f} MiB",
+      f"convert                {r['convert_seconds']:.1f} s  {r['convert_gb_per_s']:.2f} GB/s",
+      f"raw read (context)     {r['raw_read_seconds']:.1f} s",
+      f"peak RSS growth        {r['peak_rss_growth_bytes'] / MiB:.0f} MiB"
+      f"  (limit: one unit + 64 MiB = {limit / MiB:.0f} MiB)",
+      f"tensors compared       {r['tensors_compared']}",
+    ]
+  )
+
+
+def markdown(result: dict) -> str:
+  """The result's figures as a Markdown table (``benchmarks/report.py``)."""
+  r = result
+  return "\n".join(
+    [
+      "| checkpoint | units | unit | convert | peak RSS growth | limit (one unit + 64 MiB) |",
+      "|---|---|---|---|---|---|",
+      f"| {r['checkpoint_bytes'] / GiB:.2f} GiB | {r['units']} | {r['unit_bytes'] / MiB:.0f} MiB "
+      f"| {r['convert_seconds']:.1f} s ({r['convert_gb_per_s']:.2f} GB/s; raw read "
+      f"{r['raw_read_seconds']:.1f} s) | {r['peak_rss_growth_bytes'] / MiB:.0f} MiB "
+      f"| {r['limit_bytes'] / MiB:.0f} MiB |",
+    ]
+  )
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--dir", default="/tmp/jax_residency_convert_bench")
+  parser.add_argument(
+    "--dir",
+    help="keep the checkpoint and store here and reuse the checkpoint (default:"
+    " /tmp/jax_residency_convert_bench; with --quick, a temporary directory removed afterwards)",
+  )
   parser.add_argument("--hidden", type=int, default=2048)
   parser.add_argument("--intermediate", type=int, default=5632)
   parser.add_argument("--layers", type=int, default=12)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--kv-heads", type=int, default=4)
   parser.add_argument("--vocab", type=int, default=32000)
-  parser.add_argument("--json", action="store_true")
+  _result.add_args(parser)
   args = parser.parse_args()
+  if args.quick:
+    for name, small in QUICK.items():
+      if getattr(args, name) == parser.get_default(name):
+        setattr(args, name, small)
+  scratch = None
+  if args.dir is None:
+    if args.quick:
+      args.dir = scratch = tempfile.mkdtemp(prefix="jax_residency_convert_quick_")
+    else:
+      args.dir = "/tmp/jax_residency_convert_bench"
+  try:
+    return run(args)
+  finally:
+    if scratch:
+      shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> int:
   tag = f"llama-{args.layers}x{args.hidden}x{args.intermediate}-v{args.vocab}"
   src = os.path.join(args.dir, tag)
   dst = os.path.join(args.dir, tag + "-store")
@@ -175,33 +316,35 @@ def main() -> int:
     return 1
   r = json.loads(done.stdout.strip().splitlines()[-1])
   limit = r["unit_bytes"] + 64 * MiB
-  result = {
-    "checkpoint_bytes": checkpoint,
-    "units": r["units"],
-    "unit_bytes": r["unit_bytes"],
-    "convert_seconds": r["convert_seconds"],
-    "convert_gb_per_s": checkpoint / r["convert_seconds"] / 1e9,
-    "raw_read_seconds": raw,
-    "peak_rss_growth_bytes": r["peak_rss_growth_bytes"],
-    "limit_bytes": limit,
-    "targets_met": {"peak_rss_growth_le_unit_plus_64MiB": r["peak_rss_growth_bytes"] <= limit},
-  }
-  missed = [name for name, ok in result["targets_met"].items() if not ok]
-  if args.json:
-    print(json.dumps(result))
-    return 1 if missed else 0
-  print(f"checkpoint             {checkpoint / GiB:.2f} GiB, {r['units']} units")
-  print(f"unit                   {r['unit_bytes'] / MiB:.0f} MiB")
-  print(
-    f"convert                {r['convert_seconds']:.1f} s  {result['convert_gb_per_s']:.2f} GB/s"
+  result = _result.stamp("convert", None, args.quick)
+  checks: list[dict] = []
+  result.update(
+    {
+      "hidden": args.hidden,
+      "intermediate": args.intermediate,
+      "layers": args.layers,
+      "heads": args.heads,
+      "kv_heads": args.kv_heads,
+      "vocab": args.vocab,
+      "checkpoint_bytes": checkpoint,
+      "units": r["units"],
+      "unit_bytes": r["unit_bytes"],
+      "convert_seconds": r["convert_seconds"],
+      "convert_gb_per_s": checkpoint / r["convert_seconds"] / 1e9,
+      "raw_read_seconds": raw,
+      "peak_rss_growth_bytes": r["peak_rss_growth_bytes"],
+      "limit_bytes": limit,
+    }
   )
-  print(f"raw read (context)     {raw:.1f} s")
-  print(
-    f"peak RSS growth        {r['peak_rss_growth_bytes'] / MiB:.0f} MiB"
-    f"  (limit: one unit + 64 MiB = {limit / MiB:.0f} MiB)"
+  result.update(check_store(src, dst, args.layers, checks))
+  _result.check(
+    checks,
+    "peak RSS growth <= one unit + 64 MiB",
+    r["peak_rss_growth_bytes"] <= limit,
+    f"{r['peak_rss_growth_bytes'] / MiB:.0f} MiB (limit {limit / MiB:.0f} MiB)",
   )
-  print(f"targets met: {result['targets_met']}" if not missed else f"targets MISSED: {missed}")
-  return 1 if missed else 0
+  result["checks"] = checks
+  return _result.finish(result, args, render)
 
 
 if __name__ == "__main__":

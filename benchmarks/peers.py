@@ -16,11 +16,12 @@ does not fit in memory. This script runs the same seeded toy transformer (a
   CPU as execution device: the documented disk-offload recipe.
 
 It first checks parity: the PyTorch port's logits against the plain JAX model's
-on the same token ids (and later Accelerate's and jax_residency's logits against
-both). If any differs by more than 1e-3 of the logit scale it refuses to report
-timings. Then, each in a fresh process, with the page cache dropped
-(``posix_fadvise(DONTNEED)`` on every store / checkpoint / offload file) before
-each cold measurement:
+on the same token ids (and later Accelerate's and jax_residency's logits, those
+of both DenseDiskStream processes and of ``FullyResident``, against both). Each
+is a parity gate: if any differs by more than 1e-3 of the logit scale the run
+fails and no timings are reported. Then, each in a fresh process, with the page
+cache dropped (``posix_fadvise(DONTNEED)`` on every store / checkpoint / offload
+file) before each cold measurement:
 
 * ``load_s``: ``load_checkpoint_and_dispatch`` (Accelerate) / ``jr.place``
   (jax_residency) in a new process;
@@ -50,10 +51,21 @@ CPU-only wheel; elsewhere install PyTorch's CPU-only build of 2.13.0, not the
 default multi-GB CUDA one)::
 
     pip install torch==2.13.0
-    pip install accelerate==1.15.0
+    pip install accelerate==1.15.0 safetensors
     python benchmarks/peers.py                 # table
     python benchmarks/peers.py --json          # one JSON object
     python benchmarks/peers.py --dir /data/bench
+    python benchmarks/peers.py --quick         # toy size, one run, seconds
+
+Without torch, accelerate or safetensors (none is a jax_residency dependency)
+the script says which cannot be imported, skips the Accelerate and torch rows
+and runs the jax_residency side alone, gated on the plain JAX model's logits.
+``--quick`` runs the same children at a toy size (2 units of 192 x 768, 8
+tokens, one run) in a fresh temporary directory (unless ``--dir`` is given).
+The script has parity gates and no performance targets (the ratios are
+reported): it exits 1 when a gate fails, else 0. A full run writes its result
+to ``benchmarks/results/peers.json`` (``--result PATH`` elsewhere; ``--quick``
+only there).
 
 The first run builds the model, its store and the safetensors checkpoint under
 ``--dir`` (about 7 GiB of disk, 1-2 minutes); later runs reuse them. Three runs
@@ -87,7 +99,10 @@ import sys
 import tempfile
 import time
 
-from _measure import (  # benchmarks/ is on sys.path when a script here runs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules
+
+import _result  # noqa: E402
+from _measure import (  # noqa: E402
   BUDGET,
   MiB,
   add_model_args,
@@ -231,11 +246,11 @@ def torch_state_dict(params: dict, n_layers: int) -> dict:
 
 
 def build(args: argparse.Namespace) -> dict:
-  """Model -> jax_residency store, torch checkpoint, reference tokens and logits."""
+  """Model -> jax_residency store, reference tokens and logits, and (``--with-checkpoint``)
+  the torch port's checkpoint: whichever of them is not written yet."""
   import jax
   import numpy as np
   from flax import nnx
-  from safetensors.numpy import save_file
 
   import jax_residency as jr
   from jax_residency.toy import ToyTransformer
@@ -243,16 +258,22 @@ def build(args: argparse.Namespace) -> dict:
   p = paths(args)
   cfg = config(args)
   model = ToyTransformer(cfg, rngs=nnx.Rngs(0))
-  tokens = jax.random.randint(jax.random.key(1), (1, args.tokens), 0, cfg.vocab)
-  logits = np.asarray(model(tokens))
-  jr.save(model, p["store"], progress=False, overwrite=True)
-  state = torch_state_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg.n_layers)
-  del model
-  os.makedirs(os.path.dirname(p["checkpoint"]), exist_ok=True)
-  save_file(state, p["checkpoint"] + ".tmp", metadata={"format": "pt"})
-  os.replace(p["checkpoint"] + ".tmp", p["checkpoint"])
-  np.savez(p["reference"] + ".tmp.npz", tokens=np.asarray(tokens), logits=logits)
-  os.replace(p["reference"] + ".tmp.npz", p["reference"])
+  os.makedirs(p["base"], exist_ok=True)
+  if not os.path.exists(p["reference"]):
+    tokens = jax.random.randint(jax.random.key(1), (1, args.tokens), 0, cfg.vocab)
+    logits = np.asarray(model(tokens))
+    np.savez(p["reference"] + ".tmp.npz", tokens=np.asarray(tokens), logits=logits)
+    os.replace(p["reference"] + ".tmp.npz", p["reference"])
+  if not os.path.exists(p["store"]):
+    jr.save(model, p["store"], progress=False, overwrite=True)
+  if args.with_checkpoint and not os.path.exists(p["checkpoint"]):
+    from safetensors.numpy import save_file
+
+    state = torch_state_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg.n_layers)
+    del model
+    os.makedirs(os.path.dirname(p["checkpoint"]), exist_ok=True)
+    save_file(state, p["checkpoint"] + ".tmp", metadata={"format": "pt"})
+    os.replace(p["checkpoint"] + ".tmp", p["checkpoint"])
   return {}
 
 
@@ -423,7 +444,7 @@ def jr_warm(args: argparse.Namespace) -> dict:
 
 
 def jr_resident(args: argparse.Namespace) -> dict:
-  """FullyResident from the same store, for context."""
+  """FullyResident from the same store, for context (its logits join the parity gate)."""
   import jax
 
   import jax_residency as jr
@@ -431,10 +452,12 @@ def jr_resident(args: argparse.Namespace) -> dict:
   tokens, _ = reference(args)
   x = jax.numpy.asarray(tokens)
   with jr_place(args, jr.FullyResident()) as placed:
-    jax.block_until_ready(placed(x))
+    logits = jax.block_until_ready(placed(x))
     start = time.perf_counter()
     jax.block_until_ready(placed(x))
-    return {"resident_pass_s": time.perf_counter() - start}
+    resident = time.perf_counter() - start
+  save_logits(args, "jr_resident", logits)
+  return {"resident_pass_s": resident}
 
 
 CHILDREN = {
@@ -450,8 +473,8 @@ CHILDREN = {
 # ---------------------------------------------------------------------------- parent
 
 
-def run_child(args: argparse.Namespace, which: str) -> dict:
-  cmd = [sys.executable, __file__, "--child", which, "--dir", args.dir]
+def run_child(args: argparse.Namespace, which: str, extra: tuple[str, ...] = ()) -> dict:
+  cmd = [sys.executable, __file__, "--child", which, "--dir", args.dir, *extra]
   cmd += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--d-ff", str(args.d_ff)]
   cmd += ["--tokens", str(args.tokens)]
   # stderr (Accelerate's per-tensor progress bar, warnings) is shown only if the child fails.
@@ -463,17 +486,32 @@ def run_child(args: argparse.Namespace, which: str) -> dict:
   return json.loads(out.splitlines()[-1]) if out else {}
 
 
-def measure(args: argparse.Namespace) -> dict:
-  """One run of every timed child; figures, jr / accelerate ratios and parity."""
-  acc = run_child(args, "accelerate")
+JR_RUNS = ("jr_cold", "jr_warm", "jr_resident")  # the jax_residency runs whose logits are gated
+
+
+def measure(args: argparse.Namespace, peers: bool, torch_run: dict | None = None) -> dict:
+  """One run of every timed child; figures, jr / accelerate ratios (with the peers) and parity.
+
+  ``torch_run``: the torch port's child already run for this run (the gate's), else run here.
+  """
+  acc = run_child(args, "accelerate") if peers else None
   jrc = run_child(args, "jr_cold") | run_child(args, "jr_warm")
   jrc["resident_pass_s"] = run_child(args, "jr_resident")["resident_pass_s"]
-  acc["resident_pass_s"] = run_child(args, "torch_resident")["resident_pass_s"]
-  par = parity(args, ["torch", "accelerate", "jr_cold", "jr_warm"])
-  for fig in (acc, jrc):
+  sides = [jrc]
+  if acc is not None:
+    torch_run = torch_run or run_child(args, "torch_resident")
+    acc["resident_pass_s"] = torch_run["resident_pass_s"]
+    sides.append(acc)
+  names = ["torch", "accelerate", *JR_RUNS] if peers else list(JR_RUNS)
+  par = parity(args, names, torch=peers)
+  for fig in sides:
     fig["peak_rss_growth_bytes"] = fig["peak_rss_bytes"] - fig["baseline_rss_bytes"]
     fig["pass_peak_rss_growth_bytes"] = fig["pass_peak_rss_bytes"] - fig["baseline_rss_bytes"]
-  ratios = {
+  run: dict = {"jax_residency": jrc, "parity": par}
+  if acc is None:
+    return run
+  run["accelerate"] = acc
+  run["ratios"] = {
     "load": jrc["load_s"] / acc["load_s"],
     "first_output": (jrc["load_s"] + jrc["first_pass_s"]) / (acc["load_s"] + acc["first_pass_s"]),
     "cold_pass": jrc["cold_pass_s"] / acc["cold_pass_s"],
@@ -483,31 +521,38 @@ def measure(args: argparse.Namespace) -> dict:
     "pass_peak_rss_growth": jrc["pass_peak_rss_growth_bytes"] / acc["pass_peak_rss_growth_bytes"],
     "resident_pass": jrc["resident_pass_s"] / acc["resident_pass_s"],
   }
-  return {"accelerate": acc, "jax_residency": jrc, "ratios": ratios, "parity": par}
+  return run
 
 
-def check_peers_installed(accelerate_version: str = "1.15.0") -> dict:
-  """torch's and accelerate's versions; exits with the install commands if one is missing."""
-  try:
-    import accelerate
-    import torch
-  except ImportError as e:
-    raise SystemExit(
-      f"{e.name} is not installed; this benchmark needs it (not a jax_residency dependency):\n"
-      "  pip install torch==2.13.0   # the CPU-only build\n"
-      f"  pip install accelerate=={accelerate_version}"
-    ) from None
-  return {"torch": torch.__version__, "accelerate": accelerate.__version__}
+def peer_versions(accelerate_version: str = "1.15.0") -> tuple[dict | None, str]:
+  """torch's, accelerate's and safetensors' installed versions; or ``None`` and why the
+  peer rows cannot run (one of them is not installed: none is a jax_residency dependency).
+
+  Only the children that run the peers import them; this process looks them up.
+  """
+  import importlib.metadata
+  import importlib.util
+
+  versions = {}
+  for name in ("torch", "accelerate", "safetensors"):
+    if importlib.util.find_spec(name) is None:
+      return None, (
+        f"{name} cannot be imported (not a jax_residency dependency; to run them: "
+        f"pip install torch==2.13.0 (the CPU-only build), then pip install "
+        f"accelerate=={accelerate_version} safetensors)"
+      )
+    versions[name] = importlib.metadata.version(name)
+  return versions, ""
 
 
-def parity_of(ref, logits, torch) -> dict:
+def parity_of(ref, logits, torch=None) -> dict:
   """The parity gate: max |diff| of each run's logits against ``ref`` and against torch's.
 
   Args:
     ref: the plain JAX model's logits.
     logits: run name -> logits of the same shape.
-    torch: the torch port's logits (run whole); every run but one named
-      ``"torch"`` is also compared with them.
+    torch: the torch port's logits (run whole), or ``None`` without the peers;
+      every run but one named ``"torch"`` is also compared with them.
 
   Returns:
     ``logit_scale`` (max |ref|), ``max_abs_diff`` ("NAME vs jax" / "NAME vs
@@ -520,13 +565,13 @@ def parity_of(ref, logits, torch) -> dict:
   out: dict = {"logit_scale": scale, "max_abs_diff": {}}
   for name, value in logits.items():
     out["max_abs_diff"][f"{name} vs jax"] = float(np.abs(value - ref).max())
-    if name != "torch":
+    if name != "torch" and torch is not None:
       out["max_abs_diff"][f"{name} vs torch"] = float(np.abs(value - torch).max())
   out["ok"] = all(d <= PARITY_RTOL * scale for d in out["max_abs_diff"].values())
   return out
 
 
-def parity(args: argparse.Namespace, names: list[str]) -> dict:
+def parity(args: argparse.Namespace, names: list[str], torch: bool = True) -> dict:
   """Max |diff| of each named run's logits against the plain JAX model's (and torch's)."""
   import numpy as np
 
@@ -535,181 +580,273 @@ def parity(args: argparse.Namespace, names: list[str]) -> dict:
   def logits(name: str):
     return np.load(os.path.join(paths(args)["base"], f"logits-{name}.npy"))
 
-  return parity_of(ref, {name: logits(name) for name in names}, torch=logits("torch"))
-
-
-def refuse(result: dict, args: argparse.Namespace) -> None:
-  if args.json:
-    print(json.dumps(result))
-  print(
-    f"PARITY FAILED (limit {PARITY_RTOL:g} x logit scale): {result['parity']}; "
-    "refusing to report timings",
-    file=sys.stderr,
+  return parity_of(
+    ref, {name: logits(name) for name in names}, torch=logits("torch") if torch else None
   )
-  raise SystemExit(1)
+
+
+def merge_parity(pars: list[dict]) -> dict:
+  """Several runs' :func:`parity_of` results as one: each difference's max over the runs."""
+  diffs = {k: max(p["max_abs_diff"][k] for p in pars) for k in pars[0]["max_abs_diff"]}
+  return {
+    "logit_scale": pars[0]["logit_scale"],
+    "max_abs_diff": diffs,
+    "ok": all(p["ok"] for p in pars),
+  }
+
+
+RUN_LABELS = {
+  "torch": "torch port (loaded whole)",
+  "accelerate": "accelerate disk offload",
+  "jr_cold": "jr DenseDiskStream 256 MiB budgets",
+  "jr_warm": "jr DenseDiskStream, every unit in the host cache",
+  "jr_resident": "jr FullyResident",
+}
+
+
+def parity_checks(checks: list[dict], par: dict, labels: dict[str, str]) -> None:
+  """One parity gate per run in ``par`` (:func:`parity_of`): its logits within
+  ``PARITY_RTOL`` of the logit scale of the plain JAX model's, and of the torch port's."""
+  limit = PARITY_RTOL * par["logit_scale"]
+  runs: dict[str, dict[str, float]] = {}
+  for key, diff in par["max_abs_diff"].items():
+    name, _, against = key.rpartition(" vs ")
+    runs.setdefault(name, {})[against] = diff
+  for name, diffs in runs.items():
+    who = " and the torch port's" if "torch" in diffs else ""
+    _result.check(
+      checks,
+      f"{labels.get(name, name)}: logits within {PARITY_RTOL:g} x logit scale of the plain "
+      f"JAX model's{who}",
+      all(d <= limit for d in diffs.values()),
+      ", ".join(f"max |diff| vs {k} {d:.2e}" for k, d in diffs.items()) + f"; limit {limit:.2e}",
+      _result.PARITY,
+    )
 
 
 def fmt_bytes(n: float) -> str:
   return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / MiB:,.0f} MiB"
 
 
-def main() -> None:
+#: ``--quick``: a toy size (3 MiB of units) and one run.
+QUICK = {"layers": 2, "d_model": 192, "d_ff": 768, "tokens": 8, "repeat": 1}
+
+
+def render(result: dict) -> str:
+  """The table: each figure for both sides and their ratio (jax_residency alone without peers)."""
+  out: list[str] = []
+  jrc, acc = result.get("jax_residency"), result.get("accelerate")
+  versions = result["versions"]
+  if jrc is None:
+    out.append("timings not reported: a parity gate failed")
+    return "\n".join(out)
+  repeat = len(result["runs"])
+
+  def ratio(key: str) -> str:
+    lo, hi = result["ratio_ranges"][key]
+    cell = f"{result['ratios'][key]:.2f}"
+    return cell if repeat == 1 else f"{cell} ({lo:.2f}-{hi:.2f})"
+
+  a = acc or {}
+  rows = [
+    ("figure", "jax_residency", "accelerate", "jr / acc" + (" (range)" if repeat > 1 else "")),
+    ("load (new process)", f"{jrc['load_s']:.2f} s", a and f"{a['load_s']:.2f} s", "load"),
+    (
+      "  bytes read / written",
+      f"{fmt_bytes(jrc['load_read_bytes'])} / 0",
+      a and f"{fmt_bytes(a['load_read_bytes'])} / {fmt_bytes(a['load_written_bytes'])}",
+      "",
+    ),
+    (
+      "load + first pass",
+      f"{jrc['load_s'] + jrc['first_pass_s']:.2f} s (compiles)",
+      a and f"{a['load_s'] + a['first_pass_s']:.2f} s",
+      "first_output",
+    ),
+    ("cold pass", f"{jrc['cold_pass_s']:.2f} s", a and f"{a['cold_pass_s']:.2f} s", "cold_pass"),
+    (
+      "  bytes read",
+      fmt_bytes(jrc["cold_read_bytes"]),
+      a and fmt_bytes(a["cold_read_bytes"]),
+      "",
+    ),
+    (
+      "warm pass",
+      f"{jrc['warm_pass_s']:.3f} s (host cache)",
+      a and f"{a['warm_pass_s']:.3f} s (page cache)",
+      "warm_pass",
+    ),
+    ("  jr 256 MiB, page cache warm", f"{jrc['pc_warm_pass_s']:.3f} s", "", "pc_warm_pass"),
+    (
+      "resident pass (context)",
+      f"{jrc['resident_pass_s']:.3f} s",
+      a and f"{a['resident_pass_s']:.3f} s (torch)",
+      "resident_pass",
+    ),
+    (
+      "baseline RSS",
+      fmt_bytes(jrc["baseline_rss_bytes"]),
+      a and fmt_bytes(a["baseline_rss_bytes"]),
+      "",
+    ),
+    (
+      "peak RSS growth (load+passes)",
+      fmt_bytes(jrc["peak_rss_growth_bytes"]),
+      a and fmt_bytes(a["peak_rss_growth_bytes"]),
+      "peak_rss_growth",
+    ),
+    (
+      "  over the cold pass",
+      fmt_bytes(jrc["pass_peak_rss_growth_bytes"]),
+      a and fmt_bytes(a["pass_peak_rss_growth_bytes"]),
+      "pass_peak_rss_growth",
+    ),
+  ]
+  if acc is None:
+    rows = [row[:2] for row in rows]
+  else:
+    rows = [rows[0], *((f, j, c, ratio(k) if k else "") for f, j, c, k in rows[1:])]
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  runs_note = f"; medians of {repeat} runs" if repeat > 1 else ""
+  out.append(
+    f"model: seeded toy transformer, {result['layers']} units, "
+    f"{fmt_bytes(result['unit_bytes_total'])} of unit weights, float32; input "
+    f"(1, {result['tokens']}) token ids{runs_note}"
+  )
+  peer = (
+    f"accelerate {versions['accelerate']} disk offload, torch {versions['torch']} "
+    f"({result['threads']} threads)"
+    if acc is not None
+    else f"accelerate and torch rows skipped: {result['peers_skipped']}"
+  )
+  out.append(
+    f"jax_residency: DenseDiskStream, 256 MiB host and device budgets (warm pass: host "
+    f"{fmt_bytes(jrc['warm_host_budget_bytes'])}); {peer}"
+  )
+  out.append("")
+  for row in rows:
+    out.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+  out.append("")
+  par = result["parity"]
+  diffs = ", ".join(f"{k} {v:.1e}" for k, v in par["max_abs_diff"].items())
+  out.append(f"parity (max |diff|, logit scale {par['logit_scale']:.2f}): {diffs}")
+  first = f"jr {jrc['first_pass_s']:.2f} s" + (
+    f", accelerate {acc['first_pass_s']:.2f} s" if acc is not None else ""
+  )
+  out.append(
+    f"jr cold pass: {fmt_bytes(jrc['stream_bytes_read'])} streamed, {jrc['stalls']:.0f} stalls "
+    f"({jrc['stall_s']:.2f} s); first passes (compile / torch warm-up): {first}; "
+    f"{result['wall_s']:.0f} s wall"
+  )
+  return "\n".join(out)
+
+
+def main() -> int:
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument("--quick", action="store_true")
+  quick = pre.parse_known_args()[0].quick
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
-  parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "jax_residency_peers"))
+  parser.add_argument(
+    "--dir",
+    help="where the model, store and checkpoint are written and reused (default: "
+    "$TMPDIR/jax_residency_peers; with --quick, a fresh temporary directory removed at the end)",
+  )
   add_model_args(parser)
   parser.add_argument("--tokens", type=int, default=32)
   parser.add_argument("--repeat", type=int, default=3, help="runs; figures are medians")
-  parser.add_argument("--json", action="store_true", help="print one JSON object")
+  _result.add_args(parser)
   parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+  parser.add_argument("--with-checkpoint", action="store_true", help=argparse.SUPPRESS)
+  if quick:
+    parser.set_defaults(**QUICK)
   args = parser.parse_args()
-  args.dir = os.path.abspath(args.dir)
   if args.child:
+    args.dir = os.path.abspath(args.dir)
     print(json.dumps(CHILDREN[args.child](args)))
-    return
+    return 0
+  scratch = None
+  if args.dir is None:
+    if args.quick:
+      args.dir = scratch = tempfile.mkdtemp(prefix="jr_peers_quick_")
+    else:
+      args.dir = os.path.join(tempfile.gettempdir(), "jax_residency_peers")
+  args.dir = os.path.abspath(args.dir)
+  try:
+    return bench(args)
+  finally:
+    if scratch is not None:
+      shutil.rmtree(scratch, ignore_errors=True)
 
+
+def bench(args: argparse.Namespace) -> int:
   started = time.perf_counter()
-  versions = check_peers_installed()
+  versions, why = peer_versions()
+  peers = versions is not None
+  if not peers:
+    print(f"accelerate and torch rows skipped: {why}", file=sys.stderr)
   p = paths(args)
-  if not os.path.exists(p["reference"]):
+  missing = [
+    k
+    for k in ("store", "reference") + (("checkpoint",) if peers else ())
+    if not os.path.exists(p[k])
+  ]
+  if missing:
     os.makedirs(p["base"], exist_ok=True)
-    print(f"building the model, its store and checkpoint under {p['base']} ...", file=sys.stderr)
-    run_child(args, "build")
+    print(f"building the model's {', '.join(missing)} under {p['base']} ...", file=sys.stderr)
+    run_child(args, "build", ("--with-checkpoint",) if peers else ())
   cfg = config(args)
   unit_bytes = cfg.n_layers * cfg.unit_bytes()
-  result: dict = {
-    "versions": versions,
+  result: dict = _result.stamp("peers", None, args.quick) | {
+    "versions": versions or {},
     "unit_bytes_total": unit_bytes,
     "layers": cfg.n_layers,
     "tokens": args.tokens,
     "host_budget_bytes": BUDGET,
     "device_budget_bytes": BUDGET,
   }
+  checks: list[dict] = result.setdefault("checks", [])
+  if not peers:
+    result["peers_skipped"] = why
 
-  # Parity first: the torch port against the plain JAX model.
-  threads = run_child(args, "torch_resident")["threads"]
-  result["parity"] = parity(args, ["torch"])
-  if not result["parity"]["ok"]:
-    refuse(result, args)
+  # Parity first: the torch port against the plain JAX model; no timings if it fails.
+  torch_run = None
+  if peers:
+    torch_run = run_child(args, "torch_resident")
+    result["threads"] = torch_run["threads"]
+    result["parity"] = parity(args, ["torch"])
+    if not result["parity"]["ok"]:
+      parity_checks(checks, result["parity"], RUN_LABELS)
+      result["wall_s"] = time.perf_counter() - started
+      return _result.finish(result, args, render)
 
-  runs = []
+  runs, pars = [], []
   for i in range(args.repeat):
     if args.repeat > 1:
       print(f"run {i + 1}/{args.repeat} ...", file=sys.stderr)
-    run = measure(args)
-    result["parity"] = run.pop("parity")
-    if not result["parity"]["ok"]:
-      refuse(result, args)
+    run = measure(args, peers, torch_run if i == 0 else None)  # run 1 reuses the gate's
+    pars.append(run.pop("parity"))
     runs.append(run)
+    if not pars[-1]["ok"]:
+      break  # no timings of outputs that differ: the gates below fail the run
+  result["parity"] = merge_parity(pars)
+  parity_checks(checks, result["parity"], RUN_LABELS)
+  result["runs"] = runs
+  result["wall_s"] = time.perf_counter() - started
+  if not result["parity"]["ok"]:
+    return _result.finish(result, args, render)
   # Each figure and each ratio: the median over runs (ratios are taken within a run).
   for side in ("accelerate", "jax_residency", "ratios"):
-    result[side] = {k: statistics.median(run[side][k] for run in runs) for k in runs[0][side]}
-  result["ratio_ranges"] = {
-    k: [min(run["ratios"][k] for run in runs), max(run["ratios"][k] for run in runs)]
-    for k in runs[0]["ratios"]
-  }
-  result["runs"] = runs
-  acc, jrc = result["accelerate"], result["jax_residency"]
-  result["wall_s"] = time.perf_counter() - started
-  if args.json:
-    print(json.dumps(result))
-    return
-
-  def ratio(key: str) -> str:
-    lo, hi = result["ratio_ranges"][key]
-    cell = f"{result['ratios'][key]:.2f}"
-    return cell if args.repeat == 1 else f"{cell} ({lo:.2f}-{hi:.2f})"
-
-  rows = [
-    ("figure", "jax_residency", "accelerate", "jr / acc" + (" (range)" if args.repeat > 1 else "")),
-    ("load (new process)", f"{jrc['load_s']:.2f} s", f"{acc['load_s']:.2f} s", ratio("load")),
-    (
-      "  bytes read / written",
-      f"{fmt_bytes(jrc['load_read_bytes'])} / 0",
-      f"{fmt_bytes(acc['load_read_bytes'])} / {fmt_bytes(acc['load_written_bytes'])}",
-      "",
-    ),
-    (
-      "load + first pass",
-      f"{jrc['load_s'] + jrc['first_pass_s']:.2f} s (compiles)",
-      f"{acc['load_s'] + acc['first_pass_s']:.2f} s",
-      ratio("first_output"),
-    ),
-    (
-      "cold pass",
-      f"{jrc['cold_pass_s']:.2f} s",
-      f"{acc['cold_pass_s']:.2f} s",
-      ratio("cold_pass"),
-    ),
-    (
-      "  bytes read",
-      fmt_bytes(jrc["cold_read_bytes"]),
-      fmt_bytes(acc["cold_read_bytes"]),
-      "",
-    ),
-    (
-      "warm pass",
-      f"{jrc['warm_pass_s']:.3f} s (host cache)",
-      f"{acc['warm_pass_s']:.3f} s (page cache)",
-      ratio("warm_pass"),
-    ),
-    (
-      "  jr 256 MiB, page cache warm",
-      f"{jrc['pc_warm_pass_s']:.3f} s",
-      "",
-      ratio("pc_warm_pass"),
-    ),
-    (
-      "resident pass (context)",
-      f"{jrc['resident_pass_s']:.3f} s",
-      f"{acc['resident_pass_s']:.3f} s (torch)",
-      ratio("resident_pass"),
-    ),
-    (
-      "baseline RSS",
-      fmt_bytes(jrc["baseline_rss_bytes"]),
-      fmt_bytes(acc["baseline_rss_bytes"]),
-      "",
-    ),
-    (
-      "peak RSS growth (load+passes)",
-      fmt_bytes(jrc["peak_rss_growth_bytes"]),
-      fmt_bytes(acc["peak_rss_growth_bytes"]),
-      ratio("peak_rss_growth"),
-    ),
-    (
-      "  over the cold pass",
-      fmt_bytes(jrc["pass_peak_rss_growth_bytes"]),
-      fmt_bytes(acc["pass_peak_rss_growth_bytes"]),
-      ratio("pass_peak_rss_growth"),
-    ),
-  ]
-  widths = [max(len(row[i]) for row in rows) for i in range(4)]
-  runs_note = f"; medians of {args.repeat} runs" if args.repeat > 1 else ""
-  print(
-    f"model: seeded toy transformer, {cfg.n_layers} units, {fmt_bytes(unit_bytes)} of unit "
-    f"weights, float32; input (1, {args.tokens}) token ids{runs_note}"
-  )
-  print(
-    f"jax_residency: DenseDiskStream, 256 MiB host and device budgets (warm pass: host "
-    f"{fmt_bytes(jrc['warm_host_budget_bytes'])}); accelerate {versions['accelerate']} "
-    f"disk offload, torch {versions['torch']} ({threads} threads)"
-  )
-  print()
-  for row in rows:
-    print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-  print()
-  par = result["parity"]
-  diffs = ", ".join(f"{k} {v:.1e}" for k, v in par["max_abs_diff"].items())
-  print(f"parity (max |diff|, logit scale {par['logit_scale']:.2f}): {diffs}")
-  print(
-    f"jr cold pass: {fmt_bytes(jrc['stream_bytes_read'])} streamed, {jrc['stalls']:.0f} stalls "
-    f"({jrc['stall_s']:.2f} s); first passes (compile / torch warm-up): "
-    f"jr {jrc['first_pass_s']:.2f} s, accelerate {acc['first_pass_s']:.2f} s; "
-    f"{result['wall_s']:.0f} s wall"
-  )
+    if side in runs[0]:
+      result[side] = {k: statistics.median(run[side][k] for run in runs) for k in runs[0][side]}
+  if peers:
+    result["ratio_ranges"] = {
+      k: [min(run["ratios"][k] for run in runs), max(run["ratios"][k] for run in runs)]
+      for k in runs[0]["ratios"]
+    }
+  return _result.finish(result, args, render)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -36,7 +36,8 @@ none does (``mistral_tiny``: its ``o_proj`` takes 4 heads x 12 = 48 inputs),
 the fixture's int4 row holds the library's ``QuantizationError`` instead of
 figures.
 
-Checks (the script exits 1 if one fails): the float store's logits are within
+Checks (``benchmarks/_result.py``; all are parity gates, so the script exits 1 if
+one fails, --quick or not): the float store's logits are within
 1e-5 of transformers' (``reference.json``); for every quantized store,
 ``DenseDiskStream(host_budget_bytes=0)``'s prompt logits are within 1e-5 of
 ``FullyResident``'s, and ``FullyResident``'s within 1e-5 of the plain model
@@ -50,24 +51,27 @@ change of int8's size moves them by 0.05-0.1.) docs/quantization.md
 
 The fixtures are tiny random-weight models, not trained ones: the figures
 describe the method on these shapes, not the quality of a trained model
-quantized the same way. Prints a markdown table; ``--json`` prints JSON. On 2
-CPU cores it takes about 10 s with the library's compilation cache filled, and
-about 30 s without (``JAX_RESIDENCY_COMPILATION_CACHE=0``).
+quantized the same way. Prints a markdown table and the checks; ``--json`` prints
+the result as one JSON object. On 2 CPU cores it takes about 10 s with the library's
+compilation cache filled, and about 30 s without
+(``JAX_RESIDENCY_COMPILATION_CACHE=0``). ``--quick`` measures ``QUICK_FIXTURE`` alone
+with ``QUICK_NOISE_DRAWS`` noise draws and ``QUICK_GENERATED_TOKENS`` tokens: the
+same code paths and checks.
 
-  python benchmarks/quant_error.py [--fixtures qwen2_tiny ...] [--json]
+  python benchmarks/quant_error.py [--fixtures qwen2_tiny ...] [--quick] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import _result
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +97,8 @@ NOISE_RATIO_LIMIT = 1.5
 PARITY_ATOL = 1e-5
 #: Draws of Gaussian noise the control averages over (seeds 0, 1, ...).
 NOISE_DRAWS = 4
+#: --quick: this fixture alone, with fewer noise draws and generated tokens.
+QUICK_FIXTURE, QUICK_NOISE_DRAWS, QUICK_GENERATED_TOKENS = "llama_tiny_tied", 2, 8
 #: Every field of a row of the JSON (a scheme int4 cannot encode has ``error`` and
 #: ``None`` figures).
 ROW_FIELDS = (
@@ -117,23 +123,6 @@ ROW_FIELDS = (
 )
 
 
-def commit() -> str:
-  """The short commit of the checkout, with ``+dirty`` when the library or this script
-  differ from it."""
-  try:
-    head = subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-      ["git", "diff", "--quiet", "HEAD", "--", "jax_residency", "benchmarks/quant_error.py"],
-      cwd=ROOT,
-      check=False,
-    )
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-  return head + ("+dirty" if dirty.returncode else "")
-
-
 def input_dims(info: jr.StoreInfo) -> list[int]:
   """The input dimensions (the quantized axis) of every tensor a store holds quantized."""
   plan = info.quantization
@@ -150,9 +139,9 @@ def store_nbytes(info: jr.StoreInfo) -> int:
   return info.static_nbytes + info.total_unit_bytes
 
 
-def generate(store: str, cfg: Any, ids: Any, mask: Any) -> dict:
-  """A store placed with ``FullyResident``: the prompt's logits (the prefill), the greedy
-  tokens, and the logits each token was picked from."""
+def generate(store: str, cfg: Any, ids: Any, mask: Any, n: int) -> dict:
+  """A store placed with ``FullyResident``: the prompt's logits (the prefill), ``n``
+  greedy tokens, and the logits each token was picked from."""
   model = models.load(store)  # abstract: the weights are the store's
   seen: list[Any] = []
   with jr.place(model, jr.FullyResident(), store=store) as placed:
@@ -162,9 +151,7 @@ def generate(store: str, cfg: Any, ids: Any, mask: Any) -> dict:
       seen.append(logits)  # first the prefill (the whole prompt), then one per step
       return logits, cache
 
-    tokens = models.generate_llm(
-      forward, ids, GENERATED_TOKENS, config=cfg, attention_mask=mask, stop_tokens=()
-    )
+    tokens = models.generate_llm(forward, ids, n, config=cfg, attention_mask=mask, stop_tokens=())
   picked = np.stack([np.asarray(x[:, -1]) for x in seen], axis=1)  # (rows, tokens, vocab)
   return {"logits": np.asarray(seen[0]), "tokens": np.asarray(tokens), "picked": picked}
 
@@ -208,10 +195,10 @@ def relative(q: np.ndarray, f: np.ndarray) -> tuple[float, float]:
   return float(diff.max() / np.abs(f).max()), float(diff.mean() / np.abs(f).mean())
 
 
-def controls(plain: Plain, plan: Any, flt: np.ndarray, real: np.ndarray) -> dict:
+def controls(plain: Plain, plan: Any, flt: np.ndarray, real: np.ndarray, draws: int) -> dict:
   """The plain model with the store's decoded weights (its prompt logits), the weights'
   relative RMS error, and the logit error of Gaussian noise of the same RMS per tensor
-  (the mean over `NOISE_DRAWS` draws)."""
+  (the mean over ``draws`` draws)."""
   decoded, rms = {}, {}
   err2 = norm2 = 0.0
   for t in plan.tensors:
@@ -221,7 +208,7 @@ def controls(plain: Plain, plan: Any, flt: np.ndarray, real: np.ndarray) -> dict
     err2 += float(np.sum(np.square(decoded[t.path] - w)))
     norm2 += float(np.sum(np.square(w)))
   noise = []
-  for seed in range(NOISE_DRAWS):
+  for seed in range(draws):
     rng = np.random.default_rng(seed)
     noisy = {}
     for path, r in rms.items():
@@ -239,7 +226,7 @@ def controls(plain: Plain, plan: Any, flt: np.ndarray, real: np.ndarray) -> dict
 def compare(quant: dict, flt: dict, real: np.ndarray) -> dict:
   """The figures of a quantized run against the float one (``real``: unpadded positions)."""
   q, f = quant["logits"][real], flt["logits"][real]
-  equal = quant["tokens"] == flt["tokens"]  # (rows, GENERATED_TOKENS)
+  equal = quant["tokens"] == flt["tokens"]  # (rows, generated tokens)
   differs = np.flatnonzero(~equal.all(axis=0))
   max_rel, mean_rel = relative(q, f)
   return {
@@ -251,8 +238,9 @@ def compare(quant: dict, flt: dict, real: np.ndarray) -> dict:
   }
 
 
-def measure_fixture(name: str, tmp: Path) -> dict:
-  """Every scheme's row for fixture ``name``, and the fixture's own figures."""
+def measure_fixture(name: str, tmp: Path, tokens: int, draws: int) -> dict:
+  """Every scheme's row for fixture ``name`` (``tokens`` generated, ``draws`` noise
+  draws), and the fixture's own figures."""
   src = FIXTURES / name
   ref = json.loads((src / "reference.json").read_text())
   ids = jnp.asarray(ref["input_ids"], jnp.int32)
@@ -263,7 +251,7 @@ def measure_fixture(name: str, tmp: Path) -> dict:
 
   float_store = str(tmp / f"{name}-float")
   float_info = models.convert_hf(src, float_store, progress=False)
-  flt = generate(float_store, cfg, ids, mask)
+  flt = generate(float_store, cfg, ids, mask, tokens)
   want = np.asarray(ref["logits"], np.float32).reshape(flt["logits"].shape)
   fixture: dict[str, Any] = {
     "fixture": name,
@@ -295,9 +283,9 @@ def measure_fixture(name: str, tmp: Path) -> dict:
     assert plan is not None
     if scheme == "int8":
       dims = input_dims(info)  # int4 quantizes the same tensors
-    quant = generate(store, cfg, ids, mask)
+    quant = generate(store, cfg, ids, mask, tokens)
     row.update(compare(quant, flt, real))
-    control = controls(plain, plan, flt["logits"], real)
+    control = controls(plain, plan, flt["logits"], real, draws)
     decoded = control.pop("decoded_logits")
     row.update(
       control,
@@ -316,11 +304,14 @@ def measure_fixture(name: str, tmp: Path) -> dict:
 
 
 def gates(fixtures: list[dict], rows: list[dict]) -> list[dict]:
-  """Each check: its name, whether it held, and the values it looked at."""
-  out = []
+  """Each check (``_result.check``: its name, kind, whether it held, the values it looked
+  at). All are parity gates: the parity of the stores with transformers, with each other
+  and with the decoded weights, and the properties of the quantization (its error
+  within the noise control's, int8 below int4) gate correctness, not speed."""
+  out: list[dict] = []
 
   def check(name: str, ok: bool, value: Any) -> None:
-    out.append({"check": name, "ok": bool(ok), "value": value})
+    _result.check(out, name, ok, value, _result.PARITY)
 
   for fx in fixtures:
     name = fx["fixture"]
@@ -358,32 +349,32 @@ def gates(fixtures: list[dict], rows: list[dict]) -> list[dict]:
   return out
 
 
-def measure(names: list[str]) -> dict:
-  """Every figure and check, as ``--json`` prints it."""
+def measure(names: list[str], tokens: int = GENERATED_TOKENS, draws: int = NOISE_DRAWS) -> dict:
+  """Every figure and check of fixtures ``names`` (``tokens`` generated, ``draws`` noise
+  draws), as ``--json`` prints them after the stamp."""
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
-    measured = [measure_fixture(name, Path(tmp)) for name in names]
+    measured = [measure_fixture(name, Path(tmp), tokens, draws) for name in names]
   fixtures = [m["fixture"] for m in measured]
   rows = [r for m in measured for r in m["rows"]]
   checks = gates(fixtures, rows)
   return {
-    "commit": commit(),
-    "generated_tokens": GENERATED_TOKENS,
+    "generated_tokens": tokens,
+    "noise_draws": draws,
     "definitions": {
       "max_rel_logit_error": "max |q - f| / max |f| over the prompt's real positions",
       "mean_rel_logit_error": "mean |q - f| / mean |f| over the same",
-      "token_agreement": f"fraction of the {GENERATED_TOKENS} greedy tokens of every row "
+      "token_agreement": f"fraction of the {tokens} greedy tokens of every row "
       "equal to the float store's",
       "first_difference": "first position (0-based) where some row's token differs",
       "weight_rel_rms_error": "||w_q - w|| / ||w|| over every quantized tensor",
       "noise_max_rel_logit_error": "max relative logit error with Gaussian noise of each "
-      f"tensor's quantization error RMS instead of the quantization (mean of {NOISE_DRAWS})",
+      f"tensor's quantization error RMS instead of the quantization (mean of {draws})",
       "float_top2_gap": "largest minus second largest logit of the float store's greedy picks",
     },
     "fixtures": fixtures,
     "rows": rows,
     "checks": checks,
-    "ok": all(c["ok"] for c in checks),
     "seconds": time.perf_counter() - start,
   }
 
@@ -395,7 +386,7 @@ def kib(n: int) -> str:
 def table(result: dict) -> str:
   lines = [
     "| fixture | scheme | max relative logit error | mean relative logit error "
-    f"| tokens agreeing ({GENERATED_TOKENS} per row) | first difference "
+    f"| tokens agreeing ({result['generated_tokens']} per row) | first difference "
     "| weight RMS error | noise control: max / mean | quantized tensors KiB: float → stored "
     "| store KiB: float → quantized |",
     "|---|---|---|---|---|---|---|---|---|---|",
@@ -419,7 +410,12 @@ def table(result: dict) -> str:
 
 
 def report(result: dict) -> str:
-  out = [f"commit {result['commit']}; {result['seconds']:.1f} s"]
+  """The fixtures' own figures and the table (``_result.finish`` adds the checks)."""
+  out = [
+    f"commit {result['commit']}; {result['seconds']:.1f} s; {result['generated_tokens']} "
+    f"tokens generated, {result['noise_draws']} noise draws"
+    + (" (--quick)" if result["quick"] else "")
+  ]
   for fx in result["fixtures"]:
     group = fx["int4_group_size"]
     out.append(
@@ -429,19 +425,26 @@ def report(result: dict) -> str:
       f"{fx['float_top2_gap_min']:.4f}, median {fx['float_top2_gap_median']:.4f}"
     )
   out += ["", table(result), ""]
-  out += [f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {c['value']}" for c in result["checks"]]
-  out.append("all checks passed" if result["ok"] else "SOME CHECKS FAILED")
   return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  parser.add_argument("--fixtures", nargs="+", choices=NAMES, default=list(NAMES))
-  parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.add_argument(
+    "--fixtures",
+    nargs="+",
+    choices=NAMES,
+    help=f"default: every fixture ({QUICK_FIXTURE} alone with --quick)",
+  )
+  _result.add_args(parser)
   args = parser.parse_args(argv)
-  result = measure(args.fixtures)
-  print(json.dumps(result, indent=1) if args.json else report(result))
-  return 0 if result["ok"] else 1
+  if args.quick:
+    names = args.fixtures or [QUICK_FIXTURE]
+    measured = measure(names, QUICK_GENERATED_TOKENS, QUICK_NOISE_DRAWS)
+  else:
+    measured = measure(args.fixtures or list(NAMES))
+  result = _result.stamp("quant_error", argv, args.quick) | measured
+  return _result.finish(result, args, report)
 
 
 if __name__ == "__main__":

@@ -21,15 +21,27 @@ stream reads on CPU, copied (`read_units`: TensorStore decodes and checks) and
 mapped (`use_mapped_reads`: the CRC runs over the mapped pages), cold and warm.
 The ratios are time with checksums over time without, per way and cache state.
 
+Data gates: after the timed passes, each way of reading (and, with
+``--checksums``, each store) reads every unit again, from disk and from the
+page cache, and each tensor it returns must be the array that was saved
+(SHA-256 of its bytes, shape and dtype, against the generated data); with
+``--checksums``, one store must carry checksums on every array and the other on
+none. There are no performance targets: the script reports its ratios.
+
+``--quick`` runs both parts on 4 units of 1 MiB, one repeat, in a temporary
+directory. A full run writes ``benchmarks/results/read_path.json`` (with
+``--checksums``: ``read_path_checksums.json``); see ``benchmarks/_result.py``.
+
   python benchmarks/read_path.py                   # 16 units x 128 MiB = 2 GiB
   python benchmarks/read_path.py --units 8 --unit-mib 32 --json
   python benchmarks/read_path.py --checksums --units 8 --unit-mib 128
+  python benchmarks/read_path.py --quick           # toy size, both parts
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import os
 import shutil
 import statistics
@@ -37,6 +49,7 @@ import sys
 import tempfile
 import time
 
+import _result
 import numpy as np
 
 from jax_residency._src.store import unit_store as st
@@ -44,6 +57,8 @@ from jax_residency._src.store import verify
 from jax_residency._src.store import writer as wr
 
 PREFIX = ("layers",)
+#: ``--quick``'s sizes, where the flags are left at their defaults.
+QUICK = {"units": 4, "unit_mib": 1, "repeats": 1}
 #: How one unit's bytes are split over its tensors.
 FRACTIONS = {("mlp", "up"): 0.5, ("attn", "q"): 0.25, ("attn", "k"): 0.125, ("attn", "v"): 0.125}
 
@@ -117,13 +132,66 @@ def _ensure_store(path: str, units: int, unit_mib: int, *, checksums: bool = Tru
     wr.WRITE_CHECKSUMS = saved
 
 
-def _checksum_cost(args: argparse.Namespace, root: str) -> dict:
+def _digest(a: np.ndarray) -> str:
+  return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _expected(units: int, unit_mib: int) -> dict[tuple[int, tuple[str, ...]], tuple]:
+  """What reading unit ``i`` must give for each tensor: ``(shape, dtype, sha256)``, from
+  the same generator `_ensure_store` saved (one unit at a time)."""
+  out = {}
+  for seed, (key, frac) in enumerate(FRACTIONS.items()):
+    stacked = _Stacked(units, int(unit_mib * 2**20 * frac), seed)
+    for i in range(units):
+      a = stacked[i]
+      out[i, key] = (a.shape, a.dtype.str, _digest(a))
+  return out
+
+
+def _data_check(
+  store: st.UnitStore,
+  in_flight: int,
+  expected: dict,
+  files: list[str],
+  checks: list[dict],
+  what: str,
+) -> dict:
+  """Reads every unit from disk (page cache dropped first), then from the page cache,
+  through ``store`` as it is set up; a parity check per cache state that each tensor is
+  the array saved. Returns the tensors read and the mismatches, per cache state."""
+  out = {}
+  for cache in ("cold", "warm"):
+    if cache == "cold":
+      _drop_page_cache(files)
+    seen, bad, equal = set(), [], 0
+    for i, tensors in store.read_units(range(store.unit_count), in_flight=in_flight):
+      for key, a in tensors.items():
+        seen.add((i, key))
+        if (a.shape, a.dtype.str, _digest(a)) == expected.get((i, key)):
+          equal += 1
+        else:
+          bad.append(f"unit {i} {'.'.join(key)}")
+      del tensors
+    bad += [f"unit {i} {'.'.join(key)} not read" for i, key in sorted(set(expected) - seen)]
+    out[cache] = {"tensors": len(seen), "mismatched": bad}
+    _result.check(
+      checks,
+      f"{what}, {cache}: every tensor read is the array saved",
+      not bad,
+      f"{equal}/{len(expected)} tensors equal",
+      _result.PARITY,
+    )
+  return out
+
+
+def _checksum_cost(args: argparse.Namespace, root: str, checks: list[dict]) -> dict:
   """Reads a store with and without checksums, copied and mapped, cold and warm."""
   paths = {on: os.path.join(root, "store" if on else "store-no-checksums") for on in (1, 0)}
   for on, path in paths.items():
     _ensure_store(path, args.units, args.unit_mib, checksums=bool(on))
   seconds: dict[str, list[float]] = {}
   stores = {}
+  stored = {}
   for on, path in paths.items():
     for way in ("copied", "mapped"):
       store = st.UnitStore.open(path)
@@ -131,6 +199,14 @@ def _checksum_cost(args: argparse.Namespace, root: str) -> dict:
         raise SystemExit(f"{path}: mapped reads are not available here")
       _store_read(store, args.in_flight)  # prime buffers (and the chunk index)
       stores[on, way] = store
+    stored["crc" if on else "plain"] = verify.checksums(stores[on, "copied"])
+  _result.check(
+    checks,
+    "one store has checksums on every array, the other on none",
+    stored == {"crc": "crc32c", "plain": "none"},
+    stored,
+    _result.PARITY,
+  )
   files = {on: _store_files(path) for on, path in paths.items()}
   for _ in range(args.repeats):
     for (on, way), store in stores.items():
@@ -142,8 +218,16 @@ def _checksum_cost(args: argparse.Namespace, root: str) -> dict:
         seconds.setdefault(f"{way}_{cache}_{'crc' if on else 'plain'}", []).append(
           time.perf_counter() - start
         )
-  for store in stores.values():
-    store.close()
+  expected = _expected(args.units, args.unit_mib)
+  data = {}
+  try:
+    for (on, way), store in stores.items():
+      kind = "crc" if on else "plain"
+      what = f"{way} reads, store {'with' if on else 'without'} checksums"
+      data[f"{way}_{kind}"] = _data_check(store, args.in_flight, expected, files[on], checks, what)
+  finally:
+    for store in stores.values():
+      store.close()
   med = {k: statistics.median(v) for k, v in seconds.items()}
   gib = args.units * _unit_bytes(args.unit_mib) / 2**30
   return {
@@ -151,6 +235,7 @@ def _checksum_cost(args: argparse.Namespace, root: str) -> dict:
     "unit_mib": args.unit_mib,
     "total_gib": round(gib, 3),
     "repeats": args.repeats,
+    "store_checksums": stored,
     "seconds": {k: round(v, 4) for k, v in med.items()},
     "gib_per_s": {k: round(gib / v, 3) for k, v in med.items()},
     "checksum_ratio": {
@@ -158,7 +243,104 @@ def _checksum_cost(args: argparse.Namespace, root: str) -> dict:
       for way in ("copied", "mapped")
       for cache in ("cold", "warm")
     },
+    "data": data,
   }
+
+
+def _read_vs_raw(args: argparse.Namespace, root: str, checks: list[dict]) -> dict:
+  """Raw reads against the store's unit reads, cold and warm, interleaved; medians."""
+  path = os.path.join(root, "store")
+  start = time.perf_counter()
+  _ensure_store(path, args.units, args.unit_mib)
+  setup_s = time.perf_counter() - start
+  files = _store_files(path)
+  buffer = memoryview(bytearray(64 << 20))
+  results: dict[str, list[float]] = {
+    k: [] for k in ("raw_cold", "store_cold", "raw_warm", "store_warm")
+  }
+  with st.UnitStore.open(path) as store:
+    _store_read(store, args.in_flight)  # prime the reusable buffers
+    for _ in range(args.repeats):
+      _drop_page_cache(files)
+      results["raw_cold"].append(_timed(lambda: _raw_read(files, buffer)))
+      _drop_page_cache(files)
+      results["store_cold"].append(_timed(lambda: _store_read(store, args.in_flight)))
+      results["raw_warm"].append(_timed(lambda: _raw_read(files, buffer)))
+      results["store_warm"].append(_timed(lambda: _store_read(store, args.in_flight)))
+    total_gib = store.total_unit_bytes / 2**30
+    expected = _expected(args.units, args.unit_mib)
+    data = _data_check(store, args.in_flight, expected, files, checks, "store reads")
+  med = {k: statistics.median(v) for k, v in results.items()}
+  return {
+    "units": args.units,
+    "unit_mib": args.unit_mib,
+    "total_gib": round(total_gib, 3),
+    "in_flight": args.in_flight,
+    "repeats": args.repeats,
+    "setup_seconds": round(setup_s, 2),
+    "gb_per_s": {k: round(v, 3) for k, v in med.items()},
+    "runs_gb_per_s": {k: [round(x, 3) for x in v] for k, v in results.items()},
+    "cold_ratio": round(med["store_cold"] / med["raw_cold"], 3),
+    "warm_ratio": round(med["store_warm"] / med["raw_warm"], 3),
+    "data": data,
+  }
+
+
+def render(result: dict) -> str:
+  out = []
+  if "read" in result:
+    r = result["read"]
+    out.append(
+      f"{r['units']} units x {r['unit_mib']} MiB = {r['total_gib']:.2f} GiB, "
+      f"{r['in_flight']} in flight, median of {r['repeats']} (GB/s)"
+    )
+    out.append(f"{'':8}{'raw readinto':>14}{'read_unit':>12}{'ratio':>8}")
+    for cache in ("cold", "warm"):
+      raw, ours = r["gb_per_s"][f"raw_{cache}"], r["gb_per_s"][f"store_{cache}"]
+      out.append(f"{cache:8}{raw:>14.2f}{ours:>12.2f}{ours / raw:>7.2f}x")
+  if "checksums" in result:
+    cost = result["checksums"]
+    out.append(
+      f"{cost['units']} units x {cost['unit_mib']} MiB = {cost['total_gib']:.2f} GiB, "
+      f"median of {cost['repeats']}: GiB/s without -> with checksums (time ratio)"
+    )
+    for key, ratio in cost["checksum_ratio"].items():
+      plain, crc = cost["gib_per_s"][f"{key}_plain"], cost["gib_per_s"][f"{key}_crc"]
+      out.append(f"  {key:<13}{plain:>8.2f} -> {crc:>6.2f}   {ratio:.3f}x")
+  return "\n".join(out)
+
+
+def markdown(result: dict) -> str:
+  """The result's figures as Markdown tables (``benchmarks/report.py``)."""
+  out = []
+  if "read" in result:
+    r = result["read"]
+    out += [
+      f"{r['units']} units x {r['unit_mib']} MiB = {r['total_gib']:.2f} GiB, "
+      f"{r['in_flight']} unit reads in flight, medians of {r['repeats']}:",
+      "",
+      "| cache | raw `readinto` | `read_units` | ratio |",
+      "|---|---|---|---|",
+    ]
+    for cache in ("cold", "warm"):
+      raw, ours = r["gb_per_s"][f"raw_{cache}"], r["gb_per_s"][f"store_{cache}"]
+      out.append(f"| {cache} | {raw:.2f} GB/s | {ours:.2f} GB/s | {ours / raw:.2f}x |")
+  if "checksums" in result:
+    c = result["checksums"]
+    if out:
+      out.append("")
+    out += [
+      f"{c['units']} units x {c['unit_mib']} MiB = {c['total_gib']:.2f} GiB, "
+      f"medians of {c['repeats']}:",
+      "",
+      "| read | without checksums | with checksums | time ratio |",
+      "|---|---|---|---|",
+    ]
+    for key, ratio in c["checksum_ratio"].items():
+      plain, crc = c["gib_per_s"][f"{key}_plain"], c["gib_per_s"][f"{key}_crc"]
+      way, cache = key.split("_")
+      out.append(f"| {way}, {cache} | {plain:.2f} GiB/s | {crc:.2f} GiB/s | {ratio:.2f}x |")
+  return "\n".join(out)
 
 
 def _unit_bytes(unit_mib: int) -> int:
@@ -172,79 +354,32 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--unit-mib", type=int, default=128, help="MiB per unit (default 128)")
   parser.add_argument("--repeats", type=int, default=3, help="measured repeats (default 3)")
   parser.add_argument("--in-flight", type=int, default=2, help="unit reads in flight (default 2)")
-  parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.add_argument(
     "--checksums", action="store_true", help="measure what checking chunk checksums costs"
   )
+  _result.add_args(parser)
   args = parser.parse_args(argv)
+  if args.quick:
+    for name, small in QUICK.items():
+      if getattr(args, name) == parser.get_default(name):
+        setattr(args, name, small)
 
+  result = _result.stamp("read_path", argv, args.quick)
+  result["mode"] = "checksums" if args.checksums else "read" + ("+checksums" if args.quick else "")
+  checks: list[dict] = []
   root = args.dir or tempfile.mkdtemp(prefix="jax_residency_bench_")
-  if args.checksums:
-    try:
-      cost = _checksum_cost(args, root)
-    finally:
-      if not args.dir:
-        shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-      print(json.dumps(cost))
-      return 0
-    print(
-      f"{cost['units']} units x {cost['unit_mib']} MiB = {cost['total_gib']:.2f} GiB, "
-      f"median of {cost['repeats']}: GiB/s without -> with checksums (time ratio)"
-    )
-    for key, ratio in cost["checksum_ratio"].items():
-      plain, crc = cost["gib_per_s"][f"{key}_plain"], cost["gib_per_s"][f"{key}_crc"]
-      print(f"  {key:<13}{plain:>8.2f} -> {crc:>6.2f}   {ratio:.3f}x")
-    return 0
-  path = os.path.join(root, "store")
   try:
-    start = time.perf_counter()
-    _ensure_store(path, args.units, args.unit_mib)
-    setup_s = time.perf_counter() - start
-    files = _store_files(path)
-    buffer = memoryview(bytearray(64 << 20))
-    results: dict[str, list[float]] = {
-      k: [] for k in ("raw_cold", "store_cold", "raw_warm", "store_warm")
-    }
-    with st.UnitStore.open(path) as store:
-      _store_read(store, args.in_flight)  # prime the reusable buffers
-      for _ in range(args.repeats):
-        _drop_page_cache(files)
-        results["raw_cold"].append(_timed(lambda: _raw_read(files, buffer)))
-        _drop_page_cache(files)
-        results["store_cold"].append(_timed(lambda: _store_read(store, args.in_flight)))
-        results["raw_warm"].append(_timed(lambda: _raw_read(files, buffer)))
-        results["store_warm"].append(_timed(lambda: _store_read(store, args.in_flight)))
-      total_gib = store.total_unit_bytes / 2**30
+    if not args.checksums:
+      result["read"] = _read_vs_raw(args, root, checks)
+    if args.checksums or args.quick:  # --quick runs both parts
+      result["checksums"] = _checksum_cost(args, root, checks)
   finally:
     if not args.dir:
       shutil.rmtree(root, ignore_errors=True)
-
-  med = {k: statistics.median(v) for k, v in results.items()}
-  report = {
-    "units": args.units,
-    "unit_mib": args.unit_mib,
-    "total_gib": round(total_gib, 3),
-    "in_flight": args.in_flight,
-    "repeats": args.repeats,
-    "setup_seconds": round(setup_s, 2),
-    "gb_per_s": {k: round(v, 3) for k, v in med.items()},
-    "runs_gb_per_s": {k: [round(x, 3) for x in v] for k, v in results.items()},
-    "cold_ratio": round(med["store_cold"] / med["raw_cold"], 3),
-    "warm_ratio": round(med["store_warm"] / med["raw_warm"], 3),
-  }
-  if args.json:
-    print(json.dumps(report))
-    return 0
-  print(
-    f"{args.units} units x {args.unit_mib} MiB = {total_gib:.2f} GiB, "
-    f"{args.in_flight} in flight, median of {args.repeats} (GB/s)"
-  )
-  print(f"{'':8}{'raw readinto':>14}{'read_unit':>12}{'ratio':>8}")
-  for cache in ("cold", "warm"):
-    raw, ours = med[f"raw_{cache}"], med[f"store_{cache}"]
-    print(f"{cache:8}{raw:>14.2f}{ours:>12.2f}{ours / raw:>7.2f}x")
-  return 0
+  if args.checksums and not args.quick and not args.result:
+    args.result = str(_result.RESULTS / "read_path_checksums.json")
+  result["checks"] = checks
+  return _result.finish(result, args, render)
 
 
 if __name__ == "__main__":

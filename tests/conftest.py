@@ -263,6 +263,7 @@ def build_linen(model: nn.Module, *args: Any, seed: int = 0) -> Any:
 # keep pytest's order. Seconds: the file alone (pytest tests/FILE) on a quiet two-core
 # machine; about twice that beside the other worker.
 SLOWEST_FIRST = (
+  "tests/test_benchmarks.py",  # 150 s: every benchmark's --quick, one subprocess each
   "tests/test_llama.py",  # 75 s
   "tests/test_notebooks.py",  # 60 s: five notebook kernels
   "tests/test_quantized_stores.py",  # 45 s: every policy, scheme and mesh
@@ -278,7 +279,7 @@ SLOWEST_FIRST = (
   "tests/test_cli.py",  # 16 s
   "tests/test_minilm.py",  # 16 s
   "tests/test_quant.py",  # 15 s
-  "tests/test_quant_error.py",  # 15 s
+  "tests/test_examples.py",  # 25 s
   "tests/test_ggml.py",  # 15 s
   "tests/test_multiprocess.py",  # 10 s: two processes
 )

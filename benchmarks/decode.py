@@ -1510,7 +1510,7 @@ def markdown(result: dict) -> str:
     f"{r}: s/step | {r}: tok/s" + (" | vs Accelerate" if acc else "") for r in REGIMES
   )
   head += " | peak RSS growth after load (plan) | RssAnon growth after load |"
-  lines = [head, "|" + "---|" * head.count(" | ")]
+  lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
   for name in names:
     fig = med[name]
     cells = [label(name)]

@@ -51,7 +51,7 @@ CPU-only wheel; elsewhere install PyTorch's CPU-only build of 2.13.0, not the
 default multi-GB CUDA one)::
 
     pip install torch==2.13.0
-    pip install accelerate==1.15.0 safetensors
+    pip install accelerate==1.16.0 safetensors
     python benchmarks/peers.py                 # table
     python benchmarks/peers.py --json          # one JSON object
     python benchmarks/peers.py --dir /data/bench
@@ -524,7 +524,7 @@ def measure(args: argparse.Namespace, peers: bool, torch_run: dict | None = None
   return run
 
 
-def peer_versions(accelerate_version: str = "1.15.0") -> tuple[dict | None, str]:
+def peer_versions(accelerate_version: str = "1.16.0") -> tuple[dict | None, str]:
   """torch's, accelerate's and safetensors' installed versions; or ``None`` and why the
   peer rows cannot run (one of them is not installed: none is a jax_residency dependency).
 

@@ -409,6 +409,11 @@ def table(result: dict) -> str:
   return "\n".join(lines)
 
 
+def markdown(result: dict) -> str:
+  """The table ``benchmarks/report.py`` renders into docs/quantization.md."""
+  return table(result)
+
+
 def report(result: dict) -> str:
   """The fixtures' own figures and the table (``_result.finish`` adds the checks)."""
   out = [

@@ -97,11 +97,12 @@ Accelerate; the other rows run and are gated on the plain JAX model.
 Targets (docs/benchmarks.md), evaluated on the medians over ``--repeat`` runs:
 
 * each float32 ``DenseDiskStream`` row: page-cache decode tokens/s >= 3x
-  Accelerate's (page cache), with peak RSS growth after the load <= Accelerate's;
-* float32 host 0: page-cache decode tokens/s >= 4.5x Accelerate's, with
-  anonymous-memory growth after the load <= Accelerate's and peak RSS growth
-  after the load <= the plan; disk-regime decode tokens/s >= 1.5x Accelerate's,
-  and its step <= 1.1x the unit bytes over the 4-thread raw-read bandwidth;
+  Accelerate's (page cache), with anonymous-memory growth after the load <=
+  Accelerate's (mapped store pages are reclaimable, anonymous memory is not) and
+  peak RSS growth after the load <= the plan;
+* float32 host 0: page-cache decode tokens/s >= 4.5x Accelerate's; disk-regime
+  decode tokens/s >= 1.5x Accelerate's, and its step <= 1.1x the unit bytes
+  over the 4-thread raw-read bandwidth;
 * page-cache decode step (host 0 / 2 units) within 1.25x of the larger of the
   resident decode step and the unit bytes divided by the warm-read bandwidth;
 * ``FullyResident``'s page-cache decode step <= the dense stream's with every
@@ -1127,19 +1128,27 @@ def derive(run: dict, args: argparse.Namespace, unit_bytes_total: int) -> dict:
     fig = run[name]
     speed = fig["regimes"]["page-cache"]["decode_tokens_per_s"]
     speed /= acc["page-cache"]["decode_tokens_per_s"]
-    growth = fig["rss_growth_after_load_bytes"]
-    acc_growth = acc_fig["rss_growth_after_load_bytes"]
+    anon, acc_anon = fig["anon_growth_after_load_bytes"], acc_fig["anon_growth_after_load_bytes"]
     disk = fig["regimes"]["disk"]["decode_tokens_per_s"] / acc["disk"]["decode_tokens_per_s"]
     targets[f"{name} disk decode vs accelerate"] = disk  # context, no target
     check(
-      f"{label(name)}: page-cache decode tok/s >= {DECODE_OVER_ACCELERATE:g}x accelerate's",
+      f"{label(name)}: page-cache decode tok/s >= {DECODE_OVER_ACCELERATE:g}x "
+      f"{label(acc_fig['name'])}'s",
       speed >= DECODE_OVER_ACCELERATE,
       f"{speed:.2f}x",
     )
+    # Anonymous memory: what the kernel cannot reclaim (mapped store pages it can).
     check(
-      f"{label(name)}: peak RSS growth after the load <= accelerate's",
-      growth <= acc_growth,
-      f"{fmt_bytes(growth)} against {fmt_bytes(acc_growth)} ({growth / acc_growth:.2f}x)",
+      f"{label(name)}: RssAnon growth after the load <= {label(acc_fig['name'])}'s",
+      anon <= acc_anon,
+      f"{fmt_bytes(anon)} against {fmt_bytes(acc_anon)} ({anon / acc_anon:.2f}x)",
+    )
+  for name in [n for n in JR_ROWS if n in run]:
+    growth, plan = run[name]["rss_growth_after_load_bytes"], run[name]["plan_bytes"]
+    check(
+      f"{label(name)}: peak RSS growth after the load <= the plan",
+      growth <= plan,
+      f"{fmt_bytes(growth)} against {fmt_bytes(plan)}",
     )
   for name in [n for n in PC_FLOOR_ROWS if n in run]:
     step = run[name]["regimes"]["page-cache"]["decode_step_s"]
@@ -1186,12 +1195,13 @@ def derive(run: dict, args: argparse.Namespace, unit_bytes_total: int) -> dict:
           acc_fig["anon_growth_after_load_bytes"],
         )
         check(
-          f"{label(name)}: disk decode tok/s >= {INT8_DISK_OVER_ACCELERATE:g}x accelerate's",
+          f"{label(name)}: disk decode tok/s >= {INT8_DISK_OVER_ACCELERATE:g}x "
+          f"{label(acc_fig['name'])}'s",
           speed >= INT8_DISK_OVER_ACCELERATE,
           f"{speed:.2f}x",
         )
         check(
-          f"{label(name)}: RssAnon growth after the load <= accelerate's",
+          f"{label(name)}: RssAnon growth after the load <= {label(acc_fig['name'])}'s",
           anon <= acc_anon,
           f"{fmt_bytes(anon)} against {fmt_bytes(acc_anon)}",
         )
@@ -1220,17 +1230,11 @@ def derive(run: dict, args: argparse.Namespace, unit_bytes_total: int) -> dict:
 
 def host0_targets(run: dict, acc_fig: dict | None, unit_bytes: int, targets: dict, check) -> None:
   """float32 host 0 (no host cache), with checksums: page-cache decode >= 4.5x Accelerate's
-  at RssAnon growth <= Accelerate's and peak RSS growth within the plan; disk-bound, a step
-  <= 1.1x a 4-thread raw read of the units from disk and >= 1.5x Accelerate's tok/s."""
+  (its memory targets are every float32 row's); disk-bound, a step <= 1.1x a 4-thread raw
+  read of the units from disk and >= 1.5x Accelerate's tok/s."""
   fig = run.get("jr-host0")
   if fig is None:
     return
-  growth, plan = fig["rss_growth_after_load_bytes"], fig["plan_bytes"]
-  check(
-    "jr host 0: peak RSS growth after the load <= the plan",
-    growth <= plan,
-    f"{fmt_bytes(growth)} against {fmt_bytes(plan)}",
-  )
   raw_step = unit_bytes / run["bandwidth"]["cold_bytes_per_s"]
   targets["cold_read_step_s"] = raw_step
   step = fig["regimes"]["disk"]["decode_step_s"]
@@ -1250,12 +1254,6 @@ def host0_targets(run: dict, acc_fig: dict | None, unit_bytes: int, targets: dic
       speed >= limit,
       f"{speed:.2f}x",
     )
-  anon, acc_anon = fig["anon_growth_after_load_bytes"], acc_fig["anon_growth_after_load_bytes"]
-  check(
-    f"jr host 0: RssAnon growth after the load <= {label(acc_fig['name'])}'s",
-    anon <= acc_anon,
-    f"{fmt_bytes(anon)} against {fmt_bytes(acc_anon)}",
-  )
 
 
 def rows_to_run(quick: bool, schemes: list[str]) -> tuple[list[str], list[str], list[str]]:

@@ -395,6 +395,27 @@ def main(argv: list[str] | None = None) -> int:
   return _result.finish(r, args, render)
 
 
+def markdown(r: dict) -> str:
+  """The three cases as the Markdown table ``benchmarks/report.py`` renders."""
+  cases = (
+    ("`DenseDiskStream`, in place", r["orbax"]),
+    ("`DenseDiskStream`, after `rechunk`", r["rechunked"]),
+    ("`FullyResident` (reads each array once)", r["resident"]),
+  )
+  out = [
+    "| from the Orbax checkpoint | pass (after the compiling one) | fetched / used "
+    "| peak RSS growth / plan |",
+    "|---|---|---|---|",
+  ]
+  for name, c in cases:
+    fetched = "-" if c["fetched_per_used"] is None else f"{c['fetched_per_used']:.2f}"
+    out.append(
+      f"| {name} | {c['pass_s'][1]:.2f} s | {fetched} "
+      f"| {mib(c['peak_rss_growth_bytes'])} / {mib(c['planned_process_bytes'])} |"
+    )
+  return "\n".join(out)
+
+
 def render(r: dict) -> str:
   """The plan of the Orbax stream, a table of the cases, and the rechunk's figures."""
 

@@ -362,5 +362,26 @@ def render(result: dict) -> str:
   return "\n".join(out)
 
 
+def markdown(result: dict) -> str:
+  """The rows as the Markdown table ``benchmarks/report.py`` renders."""
+  seq, rows = result["sequential_fetch"], result["passes"]
+  out = [
+    f"{result['units']} units × {result['unit_bytes'] / MiB:.1f} MiB, "
+    f"{result['latency_ms']:g} ms added per request; seconds: the median of "
+    f"{result['repeat']} passes.",
+    "",
+    "| | seconds | MB/s | vs sequential | requests |",
+    "|---|---|---|---|---|",
+    f"| sequential fetch | {seq['seconds']:.2f} | {seq['mb_per_s']:.0f} | 1.0× "
+    f"| {seq['requests']} |",
+  ]
+  for name, row in rows.items():
+    out.append(
+      f"| {name} | {row['seconds']:.2f} | {row['mb_per_s']:.0f} "
+      f"| {row['speedup_over_sequential']:.1f}× | {row['requests']} |"
+    )
+  return "\n".join(out)
+
+
 if __name__ == "__main__":
   sys.exit(main())

@@ -723,7 +723,6 @@ def accelerate_child(args: argparse.Namespace) -> dict:
   """Accelerate's documented disk offload: meta model, ``load_checkpoint_and_dispatch``."""
   import logging
 
-  import torch
   from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
   logging.getLogger("accelerate").setLevel(logging.ERROR)
@@ -737,33 +736,15 @@ def accelerate_child(args: argparse.Namespace) -> dict:
   baseline = rss_bytes()
   drop_page_cache(p["checkpoint"])
   peaks.reset()
-  io0 = io_bytes()
-  start = time.perf_counter()
-  model = load_checkpoint_and_dispatch(
-    model, p["checkpoint"], device_map=device_map, offload_folder=p["offload"]
+  return accelerate_row(
+    args,
+    "accelerate",
+    lambda: load_checkpoint_and_dispatch(
+      model, p["checkpoint"], device_map=device_map, offload_folder=p["offload"]
+    ),
+    peaks,
+    baseline,
   )
-  load_s = time.perf_counter() - start
-  io1 = io_bytes()
-  model.eval()
-  out: dict = {
-    "load_s": load_s,
-    "load_read_bytes": io1[0] - io0[0],
-    "load_written_bytes": io1[1] - io0[1],
-    "baseline_rss_bytes": baseline,
-    "load_peak_rss_bytes": peaks.read(),
-    "rss_after_load_bytes": rss_bytes(),
-    "anon_after_load_bytes": rss_anon_bytes(),
-    "threads": torch.get_num_threads(),
-    "offload_bytes": sum(os.path.getsize(f) for f in files_under(p["offload"])),
-  }
-  step = torch_step(model)
-  with torch.inference_mode():
-    out |= warm_up(args, step)
-    # Its offload folder's files (the blocks' .dat files) and the checkpoint.
-    files = [p["offload"], p["checkpoint"]]
-    out["regimes"] = regimes(args, "accelerate", step, files, peaks, lambda: None)
-  out["peak_rss_bytes"] = peaks.process
-  return out
 
 
 def accelerate_reuse_child(args: argparse.Namespace) -> dict:
@@ -772,7 +753,6 @@ def accelerate_reuse_child(args: argparse.Namespace) -> dict:
   the blocks kept on the CPU (embeddings, final norm, head) are read from the checkpoint."""
   import logging
 
-  import torch
   from accelerate import dispatch_model, init_empty_weights
   from accelerate.utils import set_module_tensor_to_device
   from safetensors import safe_open
@@ -788,13 +768,26 @@ def accelerate_reuse_child(args: argparse.Namespace) -> dict:
   baseline = rss_bytes()
   drop_page_cache(p["checkpoint"])
   peaks.reset()
+
+  def load():
+    with safe_open(p["checkpoint"], framework="pt") as f:
+      for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+        if not key.startswith("layers."):
+          set_module_tensor_to_device(model, key, "cpu", value=f.get_tensor(key))
+    return dispatch_model(model, device_map=accelerate_device_map(cfg), offload_dir=p["offload"])
+
+  return accelerate_row(args, "accelerate-reuse", load, peaks, baseline)
+
+
+def accelerate_row(args: argparse.Namespace, name: str, load, peaks: Peaks, baseline: int) -> dict:
+  """One Accelerate row from ``load()`` on: the load timed and measured, the warm-up, both
+  regimes (the offload folder's block files and the checkpoint are its weights' files)."""
+  import torch
+
+  p = paths(args)
   io0 = io_bytes()
   start = time.perf_counter()
-  with safe_open(p["checkpoint"], framework="pt") as f:
-    for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-      if not key.startswith("layers."):
-        set_module_tensor_to_device(model, key, "cpu", value=f.get_tensor(key))
-  model = dispatch_model(model, device_map=accelerate_device_map(cfg), offload_dir=p["offload"])
+  model = load()
   load_s = time.perf_counter() - start
   io1 = io_bytes()
   model.eval()
@@ -813,7 +806,7 @@ def accelerate_reuse_child(args: argparse.Namespace) -> dict:
   with torch.inference_mode():
     out |= warm_up(args, step)
     files = [p["offload"], p["checkpoint"]]
-    out["regimes"] = regimes(args, "accelerate-reuse", step, files, peaks, lambda: None)
+    out["regimes"] = regimes(args, name, step, files, peaks, lambda: None)
   out["peak_rss_bytes"] = peaks.process
   return out
 

@@ -80,7 +80,8 @@ def checks_table(result: dict[str, Any]) -> str:
   rows = ["| check | kind | measured | verdict |", "|---|---|---|---|"]
   for c in result["checks"]:
     value = json.dumps(c["value"]) if not isinstance(c["value"], str) else c["value"]
-    rows.append(f"| {c['name']} | {c['kind']} | {value} | {_result.verdict(c, quick)} |")
+    name, value = (s.replace("|", "\\|") for s in (c["name"], value))  # a cell's own bars
+    rows.append(f"| {name} | {c['kind']} | {value} | {_result.verdict(c, quick)} |")
   return "\n".join(rows)
 
 

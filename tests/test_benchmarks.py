@@ -177,3 +177,6 @@ def test_a_marked_section_is_rendered_from_its_result():
   assert report.rewrite(new, {"nothing": result}) == new
   brief = report.rewrite(text.replace("nothing -->", "nothing brief -->"), {"nothing": result})
   assert "1 of 1 target checks held" in brief and "| step <= 1.1x" not in brief
+  _result.check(result["checks"], "max |diff| <= 0", True, "|x|", _result.PARITY)
+  bars = report.rewrite(text, {"nothing": result})  # a cell's own bars are escaped
+  assert "| max \\|diff\\| <= 0 | parity | \\|x\\| | met |" in bars

@@ -15,13 +15,17 @@ A ``--quick`` run writes only where ``--result`` says.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,32 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     "--result",
     help="write the result here (default: benchmarks/results/NAME.json; none with --quick)",
   )
+
+
+def quick_requested() -> bool:
+  """Whether the command line asks for ``--quick`` (before the parser that uses it to
+  pick its defaults is built)."""
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument("--quick", action="store_true")
+  return pre.parse_known_args()[0].quick
+
+
+@contextlib.contextmanager
+def work_dir(args: argparse.Namespace, name: str) -> Iterator[str]:
+  """Sets ``args.dir`` for the run: as given; else with ``--quick`` a fresh temporary
+  directory, removed afterwards; else ``$TMPDIR/name``, kept for later runs to reuse."""
+  scratch = None
+  if args.dir is None:
+    if args.quick:
+      args.dir = scratch = tempfile.mkdtemp(prefix=f"{name}_quick_")
+    else:
+      args.dir = os.path.join(tempfile.gettempdir(), name)
+  args.dir = os.path.abspath(args.dir)
+  try:
+    yield args.dir
+  finally:
+    if scratch is not None:
+      shutil.rmtree(scratch, ignore_errors=True)
 
 
 def commit(*paths: str) -> str:

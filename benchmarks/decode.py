@@ -165,7 +165,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules
@@ -1585,9 +1584,7 @@ QUICK = {
 
 
 def main() -> int:
-  pre = argparse.ArgumentParser(add_help=False)
-  pre.add_argument("--quick", action="store_true")
-  quick = pre.parse_known_args()[0].quick
+  quick = _result.quick_requested()
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
@@ -1629,18 +1626,8 @@ def main() -> int:
   if args.no_checksums and not args.quick and args.result is None:
     # Its own file: a run without checksums does not replace the default run's result.
     args.result = str(_result.RESULTS / "decode-no-checksums.json")
-  scratch = None
-  if args.dir is None:
-    if args.quick:
-      args.dir = scratch = tempfile.mkdtemp(prefix="jr_decode_quick_")
-    else:
-      args.dir = os.path.join(tempfile.gettempdir(), "jax_residency_decode")
-  args.dir = os.path.abspath(args.dir)
-  try:
+  with _result.work_dir(args, "jax_residency_decode"):
     return bench(args)
-  finally:
-    if scratch is not None:
-      shutil.rmtree(scratch, ignore_errors=True)
 
 
 def bench(args: argparse.Namespace) -> int:

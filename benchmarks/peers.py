@@ -96,7 +96,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules
@@ -742,9 +741,7 @@ def render(result: dict) -> str:
 
 
 def main() -> int:
-  pre = argparse.ArgumentParser(add_help=False)
-  pre.add_argument("--quick", action="store_true")
-  quick = pre.parse_known_args()[0].quick
+  quick = _result.quick_requested()
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
@@ -766,18 +763,8 @@ def main() -> int:
     args.dir = os.path.abspath(args.dir)
     print(json.dumps(CHILDREN[args.child](args)))
     return 0
-  scratch = None
-  if args.dir is None:
-    if args.quick:
-      args.dir = scratch = tempfile.mkdtemp(prefix="jr_peers_quick_")
-    else:
-      args.dir = os.path.join(tempfile.gettempdir(), "jax_residency_peers")
-  args.dir = os.path.abspath(args.dir)
-  try:
+  with _result.work_dir(args, "jax_residency_peers"):
     return bench(args)
-  finally:
-    if scratch is not None:
-      shutil.rmtree(scratch, ignore_errors=True)
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -56,14 +56,24 @@ def quick_requested() -> bool:
   return pre.parse_known_args()[0].quick
 
 
+def quick_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser, sizes: dict) -> None:
+  """With ``--quick``, the toy ``sizes`` (option dest -> value) for every option the
+  command line left at its default; an option given explicitly keeps its value."""
+  if args.quick:
+    for name, small in sizes.items():
+      if getattr(args, name) == parser.get_default(name):
+        setattr(args, name, small)
+
+
 @contextlib.contextmanager
 def work_dir(args: argparse.Namespace, name: str) -> Iterator[str]:
   """Sets ``args.dir`` for the run: as given; else with ``--quick`` a fresh temporary
-  directory, removed afterwards; else ``$TMPDIR/name``, kept for later runs to reuse."""
+  directory, removed afterwards; else ``$TMPDIR/name`` (``name`` itself if absolute), kept
+  for later runs to reuse."""
   scratch = None
   if args.dir is None:
     if args.quick:
-      args.dir = scratch = tempfile.mkdtemp(prefix=f"{name}_quick_")
+      args.dir = scratch = tempfile.mkdtemp(prefix=f"{os.path.basename(name)}_quick_")
     else:
       args.dir = os.path.join(tempfile.gettempdir(), name)
   args.dir = os.path.abspath(args.dir)

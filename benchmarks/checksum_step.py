@@ -28,11 +28,9 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import _result
@@ -163,24 +161,15 @@ def main() -> int:
   if args.child:
     print(json.dumps(child(args, args.child == "crc")))
     return 0
-  if args.quick:
-    for name, small in QUICK.items():
-      if getattr(args, name) == parser.get_default(name):
-        setattr(args, name, small)
+  _result.quick_sizes(args, parser, QUICK)
   if args.steps < 3:
     parser.error("--steps must be at least 3 (the first two steps compile)")
-  scratch = None
-  if args.dir is None:
-    if args.quick:
-      args.dir = scratch = tempfile.mkdtemp(prefix="jr_checksum_step_quick_")
-    else:
-      args.dir = os.path.join(tempfile.gettempdir(), "jr_checksum_step")
-  os.makedirs(args.dir, exist_ok=True)
-  flags = ["--dir", args.dir]
-  for name in SIZES:
-    flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
   runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
-  try:
+  with _result.work_dir(args, "jr_checksum_step"):
+    os.makedirs(args.dir, exist_ok=True)
+    flags = ["--dir", args.dir]
+    for name in SIZES:
+      flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for _ in range(args.repeat):
       for kind in KINDS:
         done = subprocess.run(
@@ -190,9 +179,6 @@ def main() -> int:
           print(done.stdout + done.stderr, file=sys.stderr)
           return 1
         runs[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
-  finally:
-    if scratch:
-      shutil.rmtree(scratch, ignore_errors=True)
   steps = {kind: [r["step_s"] for r in runs[kind]] for kind in KINDS}
   with_crc, without = statistics.median(steps["crc"]), statistics.median(steps["plain"])
   ratio = with_crc / without

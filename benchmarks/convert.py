@@ -37,7 +37,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import _result
@@ -280,21 +279,9 @@ def main() -> int:
   parser.add_argument("--vocab", type=int, default=32000)
   _result.add_args(parser)
   args = parser.parse_args()
-  if args.quick:
-    for name, small in QUICK.items():
-      if getattr(args, name) == parser.get_default(name):
-        setattr(args, name, small)
-  scratch = None
-  if args.dir is None:
-    if args.quick:
-      args.dir = scratch = tempfile.mkdtemp(prefix="jax_residency_convert_quick_")
-    else:
-      args.dir = "/tmp/jax_residency_convert_bench"
-  try:
+  _result.quick_sizes(args, parser, QUICK)
+  with _result.work_dir(args, "/tmp/jax_residency_convert_bench"):
     return run(args)
-  finally:
-    if scratch:
-      shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:

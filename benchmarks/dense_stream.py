@@ -47,10 +47,8 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -549,19 +547,10 @@ def main() -> int:
   if args.child:
     print(json.dumps(sweep_child(args) if args.child == "sweep" else child(args)))
     return 0
-  if args.quick:
-    for name, small in QUICK_SIZES.items():
-      if getattr(args, name) == parser.get_default(name):
-        setattr(args, name, small)
-  scratch = None
-  if args.dir is None:
-    if args.quick:
-      args.dir = scratch = tempfile.mkdtemp(prefix="jax_residency_bench_quick_")
-    else:
-      args.dir = os.path.join(tempfile.gettempdir(), "jax_residency_bench")
+  _result.quick_sizes(args, parser, QUICK_SIZES)
   result = _result.stamp("dense_stream", None, args.quick)
   checks: list[dict] = []
-  try:
+  with _result.work_dir(args, "jax_residency_bench"):
     if args.unit_mib:
       result["mode"] = "sweep"
       result["sweep"] = sweep(args, checks)
@@ -572,9 +561,6 @@ def main() -> int:
       result.update(pass_benchmark(args, checks))
       if args.quick:  # one sweep row, on the same store
         result["sweep"] = [sweep_row(args, QUICK_SWEEP_HOST_UNITS, checks)]
-  finally:
-    if scratch:
-      shutil.rmtree(scratch, ignore_errors=True)
   result["checks"] = checks
   return _result.finish(result, args, render)
 

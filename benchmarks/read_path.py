@@ -359,10 +359,7 @@ def main(argv: list[str] | None = None) -> int:
   )
   _result.add_args(parser)
   args = parser.parse_args(argv)
-  if args.quick:
-    for name, small in QUICK.items():
-      if getattr(args, name) == parser.get_default(name):
-        setattr(args, name, small)
+  _result.quick_sizes(args, parser, QUICK)
 
   result = _result.stamp("read_path", argv, args.quick)
   result["mode"] = "checksums" if args.checksums else "read" + ("+checksums" if args.quick else "")

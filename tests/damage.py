@@ -1,5 +1,6 @@
 """Ways to damage a copy of a store, shared by the fault tests (``test_integrity.py``,
-``test_faults.py``). Imported by name: ``conftest.py`` puts this directory on ``sys.path``.
+``test_faults.py``), and `drop_pages`, which sends a store's next reads to disk. Imported
+by name: ``conftest.py`` puts this directory on ``sys.path``.
 
 Each helper damages one chunk's data file of a store written by `jax_residency.save`:
 the chunk must be stored out of line in the OCDBT data files (chunks of a few KiB and
@@ -71,3 +72,16 @@ def flip_bit_on_disk(store: str, tensor: str, unit: int | None) -> mapped.Extent
   finally:
     os.close(fd)
   return extent
+
+
+def drop_pages(path: str) -> None:
+  """Drops every file under ``path`` from the page cache (dirty pages written first), so
+  that the next read of them comes from disk."""
+  for root, _, files in os.walk(path):
+    for name in files:
+      fd = os.open(os.path.join(root, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)  # dirty pages (a fresh copy's) are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(fd)

@@ -10,6 +10,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from damage import drop_pages
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
@@ -160,17 +161,6 @@ def test_stream_parity_and_accounting_with_and_without_mapping(
     assert report.total.mapped_bytes == 0
 
 
-def _drop_pages(path: str) -> None:
-  for root, _, files in os.walk(path):
-    for name in files:
-      fd = os.open(os.path.join(root, name), os.O_RDONLY)
-      try:
-        os.fsync(fd)  # dirty pages (a fresh copy's) are not dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-      finally:
-        os.close(fd)
-
-
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
 def test_direct_loading_from_disk_asks_for_the_unit_after_next(
   model, tokens, store, tmp_path, monkeypatch
@@ -194,7 +184,7 @@ def test_direct_loading_from_disk_asks_for_the_unit_after_next(
   )
   expected = model(tokens)
   with jr.place(model, policy, store=copy, mesh=MESH1) as placed:
-    _drop_pages(copy)
+    drop_pages(copy)
     np.testing.assert_array_equal(placed(tokens), expected)
     # Units 0 and 1 are read first; each later one is asked for a unit ahead (what the
     # kernel's own read-ahead of units 0 and 1 brought in is not asked for again).

@@ -17,6 +17,11 @@ from jax_residency._src.policy.types import DenseDiskStream, LayerWeightResidenc
 #: Bytes of decoded OCDBT index nodes an open store may cache: the one cache a
 #: store keeps besides the unit buffers the budgets hold.
 STORE_INDEX_CACHE_BYTES = 16 << 20
+#: Threads that read a dense stream's units ahead by faulting them in through
+#: short-lived mappings (CPU, host budget 0), and the bytes each maps at a time:
+#: read-ahead holds at most their product mapped (the "read-ahead mappings" item).
+READ_AHEAD_THREADS = 8
+READ_AHEAD_WINDOW = 8 << 20
 
 DEVICE_BUDGET = "device budget"
 HOST_BUDGET = "host budget"
@@ -150,8 +155,8 @@ def memory_items(
 def _dense_stream_items(
   policy: LayerWeightResidency, host_unit_bytes: Sequence[int], *, device_is_host: bool
 ) -> list[MemoryItem]:
-  """A dense stream's host items: its cache, the staging buffer, mapped store pages
-  and the store's index cache."""
+  """A dense stream's host items: its cache, the staging buffer, mapped store pages,
+  read-ahead's mappings and the store's index cache."""
   assert policy.dense is not None
   items: list[MemoryItem] = []
   largest = max(host_unit_bytes, default=0)
@@ -191,6 +196,16 @@ def _dense_stream_items(
       note="page cache a copying read maps (so in RSS) until it is done; reclaimable",
     )
   )
+  if device_is_host and host_budget == 0:
+    items.append(
+      MemoryItem(
+        name="read-ahead mappings",
+        memory="host",
+        nbytes=READ_AHEAD_THREADS * READ_AHEAD_WINDOW,
+        counted_in=OVERHEAD,
+        note="page cache the read-ahead threads map while they fault the next units in",
+      )
+    )
   items.append(
     MemoryItem(
       name="store index cache",

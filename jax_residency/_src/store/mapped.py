@@ -11,11 +11,12 @@ then makes them device arrays with no copy at all.
 What it costs and holds:
 
 * A mapping is faulted in whole (``MADV_POPULATE_READ``, else ``MAP_POPULATE``)
-  by the read thread (reading it from disk if it is not in the page cache), so the
-  step that uses the unit finds every page present. This is the "read" of a mapped
-  unit, and it overlaps the previous unit's step like any other read. The chunks of
-  a unit that are out of the page cache are asked of the kernel first, all at once
-  (``posix_fadvise(WILLNEED)``, `UnitMapper.advise_unit`).
+  by the read thread, so the step that uses the unit finds every page present.
+  This is the "read" of a mapped unit, and it overlaps the previous unit's step like
+  any other read. Chunks out of the page cache are faulted in from disk as huge
+  folios, in pieces on threads (`fault_in`), and so is the read-ahead of
+  `UnitMapper.advise_unit`: huge folios map and unmap with one page-table entry per
+  2 MiB instead of 512.
 * Mapped pages are the kernel's page cache: clean and file-backed, so they
   count in the process's RSS while mapped (as a unit buffer would), but the
   kernel may drop them under memory pressure and fault them in again, and no
@@ -53,7 +54,7 @@ import crc32c
 import numpy as np
 
 from jax_residency._src import errors
-from jax_residency._src.store import residency
+from jax_residency._src.store import fault_in, residency
 from jax_residency._src.store.buffers import padded_nbytes
 from jax_residency._src.store.extents import Extent, chunk_key, ocdbt_extents
 from jax_residency._src.typing import ParamPath, tensor_nbytes
@@ -121,7 +122,7 @@ class UnitMapper:
     self.total_bytes = 0  # tensor bytes mapped so far
     self.direct_bytes = 0  # bytes read straight from the data files so far
     self.checked_bytes = 0  # chunk bytes whose checksum was checked so far
-    self.advised_bytes = 0  # chunk bytes read-ahead hints asked the kernel for so far
+    self.advised_bytes = 0  # chunk bytes found out of the page cache and read ahead or in
     self.verified = residency.VerifiedExtents()
 
   @property
@@ -166,9 +167,10 @@ class UnitMapper:
     """
     out, checks = {}, []
     raw = self._raw_extents(unit)
-    # The chunks out of the page cache are read ahead side by side while the mappings
-    # below wait on them one by one.
-    cold = self._ask_for([extent for _, extent, _ in raw])
+    # Chunks out of the page cache are faulted in from disk in pieces, side by side on
+    # the fill threads, as huge folios (`residency.populate`); cached ones right here.
+    cold = self._find_cold([extent for _, extent, _ in raw])
+    fills: list[tuple[ParamPath, list[concurrent.futures.Future]]] = []
     for rel, extent, nbytes in raw:
       name, shape, dtype = self._tensors[rel]
       mapped = self._map(extent, shape, dtype, extent not in cold)
@@ -176,21 +178,43 @@ class UnitMapper:
         continue
       array, identity, was_resident = mapped
       out[rel] = array
+      if not was_resident:
+        start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
+        fills.append((rel, fault_in.fill(fault_in.region_of(array), start)))
       if extent.length > nbytes and self.verified.needs_check(extent, identity, was_resident):
-        checks.append(
-          (rel, _pool().submit(self._check, array, extent, nbytes, name, unit, identity))
-        )
-    return out, checks
+        checks.append((rel, extent, nbytes, name, identity))
+    for rel, pieces in fills:
+      try:
+        done = all([f.result() for f in pieces])
+      except OSError as e:  # unreadable: read it instead, and let the read report it
+        _log.debug("mapping %s failed: %s", rel, e)
+        done = False
+      if not done:
+        del out[rel]
+    return out, [
+      (rel, _pool().submit(self._check, out[rel], extent, nbytes, name, unit, identity))
+      for rel, extent, nbytes, name, identity in checks
+      if rel in out
+    ]
 
-  def advise_unit(self, unit: int) -> int:
-    """Asks the kernel to start reading unit ``unit``'s raw chunks into the page cache
-    (``posix_fadvise(WILLNEED)``) without waiting; returns the bytes asked for.
+  def advise_unit(self, unit: int, *, huge: bool = False) -> int:
+    """Starts reading unit ``unit``'s raw chunks into the page cache without waiting;
+    returns the bytes asked for.
 
     A chunk whose pages are all cached is skipped. One that is not is marked cold
     (`residency.VerifiedExtents.mark_cold`): the read that maps or copies it next
     checks its checksum, although the read-ahead has brought its pages in by then.
+    With ``huge`` (for mapped reads) the read-ahead threads fault each cold chunk in
+    through short-lived mappings (`fault_in.fault_in`), so that its pages arrive as
+    huge folios, which map again cheaply; without, the kernel is asked for them
+    (``posix_fadvise(WILLNEED)``, which fills the page cache with 4 KiB pages).
     """
-    cold = self._ask_for([e for _, e, _ in self._raw_extents(unit)])
+    cold = self._find_cold([e for _, e, _ in self._raw_extents(unit)])
+    for extent in cold:
+      if huge:
+        fault_in.fault_in(extent)
+      else:
+        fault_in.will_need(extent)
     return sum(e.length for e in cold)
 
   def _raw_extents(self, unit: int) -> list[tuple[ParamPath, Extent, int]]:
@@ -207,9 +231,9 @@ class UnitMapper:
       return None
     return extent, nbytes
 
-  def _ask_for(self, extents: list[Extent]) -> set[Extent]:
-    """Asks the kernel to read each chunk not all in the page cache, without waiting
-    (``posix_fadvise(WILLNEED)``, where there is one); returns those (marked cold)."""
+  def _find_cold(self, extents: list[Extent]) -> set[Extent]:
+    """The chunks not all in the page cache now, each marked cold (its next read checks
+    its checksum)."""
     cold: set[Extent] = set()
     for extent in extents:
       try:
@@ -220,10 +244,6 @@ class UnitMapper:
         if not residency.resident_in_file(fd, extent.offset, extent.length):
           self.verified.mark_cold(extent)
           cold.add(extent)
-          if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, extent.offset, extent.length, os.POSIX_FADV_WILLNEED)
-      except OSError:
-        pass  # only a hint
       finally:
         os.close(fd)
     with self._count_lock:
@@ -268,7 +288,9 @@ class UnitMapper:
   ) -> tuple[np.ndarray, Any, bool] | None:
     """Maps one chunk (its checksum too, if any) and returns its data as an array
     viewing the mapping, its file's identity, and ``resident``: whether all of its
-    pages were in the page cache before any read-ahead (None: read it instead)."""
+    pages were in the page cache before any read-ahead (None: read it instead). A
+    resident chunk's mapping is populated here; a cold one's is left to the caller
+    (`_fill_pieces`)."""
     start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
     skip = extent.offset - start
     if skip % ALIGNMENT:
@@ -285,7 +307,7 @@ class UnitMapper:
         return None
       span = skip + extent.length
       region = mmap.mmap(fd, span, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=start)
-      if not residency.populate(region):  # an older kernel: map it again, populated
+      if resident and not residency.populate(region):  # a kernel before 5.14
         region.close()
         flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
         region = mmap.mmap(fd, span, flags=flags, prot=mmap.PROT_READ, offset=start)
@@ -390,12 +412,7 @@ def _check_mapped(
   """Checks a mapped chunk's data against the CRC-32C after it, on the mapped pages
   themselves (no copy), hardware-accelerated and without the GIL (about 12 GiB/s on
   the development VM). ``array`` views the mapping, which holds the checksum too."""
-  region: object = array
-  while isinstance(region, np.ndarray):
-    region = region.base
-  if isinstance(region, memoryview):
-    region = region.obj
-  assert isinstance(region, mmap.mmap), type(region)
+  region = fault_in.region_of(array)
   start = extent.offset % mmap.ALLOCATIONGRANULARITY
   with memoryview(region) as view:
     stored = int.from_bytes(view[start + nbytes : start + nbytes + CHECKSUM_BYTES], "little")

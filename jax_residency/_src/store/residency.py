@@ -42,6 +42,11 @@ import numpy as np
 
 #: ``madvise`` advice that faults a mapping's pages in for reading (Linux 5.14+).
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+#: ``madvise`` advice that lets a mapping's faults bring file pages in as huge folios.
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14 if sys.platform.startswith("linux") else None)
+#: A huge folio's bytes (x86-64 and arm64 with 4 KiB pages): the unit in which
+#: `populate` with ``huge`` brings a chunk in.
+HUGE_PAGE = 2 << 20
 _PAGE = mmap.PAGESIZE
 
 
@@ -52,6 +57,8 @@ def _libc() -> Any:
     lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     lib.mincore.restype = ctypes.c_int
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.madvise.restype = ctypes.c_int
   except (OSError, AttributeError):
     return None
   return lib
@@ -118,14 +125,39 @@ def _mincore(region: mmap.mmap, start: int, length: int) -> bool:
   return bool((np.frombuffer(memoryview(vec), np.uint8) & 1).all())
 
 
-def populate(region: mmap.mmap) -> bool:
-  """Faults every page of ``region`` in for reading, as ``MAP_POPULATE`` would; False
-  where the kernel lacks ``MADV_POPULATE_READ`` (map again with ``MAP_POPULATE``)."""
+def populate(region: mmap.mmap, start: int = 0, length: int | None = None, *, huge=False) -> bool:
+  """Faults bytes ``start .. start + length`` of ``region`` (page-aligned; all of it by
+  default) in for reading, as ``MAP_POPULATE`` would; False where the kernel lacks
+  ``MADV_POPULATE_READ`` (map again with ``MAP_POPULATE``).
+
+  The call waits on the disk for pages out of the page cache, without holding the GIL.
+  With ``huge``, the region is advised ``MADV_HUGEPAGE`` first: pages it reads from
+  disk enter the page cache as 2 MiB folios where the filesystem has large folios (ext4
+  and XFS on recent Linux), and a later mapping of those maps each with one page-table
+  entry instead of 512 (`docs/design.md` 4.5). Pages already cached keep their folios.
+  """
+  length = len(region) - start if length is None else length
+  if huge and MADV_HUGEPAGE is not None:
+    try:
+      region.madvise(MADV_HUGEPAGE, start, length)
+    except (OSError, ValueError):
+      pass  # only a hint
+  if _LIBC is None or not sys.platform.startswith("linux"):
+    try:
+      region.madvise(MADV_POPULATE_READ, start, length)
+    except (OSError, ValueError, AttributeError):
+      return False
+    return True
+  anchor = np.frombuffer(region, np.uint8)  # pins the mapping for the call
   try:
-    region.madvise(MADV_POPULATE_READ)
-  except (OSError, ValueError, AttributeError):
-    return False
-  return True
+    rc = _LIBC.madvise(anchor.ctypes.data + start, length, MADV_POPULATE_READ)
+  finally:
+    del anchor
+  if rc == 0:
+    return True
+  if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):
+    return False  # a kernel before 5.14
+  raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
 
 class VerifiedExtents:

@@ -248,8 +248,8 @@ class UnitStore(StackLayout):
 
   @property
   def advised_bytes(self) -> int:
-    """Chunk bytes found out of the page cache and asked of the kernel ahead of their
-    reads (`advise_unit`, and mapped reads for their own chunks) since the store opened."""
+    """Chunk bytes found out of the page cache and read ahead (`advise_unit`) or faulted
+    in (mapped reads of their own chunks) since the store opened."""
     return sum(m.advised_bytes for m in self._mappers)
 
   @property
@@ -370,7 +370,7 @@ class UnitStore(StackLayout):
     stack, j = locate(self._stacks, i, self.path)
     if stack.mapper is None or not (self._map or mapped.direct_reads_enabled()):
       return 0
-    return stack.mapper.advise_unit(j)
+    return stack.mapper.advise_unit(j, huge=self._map)
 
   def read_unit(
     self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None

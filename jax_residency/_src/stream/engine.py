@@ -11,8 +11,8 @@ its ``fetch(i)`` calls:
   ahead by the :class:`~.prefetch.PrefetchWorker` (``host_lookahead`` units
   protected ahead of the current one);
 * with ``host_budget_bytes == 0`` there is no host tier and no thread: units go
-  straight from the store to the device, and while they come from disk the kernel
-  is asked for the unit after next (into the page cache only).
+  straight from the store to the device, and while they come from disk the unit
+  after next is read ahead (into the page cache only).
 
 Counters are per pass and committed only when the pass succeeds.
 """

@@ -631,14 +631,10 @@ def fmt_bytes(n: float) -> str:
 QUICK = {"layers": 2, "d_model": 192, "d_ff": 768, "tokens": 8, "repeat": 1}
 
 
-def render(result: dict) -> str:
-  """The table: each figure for both sides and their ratio (jax_residency alone without peers)."""
-  out: list[str] = []
-  jrc, acc = result.get("jax_residency"), result.get("accelerate")
-  versions = result["versions"]
-  if jrc is None:
-    out.append("timings not reported: a parity gate failed")
-    return "\n".join(out)
+def table_rows(result: dict) -> list[tuple[str, ...]]:
+  """The table's rows: each figure for both sides and their ratio (jax_residency alone
+  without peers); the first row is the header."""
+  jrc, acc = result["jax_residency"], result.get("accelerate")
   repeat = len(result["runs"])
 
   def ratio(key: str) -> str:
@@ -702,12 +698,16 @@ def render(result: dict) -> str:
     ),
   ]
   if acc is None:
-    rows = [row[:2] for row in rows]
-  else:
-    rows = [rows[0], *((f, j, c, ratio(k) if k else "") for f, j, c, k in rows[1:])]
-  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [row[:2] for row in rows]
+  return [rows[0], *((f, j, c, ratio(k) if k else "") for f, j, c, k in rows[1:])]
+
+
+def describe(result: dict) -> tuple[str, str]:
+  """Two lines: the model and input, and what each side ran."""
+  jrc, acc, versions = result["jax_residency"], result.get("accelerate"), result["versions"]
+  repeat = len(result["runs"])
   runs_note = f"; medians of {repeat} runs" if repeat > 1 else ""
-  out.append(
+  model = (
     f"model: seeded toy transformer, {result['layers']} units, "
     f"{fmt_bytes(result['unit_bytes_total'])} of unit weights, float32; input "
     f"(1, {result['tokens']}) token ids{runs_note}"
@@ -718,11 +718,21 @@ def render(result: dict) -> str:
     if acc is not None
     else f"accelerate and torch rows skipped: {result['peers_skipped']}"
   )
-  out.append(
+  sides = (
     f"jax_residency: DenseDiskStream, 256 MiB host and device budgets (warm pass: host "
     f"{fmt_bytes(jrc['warm_host_budget_bytes'])}); {peer}"
   )
-  out.append("")
+  return model, sides
+
+
+def render(result: dict) -> str:
+  """The table: each figure for both sides and their ratio (jax_residency alone without peers)."""
+  jrc, acc = result.get("jax_residency"), result.get("accelerate")
+  if jrc is None:
+    return "timings not reported: a parity gate failed"
+  rows = table_rows(result)
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  out = [*describe(result), ""]
   for row in rows:
     out.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
   out.append("")
@@ -737,6 +747,24 @@ def render(result: dict) -> str:
     f"({jrc['stall_s']:.2f} s); first passes (compile / torch warm-up): {first}; "
     f"{result['wall_s']:.0f} s wall"
   )
+  return "\n".join(out)
+
+
+def markdown(result: dict) -> str:
+  """The result's figures as a Markdown table (``benchmarks/report.py``)."""
+  if result.get("jax_residency") is None:
+    return "Timings not reported: a parity gate failed."
+  rows = table_rows(result)
+  model, sides = describe(result)
+  out = [f"{model[0].upper()}{model[1:]}.", "", f"{sides}.", ""]
+  out.append("| " + " | ".join(rows[0]) + " |")
+  out.append("|" + "---|" * len(rows[0]))
+  for row in rows[1:]:
+    cells = [c.strip() if i else c.replace("  ", "&nbsp;&nbsp;") for i, c in enumerate(row)]
+    out.append("| " + " | ".join(cells) + " |")
+  par = result["parity"]
+  diffs = ", ".join(f"{k} {v:.1e}" for k, v in par["max_abs_diff"].items())
+  out += ["", f"Parity (max \\|diff\\|, logit scale {par['logit_scale']:.2f}): {diffs}."]
   return "\n".join(out)
 
 

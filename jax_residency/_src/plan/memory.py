@@ -21,7 +21,7 @@ STORE_INDEX_CACHE_BYTES = 16 << 20
 #: short-lived mappings (CPU, host budget 0), and the bytes each maps at a time:
 #: read-ahead holds at most their product mapped (the "read-ahead mappings" item).
 READ_AHEAD_THREADS = 8
-READ_AHEAD_WINDOW = 8 << 20
+READ_AHEAD_WINDOW = 2 << 20
 
 DEVICE_BUDGET = "device budget"
 HOST_BUDGET = "host budget"

@@ -5,7 +5,7 @@ and to undo, unless the pages sit in 2 MiB folios, which map with one entry each
 (`docs/design.md` 4.5). The kernel decides a folio's size when it reads the page
 from disk and keeps it while the page stays cached, so this module reads cold chunks
 the way that yields huge folios: by faulting them in through mappings advised
-``MADV_HUGEPAGE`` (`residency.populate` with ``huge``), in pieces on threads so that
+``MADV_HUGEPAGE`` (`residency.advise_huge`), in pieces on threads so that
 the disk serves several reads at once, as ``posix_fadvise(WILLNEED)`` (which yields
 4 KiB pages) did.
 
@@ -67,11 +67,12 @@ def fill(region: mmap.mmap, file_offset: int) -> list[concurrent.futures.Future]
   page-aligned) as huge folios, in `FILL_PIECE` pieces aligned in the file; each
   future gives `residency.populate`'s answer (False: the kernel cannot populate)."""
   pool = _pool("fill", FILL_THREADS)
+  residency.advise_huge(region)
   futures, start = [], 0
   while start < len(region):
     boundary = ((file_offset + start) // FILL_PIECE + 1) * FILL_PIECE  # in the file
     end = min(len(region), boundary - file_offset)
-    futures.append(pool.submit(residency.populate, region, start, end - start, huge=True))
+    futures.append(pool.submit(residency.populate, region, start, end - start))
     start = end
   return futures
 
@@ -94,7 +95,8 @@ def _fault_in_window(path: str, start: int, end: int) -> None:
     if length <= 0:
       return
     with mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=start) as m:
-      residency.populate(m, huge=True)
+      residency.advise_huge(m)
+      residency.populate(m)
   except (OSError, ValueError) as e:  # only a read-ahead: the read itself reports errors
     _log.debug("read-ahead of %s at %d failed: %s", path, start, e)
   finally:

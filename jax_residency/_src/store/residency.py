@@ -125,23 +125,29 @@ def _mincore(region: mmap.mmap, start: int, length: int) -> bool:
   return bool((np.frombuffer(memoryview(vec), np.uint8) & 1).all())
 
 
-def populate(region: mmap.mmap, start: int = 0, length: int | None = None, *, huge=False) -> bool:
+def advise_huge(region: mmap.mmap) -> None:
+  """Advises ``region`` (a file mapping) ``MADV_HUGEPAGE`` and ``MADV_RANDOM``: pages
+  its faults read from disk enter the page cache as 2 MiB folios where the filesystem
+  has large folios (ext4 and XFS on recent Linux), and a later mapping of those maps
+  each with one page-table entry instead of 512 (`docs/design.md` 4.5). ``MADV_RANDOM``
+  makes each fault read its own folio and no read-ahead beyond it, which would race
+  with a neighbouring range faulted on another thread and leave small folios where
+  they meet. Pages already cached keep their folios. Only a hint: errors are ignored.
+  """
+  for advice in (MADV_HUGEPAGE, getattr(mmap, "MADV_RANDOM", None)):
+    if advice is not None:
+      try:
+        region.madvise(advice)
+      except (OSError, ValueError):
+        pass
+
+
+def populate(region: mmap.mmap, start: int = 0, length: int | None = None) -> bool:
   """Faults bytes ``start .. start + length`` of ``region`` (page-aligned; all of it by
   default) in for reading, as ``MAP_POPULATE`` would; False where the kernel lacks
-  ``MADV_POPULATE_READ`` (map again with ``MAP_POPULATE``).
-
-  The call waits on the disk for pages out of the page cache, without holding the GIL.
-  With ``huge``, the region is advised ``MADV_HUGEPAGE`` first: pages it reads from
-  disk enter the page cache as 2 MiB folios where the filesystem has large folios (ext4
-  and XFS on recent Linux), and a later mapping of those maps each with one page-table
-  entry instead of 512 (`docs/design.md` 4.5). Pages already cached keep their folios.
-  """
+  ``MADV_POPULATE_READ`` (map again with ``MAP_POPULATE``). It waits on the disk for
+  pages out of the page cache without holding the GIL."""
   length = len(region) - start if length is None else length
-  if huge and MADV_HUGEPAGE is not None:
-    try:
-      region.madvise(MADV_HUGEPAGE, start, length)
-    except (OSError, ValueError):
-      pass  # only a hint
   if _LIBC is None or not sys.platform.startswith("linux"):
     try:
       region.madvise(MADV_POPULATE_READ, start, length)

@@ -168,7 +168,7 @@ class UnitMapper:
     out, checks = {}, []
     raw = self._raw_extents(unit)
     # Chunks out of the page cache are faulted in from disk in pieces, side by side on
-    # the fill threads, as huge folios (`residency.populate`); cached ones right here.
+    # the fill threads, as huge folios (`fault_in.fill`); cached ones right here.
     cold = self._find_cold([extent for _, extent, _ in raw])
     fills: list[tuple[ParamPath, list[concurrent.futures.Future]]] = []
     for rel, extent, nbytes in raw:
@@ -290,7 +290,7 @@ class UnitMapper:
     viewing the mapping, its file's identity, and ``resident``: whether all of its
     pages were in the page cache before any read-ahead (None: read it instead). A
     resident chunk's mapping is populated here; a cold one's is left to the caller
-    (`_fill_pieces`)."""
+    (`fault_in.fill`)."""
     start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
     skip = extent.offset - start
     if skip % ALIGNMENT:

@@ -42,14 +42,8 @@ SIZES = ("layers", "d_model", "d_ff", "heads", "vocab")
 POLICIES = ("resident", "dense-host0")
 
 
-def child(args: argparse.Namespace) -> dict:
-  """Times one process's first pass under ``args.child`` and digests its logits."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from flax import nnx
-
-  import jax_residency as jr
+def gpt(args: argparse.Namespace):
+  """The benchmark's :class:`GPTConfig` and the path of its store."""
   from jax_residency import models
 
   cfg = models.GPTConfig(
@@ -60,7 +54,20 @@ def child(args: argparse.Namespace) -> dict:
     n_layers=args.layers,
     max_len=PROMPT + 4,
   )
-  store = os.path.join(args.dir, f"gpt-{args.layers}x{args.d_model}x{args.d_ff}-v{args.vocab}")
+  return cfg, os.path.join(args.dir, f"gpt-{args.layers}x{args.d_model}x{args.d_ff}-v{args.vocab}")
+
+
+def child(args: argparse.Namespace) -> dict:
+  """Times one process's first pass under ``args.child`` and digests its logits."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  import jax_residency as jr
+  from jax_residency import models
+
+  cfg, store = gpt(args)
   if args.child == "resident":
     policy = jr.FullyResident()
   else:
@@ -99,18 +106,11 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def write_store(args: argparse.Namespace) -> None:
+  """Saves the benchmark's GPT (seeded weights) unless its store exists."""
   import jax_residency as jr
   from jax_residency import models
 
-  cfg = models.GPTConfig(
-    vocab_size=args.vocab,
-    d_model=args.d_model,
-    n_heads=args.heads,
-    d_ff=args.d_ff,
-    n_layers=args.layers,
-    max_len=PROMPT + 4,
-  )
-  store = os.path.join(args.dir, f"gpt-{args.layers}x{args.d_model}x{args.d_ff}-v{args.vocab}")
+  cfg, store = gpt(args)
   if not os.path.exists(store):
     jr.save(models.init_gpt(cfg, seed=0), store, progress=False)
 

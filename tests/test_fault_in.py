@@ -42,6 +42,13 @@ def _raw_extents(opened: st.UnitStore, unit: int) -> list[mapped.Extent]:
   return [extent for _, extent, _ in mapper._raw_extents(unit)]
 
 
+def _base(a: np.ndarray) -> object:
+  base: object = a
+  while isinstance(base, np.ndarray):
+    base = base.base
+  return base.obj if isinstance(base, memoryview) else base
+
+
 def _wait_resident(extents: list[mapped.Extent]) -> None:
   deadline = time.monotonic() + 30
   for extent in extents:
@@ -82,6 +89,25 @@ def test_cold_chunks_are_faulted_in_piece_by_piece_and_read_right(store, tmp_pat
   pieces.clear()
   opened.read_unit(0)  # from the page cache now: mapped and populated, no pieces
   assert pieces == []
+  copied.close()
+  opened.close()
+
+
+def test_without_populate_a_cold_chunk_is_still_mapped(store, tmp_path, monkeypatch):
+  """Where the kernel cannot populate a mapping (macOS, Linux before 5.14) a cold chunk
+  stays mapped and its pages fault in as they are read."""
+  monkeypatch.setattr(residency, "populate", lambda region, start=0, length=None: False)
+  copy = str(tmp_path / "store")
+  shutil.copytree(store, copy)
+  copied = st.UnitStore.open(store)
+  opened = st.UnitStore.open(copy)
+  assert opened.use_mapped_reads()
+  drop_pages(copy)
+  got, want = opened.read_unit(1), copied.read_unit(1)
+  mapped_views = [a for a in got.values() if isinstance(_base(a), mmap.mmap)]
+  assert mapped_views  # mapped, not read by copy
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=str(key))
   copied.close()
   opened.close()
 

@@ -183,13 +183,15 @@ class UnitMapper:
         fills.append((rel, fault_in.fill(fault_in.region_of(array), start)))
       if extent.length > nbytes and self.verified.needs_check(extent, identity, was_resident):
         checks.append((rel, extent, nbytes, name, identity))
+    # A piece that answers False (no populate: macOS, Linux before 5.14) leaves its
+    # pages to fault in as the step reads them; an unreadable chunk is read instead,
+    # and the read reports it.
     for rel, pieces in fills:
       try:
-        done = all([f.result() for f in pieces])
-      except OSError as e:  # unreadable: read it instead, and let the read report it
+        for piece in pieces:
+          piece.result()
+      except OSError as e:
         _log.debug("mapping %s failed: %s", rel, e)
-        done = False
-      if not done:
         del out[rel]
     return out, [
       (rel, _pool().submit(self._check, out[rel], extent, nbytes, name, unit, identity))

@@ -42,6 +42,17 @@ def _raw_extents(opened: st.UnitStore, unit: int) -> list[mapped.Extent]:
   return [extent for _, extent, _ in mapper._raw_extents(unit)]
 
 
+def _cold_copy(store: str, tmp_path) -> tuple[st.UnitStore, st.UnitStore]:
+  """A copy of ``store`` opened with mapped reads and dropped from the page cache, and
+  ``store`` itself opened to read the same units by copy."""
+  copy = str(tmp_path / "store")
+  shutil.copytree(store, copy)
+  opened = st.UnitStore.open(copy)
+  assert opened.use_mapped_reads()
+  drop_pages(copy)
+  return opened, st.UnitStore.open(store)
+
+
 def _base(a: np.ndarray) -> object:
   base: object = a
   while isinstance(base, np.ndarray):
@@ -72,12 +83,7 @@ def test_cold_chunks_are_faulted_in_piece_by_piece_and_read_right(store, tmp_pat
     return futures
 
   monkeypatch.setattr(fault_in, "fill", fill)
-  copy = str(tmp_path / "store")
-  shutil.copytree(store, copy)
-  copied = st.UnitStore.open(store)
-  opened = st.UnitStore.open(copy)
-  assert opened.use_mapped_reads()
-  drop_pages(copy)
+  opened, copied = _cold_copy(store, tmp_path)
   for i in range(CFG.n_layers):
     got, want = opened.read_unit(i), copied.read_unit(i)
     for key, value in want.items():
@@ -97,12 +103,7 @@ def test_without_populate_a_cold_chunk_is_still_mapped(store, tmp_path, monkeypa
   """Where the kernel cannot populate a mapping (macOS, Linux before 5.14) a cold chunk
   stays mapped and its pages fault in as they are read."""
   monkeypatch.setattr(residency, "populate", lambda region, start=0, length=None: False)
-  copy = str(tmp_path / "store")
-  shutil.copytree(store, copy)
-  copied = st.UnitStore.open(store)
-  opened = st.UnitStore.open(copy)
-  assert opened.use_mapped_reads()
-  drop_pages(copy)
+  opened, copied = _cold_copy(store, tmp_path)
   got, want = opened.read_unit(1), copied.read_unit(1)
   mapped_views = [a for a in got.values() if isinstance(_base(a), mmap.mmap)]
   assert mapped_views  # mapped, not read by copy

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import mmap
 import os
 import shutil
 
@@ -15,7 +14,7 @@ from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
 from jax_residency import testing
-from jax_residency._src.store import mapped
+from jax_residency._src.store import fault_in, mapped
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store.buffers import release_dropped_buffers
 from jax_residency.toy import ToyConfig
@@ -27,15 +26,6 @@ MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
 
 
 model, tokens, store = toy_fixtures(CFG, seeded=True)
-
-
-def _file_mapping(a: np.ndarray) -> mmap.mmap | None:
-  base = a
-  while isinstance(base, np.ndarray):
-    base = base.base
-  if isinstance(base, memoryview):
-    base = base.obj
-  return base if isinstance(base, mmap.mmap) else None
 
 
 def _unit_bytes_alive(opened: st.UnitStore) -> int:
@@ -56,7 +46,7 @@ def test_mapped_reads_match_copies_and_alias_the_file(store):
       np.testing.assert_array_equal(got[key], value, err_msg=str(key))
   assert opened.mapped_bytes_total > 0
   unit = opened.read_unit(1)
-  views = {k: a for k, a in unit.items() if _file_mapping(a) is not None}
+  views = {k: a for k, a in unit.items() if fault_in.region_of(a) is not None}
   # A tensor is mapped exactly when its chunk lies out of line at an offset XLA
   # can alias (the biases are small enough to sit inline in the index).
   extents = {k: opened._stacks[0].mapper._extent(k, 1) for k in unit}  # type: ignore[union-attr]
@@ -214,4 +204,4 @@ def test_odd_sized_values_do_not_shift_the_others_off_alignment(toy_store):
       assert extent is not None, key  # out of line
       if key not in odd:
         assert extent.offset % mapped.ALIGNMENT == 0, (key, i, extent)
-        assert _file_mapping(unit[key]) is not None, key
+        assert fault_in.region_of(unit[key]) is not None, key

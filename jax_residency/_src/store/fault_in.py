@@ -51,15 +51,15 @@ def _pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
     return _pools[name]
 
 
-def region_of(array: np.ndarray) -> mmap.mmap:
-  """The mapping an array made by `mapped.UnitMapper` views."""
+def region_of(array: np.ndarray) -> mmap.mmap | None:
+  """The file mapping ``array`` views (as the arrays of `mapped.UnitMapper` do), or
+  None if it views other memory."""
   region: object = array
   while isinstance(region, np.ndarray):
     region = region.base
   if isinstance(region, memoryview):
     region = region.obj
-  assert isinstance(region, mmap.mmap), type(region)
-  return region
+  return region if isinstance(region, mmap.mmap) else None
 
 
 def fill(region: mmap.mmap, file_offset: int) -> list[concurrent.futures.Future]:

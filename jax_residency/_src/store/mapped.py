@@ -180,7 +180,9 @@ class UnitMapper:
       out[rel] = array
       if not was_resident:
         start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
-        fills.append((rel, fault_in.fill(fault_in.region_of(array), start)))
+        region = fault_in.region_of(array)
+        assert region is not None
+        fills.append((rel, fault_in.fill(region, start)))
       if extent.length > nbytes and self.verified.needs_check(extent, identity, was_resident):
         checks.append((rel, extent, nbytes, name, identity))
     # A piece that answers False (no populate: macOS, Linux before 5.14) leaves its
@@ -415,6 +417,7 @@ def _check_mapped(
   themselves (no copy), hardware-accelerated and without the GIL (about 12 GiB/s on
   the development VM). ``array`` views the mapping, which holds the checksum too."""
   region = fault_in.region_of(array)
+  assert region is not None
   start = extent.offset % mmap.ALLOCATIONGRANULARITY
   with memoryview(region) as view:
     stored = int.from_bytes(view[start + nbytes : start + nbytes + CHECKSUM_BYTES], "little")

@@ -44,8 +44,8 @@ import numpy as np
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 #: ``madvise`` advice that lets a mapping's faults bring file pages in as huge folios.
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14 if sys.platform.startswith("linux") else None)
-#: A huge folio's bytes (x86-64 and arm64 with 4 KiB pages): the unit in which
-#: `populate` with ``huge`` brings a chunk in.
+#: A huge folio's bytes (x86-64 and arm64 with 4 KiB pages): what one fault through a
+#: mapping `advise_huge` advised brings in.
 HUGE_PAGE = 2 << 20
 _PAGE = mmap.PAGESIZE
 

@@ -272,6 +272,7 @@ SLOWEST_FIRST = (
   "tests/test_t5.py",  # 30 s
   "tests/test_stream.py",  # 25 s
   "tests/test_gpt.py",  # 25 s
+  "tests/test_examples.py",  # 25 s
   "tests/test_remote.py",  # 20 s, mostly waiting on time-outs
   "tests/test_testing.py",  # 20 s: a pytest subprocess
   "tests/test_faults.py",  # 18 s
@@ -279,7 +280,6 @@ SLOWEST_FIRST = (
   "tests/test_cli.py",  # 16 s
   "tests/test_minilm.py",  # 16 s
   "tests/test_quant.py",  # 15 s
-  "tests/test_examples.py",  # 25 s
   "tests/test_ggml.py",  # 15 s
   "tests/test_multiprocess.py",  # 10 s: two processes
 )

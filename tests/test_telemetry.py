@@ -518,3 +518,27 @@ def test_the_first_pass_compiles_and_an_identical_second_does_not(flaky, flaky_s
 def test_place_rejects_a_non_int_sequence_axis(flaky, axis):
   with pytest.raises(jr.PlacementError, match="sequence_axis"):
     jr.place(flaky, sequence_axis=axis)
+
+
+def test_each_compile_returns_the_heap_it_freed(monkeypatch):
+  """docs/memory.md, "Process memory beside the plan": after each XLA compile (not a
+  trace or a lowering) the C heap's free memory goes back to the system."""
+  import platform
+
+  from jax_residency._src.report import compile_time
+
+  if platform.libc_ver()[0] != "glibc":
+    assert compile_time.release_heap() is False
+    return
+  x = jnp.ones(9)
+  fresh = float(time.time_ns() % 1_000_003)  # a program no compilation cache holds
+  f = jax.jit(lambda x: jnp.cos(x) * fresh + 1.0)
+  trims = []
+  monkeypatch.setattr(compile_time, "_trim", lambda pad: trims.append(pad) or 1)
+  compile_time.install()
+  f(x).block_until_ready()  # traced, lowered, compiled: one compile
+  assert trims == [0]
+  f(x).block_until_ready()  # no compile, no trim
+  assert trims == [0]
+  compile_time._on_duration("/jax/core/compile/jaxpr_trace_duration", 0.1)  # a trace only
+  assert trims == [0]

@@ -287,6 +287,11 @@ def _break(source: str, path: str, kind: str) -> None:
   if kind in ("missing", "empty"):
     return
   shutil.copytree(source, path)
+  _damage(path, kind)
+
+
+def _damage(path: str, kind: str) -> None:
+  """Breaks the store at ``path`` in place as ``kind`` says."""
   if kind == "truncated-file":
     truncate_chunk_file(path, KERNEL, 2)
   elif kind == "deleted-file":
@@ -299,6 +304,24 @@ def _break(source: str, path: str, kind: str) -> None:
   elif kind == "bad-sidecar":
     with open(os.path.join(path, "jax_residency.json"), "w") as f:
       json.dump(["layers"], f)
+  elif kind == "flipped-manifest":  # one bit of the OCDBT manifest (it carries a CRC-32C)
+    with open(os.path.join(path, "manifest.ocdbt"), "r+b") as f:
+      data = bytearray(f.read())
+      data[len(data) // 2] ^= 1
+      f.seek(0)
+      f.write(data)
+  elif kind == "data-dir-gone":
+    shutil.rmtree(os.path.join(path, "d"))
+  elif kind.endswith("-gone"):  # one metadata file deleted
+    os.remove(os.path.join(path, GONE[kind]))
+
+
+#: The metadata files a store is broken by deleting, by kind.
+GONE = {
+  "manifest-gone": "manifest.ocdbt",
+  "metadata-gone": "_METADATA",
+  "sidecar-gone": "jax_residency.json",
+}
 
 
 #: For each broken store: the exit codes of inspect, plan, verify and run, and what the
@@ -318,6 +341,24 @@ EXPECTED = {
   "unreadable-dir": ((2, 2, 2, 2), ("{path}", "permission denied")),
   "bad-metadata": ((2, 2, 2, 2), ("{path}/_metadata is not valid json",)),
   "bad-sidecar": ((2, 2, 2, 2), ("{path}/jax_residency.json holds an array",)),
+  # Faults met when the store opens (docs/design.md, 5.4 "Integrity").
+  "flipped-manifest": ((2, 2, 2, 2), ("{path} is damaged", "{path}/manifest.ocdbt", "checksum")),
+  "data-dir-gone": ((2, 2, 2, 2), ("{path} is incomplete or damaged", "{path}/d/")),
+  "manifest-gone": ((2, 2, 2, 2), ("{path} lists arrays without zarr metadata",)),
+  # Without _METADATA the manifest and the sidecar still describe the store.
+  "metadata-gone": ((0, 0, 0, 0), ()),
+  "sidecar-gone": ((2, 2, 2, 2), ("{path} has no jax_residency.json",)),
+}
+
+#: Stores broken where they open: the error `place` raises under every policy, and
+#: what its message names.
+AT_OPEN = {
+  "flipped-manifest": (
+    jr.errors.StoreCorruptionError,
+    ("{path} is damaged", "{path}/manifest.ocdbt", "write it again"),
+  ),
+  "data-dir-gone": (jr.StoreError, ("{path} is incomplete or damaged", "{path}/d/", "restore")),
+  "manifest-gone": (jr.StoreLayoutError, ("{path} lists arrays without zarr metadata",)),
 }
 
 
@@ -362,6 +403,46 @@ def test_the_cli_answers_every_broken_store_on_one_line_without_a_traceback(requ
     assert "1 damaged chunk" in out
   else:
     assert err == "" and out
+
+
+@pytest.mark.parametrize("policy", ["resident", "layerwise", "dense"])
+@pytest.mark.parametrize("kind", list(AT_OPEN))
+def test_a_store_damaged_where_it_opens_is_a_typed_error_under_every_policy(
+  broken, model, kind, policy
+):
+  error, names = AT_OPEN[kind]
+  path = broken[kind]
+  chosen = {
+    "resident": jr.FullyResident(),
+    "layerwise": jr.LayerwiseHost(),
+    "dense": dense(0),
+  }[policy]
+  with pytest.raises(error) as raised:
+    jr.place(model, chosen, store=path, mesh=MESH1)
+  message = str(raised.value).lower()
+  for name in names:
+    assert name.format(path=path).lower() in message, (name, message)
+  if error is jr.errors.StoreCorruptionError:
+    assert raised.value.store == path
+
+
+@pytest.mark.parametrize("kind", list(AT_OPEN))
+def test_a_store_damaged_under_a_live_stream_is_a_typed_error_at_the_next_read(
+  store, model, tokens, expected, tmp_path, kind
+):
+  """The same damage done after a direct dense stream placed the store and ran a pass:
+  the next pass, which reads every unit again, raises a `StoreError` naming the store
+  (a manifest rewritten in place is a replaced store) and commits nothing."""
+  path = str(tmp_path / "store")
+  shutil.copytree(store, path)
+  with jr.place(model, dense(0), store=path, mesh=MESH1) as placed:
+    np.testing.assert_array_equal(np.asarray(placed(tokens)), expected)
+    _damage(path, kind)
+    with pytest.raises(jr.StoreError) as raised:
+      placed(tokens)
+    assert path in str(raised.value), raised.value
+    assert not isinstance(raised.value, jr.errors.PrefetchError)
+    assert placed.report().total.passes == 1
 
 
 # --- close() during a pass -------------------------------------------------------------------
@@ -546,6 +627,108 @@ def test_an_interrupted_save_leaves_the_old_store_and_nothing_else(
     assert _holds(path, model)
   jr.save(other, path, progress=False, overwrite=True)  # the next save just works
   assert os.listdir(tmp_path) == ["store"] and _holds(path, other)
+
+
+_INTERRUPTER = r"""
+import json, os, signal, sys, threading
+import numpy as np
+from flax import nnx
+import jax_residency as jr
+from jax_residency import models
+from jax_residency._src.models.toy import ToyConfig, ToyTransformer
+from jax_residency._src.store import commit, writer
+from jax_residency._src.store.rechunk import rechunk_store
+from jax_residency._src.store.unit_store import UnitStore
+
+base, hf, moments = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+cfg = ToyConfig(vocab=64, d_model=64, n_heads=4, d_ff=128, n_layers=4)
+old, new = (ToyTransformer(cfg, rngs=nnx.Rngs(seed)) for seed in (0, 7))
+source = os.path.join(base, "source")
+jr.save(new, source, progress=False)
+ops = {
+  "save": lambda dest: jr.save(new, dest, progress=False, overwrite=True),
+  "convert_hf": lambda dest: models.convert_hf(hf, dest, progress=False, overwrite=True),
+  "rechunk": lambda dest: rechunk_store(source, dest, progress=False, overwrite=True),
+}
+real_chunk, real_point = writer._write_chunk, commit.crash_point
+results = []
+for op, run in ops.items():
+  for name in ("SIGINT", "SIGTERM"):
+    for moment in moments[op]:
+      folder = os.path.join(base, f"{op}-{name}-{moment}".replace(" ", "_"))
+      os.mkdir(folder)
+      dest = os.path.join(folder, "store")
+      jr.save(old, dest, progress=False)
+      count = []
+
+      def fire():
+        signal.pthread_kill(threading.main_thread().ident, getattr(signal, name))
+
+      def chunk(handle, index, value, moment=moment, count=count):
+        count.append(1)
+        if moment == f"chunk {len(count)}":
+          fire()
+        return real_chunk(handle, index, value)
+
+      def point(step, moment=moment):
+        if moment == f"commit {step}":
+          fire()
+        return real_point(step)
+
+      writer._write_chunk, commit.crash_point = chunk, point
+      try:
+        run(dest)
+        got = "finished"
+      except KeyboardInterrupt:
+        got = "KeyboardInterrupt"
+      except SystemExit as e:
+        got = f"SystemExit({e.code})"
+      finally:
+        writer._write_chunk, commit.crash_point = real_chunk, real_point
+      with UnitStore.open(dest):
+        pass  # the path holds a whole store
+      results.append({
+        "case": [op, name, moment], "got": got, "left": sorted(os.listdir(folder)),
+        "term_handler_restored": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+      })
+print(json.dumps(results))
+"""
+
+#: When the interrupt comes, by operation: at the first or fourth chunk written, and at
+#: steps of the commit (`commit.crash_point`) reached by a local overwrite on Linux. The
+#: three share the writer; a save is interrupted at every moment.
+MOMENTS = {
+  "save": ["chunk 1", "chunk 4", "commit written", "commit exchanged", "commit cleaned"],
+  "convert_hf": ["chunk 4", "commit exchanged"],
+  "rechunk": ["chunk 4", "commit exchanged"],
+}
+
+
+def test_sigint_or_sigterm_during_a_write_removes_its_temporary_store(tmp_path):
+  """`jr.save`, `models.convert_hf` and `rechunk` over an existing store, interrupted by
+  SIGINT or SIGTERM at several moments, in a fresh process (where SIGTERM has its
+  default action): each stops (KeyboardInterrupt; SystemExit(143) for SIGTERM), leaves
+  no temporary beside the store, and the path holds a store that places."""
+  hf = os.path.join(ROOT, "tests", "fixtures", "llama_tiny_untied")
+  done = subprocess.run(
+    [sys.executable, "-c", _INTERRUPTER, str(tmp_path), hf, json.dumps(MOMENTS)],
+    capture_output=True,
+    text=True,
+    timeout=240,
+    cwd=ROOT,
+    env=_reader_env(),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads(done.stdout.splitlines()[-1])
+  assert len(results) == 2 * sum(map(len, MOMENTS.values()))
+  for r in results:
+    op, name, moment = r["case"]
+    if moment == "commit cleaned":  # the new store is in place; the old one being removed
+      assert r["got"] in ("finished", "KeyboardInterrupt", "SystemExit(143)"), r
+    else:
+      assert r["got"] == ("KeyboardInterrupt" if name == "SIGINT" else "SystemExit(143)"), r
+    assert r["left"] == ["store"], r  # no temporary, no old store aside
+    assert r["term_handler_restored"], r
 
 
 # --- RELIABILITY.md --------------------------------------------------------------------------

@@ -27,18 +27,27 @@ sibling (of any format or host, unless it belongs to a live process of this
 host) when the destination is missing is always safe: a writer still between its
 two renames then fails its second rename (the destination is no longer empty)
 and the path keeps the complete old store.
+
+A writer removes its own temporary when it fails, and when it is interrupted:
+SIGINT raises ``KeyboardInterrupt`` in Python, and while a store is being written
+SIGTERM raises ``SystemExit(143)`` (`terminations_raise`), so the cleanup runs
+before the process exits. SIGKILL cannot be caught: its temporary is the next
+save's to remove.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -54,6 +63,53 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 #: What `renameat2` answers where the OS or filesystem cannot exchange.
 _NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+#: Writers now inside `terminations_raise`, and the SIGTERM handler they replaced.
+_guarded = 0
+_replaced: Any = None
+_guard_lock = threading.Lock()
+
+
+def _terminated(signum: int, frame: Any) -> None:
+  raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def terminations_raise() -> Iterator[None]:
+  """While the block runs, SIGTERM raises ``SystemExit(143)`` in the main thread (the
+  exit status a shell reports for a process killed by SIGTERM), so a writer's
+  cleanup runs and removes its temporary store. Only where SIGTERM has its default
+  action and this is the main thread: a handler the program installed is kept.
+
+  Example:
+    >>> import os, signal
+    >>> with terminations_raise():
+    ...   try:
+    ...     os.kill(os.getpid(), signal.SIGTERM)
+    ...   except SystemExit as e:
+    ...     print(e.code)
+    143
+    >>> signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    True
+  """
+  global _guarded, _replaced
+  installed = False
+  with _guard_lock:
+    main = threading.current_thread() is threading.main_thread()
+    if main and (_guarded or signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+      if not _guarded:
+        _replaced = signal.signal(signal.SIGTERM, _terminated)
+      _guarded += 1
+      installed = True
+  try:
+    yield
+  finally:
+    if installed:
+      with _guard_lock:
+        _guarded -= 1
+        if not _guarded:
+          signal.signal(signal.SIGTERM, _replaced)
 
 
 def crash_point(step: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import reprlib
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -405,15 +406,46 @@ def discover_checked(
   path: str, loc: Location, context: ts.Context, *, sidecar_key: str
 ) -> Discovered:
   """The store's arrays and sidecar (`discover`), with unreadable metadata,
-  manifests or data files raised as a `StoreError` that names ``path`` and the fix."""
+  manifests or data files raised as typed errors (`opening_error`)."""
   try:
     return discover(loc, context, sidecar_key=sidecar_key)
   except errors.StoreError:
     raise
   except (ValueError, OSError) as e:  # corrupt metadata, manifest or data files
-    advice = read_advice(str(e))
-    if advice.startswith("Check that"):  # not a permission problem: damaged or not a store
-      advice = "Write it again with jax_residency.save, or point at the checkpoint directory."
-    raise errors.StoreError(
-      f"{path} is not a readable checkpoint ({type(e).__name__}: {e}). {advice}"
-    ) from e
+    raise opening_error(e, path) from e
+
+
+#: A file TensorStore names in its error text.
+_NAMED_FILE = re.compile(r'(?:local )?file "([^"]+)"')
+
+
+def opening_error(error: BaseException, path: str) -> errors.StoreError:
+  """The typed error for a store at ``path`` that failed to open, from TensorStore's
+  status code (docs/design.md, 5.4 "Integrity"): ``DATA_LOSS`` (a file that fails its
+  checksum or cannot be decoded: the manifest, an index node) is a
+  `StoreCorruptionError`; ``NOT_FOUND`` (a file the manifest lists is gone, such as
+  the data directory ``d/``) a `StoreError` for an incomplete or damaged store;
+  ``PERMISSION_DENIED`` a `StoreError` about permissions. Each names the store, the
+  file where TensorStore names one, and the fix."""
+  text = str(error)
+  found = _NAMED_FILE.search(text)
+  where = f" ({found.group(1)})" if found else ""
+  if "DATA_LOSS" in text:
+    return errors.StoreCorruptionError(
+      f"The store at {path} is damaged: a file it cannot be read without fails its "
+      f"checksum or cannot be decoded{where}: {text}. Write it again from the original "
+      "model or checkpoint, or restore it from a copy.",
+      store=path,
+    )
+  if "NOT_FOUND" in text:
+    return errors.StoreError(
+      f"The store at {path} is incomplete or damaged: a file its index lists is "
+      f"missing{where}: {text}. Write it again from the original model or checkpoint, "
+      "or restore the missing files."
+    )
+  advice = read_advice(text)
+  if advice.startswith("Check that"):  # not a permission problem: damaged or not a store
+    advice = "Write it again with jax_residency.save, or point at the checkpoint directory."
+  return errors.StoreError(
+    f"{path} is not a readable checkpoint ({type(error).__name__}: {text}). {advice}"
+  )

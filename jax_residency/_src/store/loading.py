@@ -86,7 +86,7 @@ def recorded_in(
   if loc.local is not None:  # a save that died between its two renames
     commit.recover_local(loc.local)
   context = handles.store_context(reads=loc.reads)
-  found = discovery.discover(loc, context, sidecar_key=SIDECAR_KEY)
+  found = discovery.discover_checked(loc.path, loc, context, sidecar_key=SIDECAR_KEY)
   return checks.recorded_stacks(found), checks.recorded_quantization(found, loc.path)
 
 

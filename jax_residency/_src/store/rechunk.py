@@ -13,6 +13,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_residency._src import errors
+from jax_residency._src.store import commit
 from jax_residency._src.store.discovery import locate
 from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.unit_store import UnitStore
@@ -64,31 +65,32 @@ def rechunk_store(
     cache_largest_chunk=True,
   )
   info = source.info
-  writer = StoreWriter(
-    dst,
-    overwrite=overwrite,
-    progress=progress,
-    total=info.total_unit_bytes + info.static_nbytes,
-    desc="rechunk_store",
-  )
-  try:
-    for p, (shape, dtype) in source.static_specs.items():
-      handle = writer.create(p, shape, dtype, shape)
-      writer.write(handle, (), source.array_handle(p).read().result())
-    for k, stack in enumerate(source.stacks):
-      for rel, (shape, dtype) in source.stack_specs(k).items():
-        handle = writer.create(stack.prefix + rel, (stack.count, *shape), dtype, (1, *shape))
-        src_handle = source.array_handle(stack.prefix + rel)
-        for i in range(stack.count):
-          writer.write(handle, i, _read_unit_slice(src_handle, i))
-    writer.commit(
-      stacks=[(st.prefix, st.count) for st in source.stacks],
-      quantization=None if info.quantization is None else info.quantization.to_dict(),
+  with commit.terminations_raise():  # SIGTERM, as SIGINT, removes the temporary store
+    writer = StoreWriter(
+      dst,
+      overwrite=overwrite,
+      progress=progress,
+      total=info.total_unit_bytes + info.static_nbytes,
+      desc="rechunk_store",
     )
-  except BaseException as e:
-    if (disk_full := writer.fail(e)) is not None:
-      raise disk_full from e
-    raise
-  finally:
-    source.close()
+    try:
+      for p, (shape, dtype) in source.static_specs.items():
+        handle = writer.create(p, shape, dtype, shape)
+        writer.write(handle, (), source.array_handle(p).read().result())
+      for k, stack in enumerate(source.stacks):
+        for rel, (shape, dtype) in source.stack_specs(k).items():
+          handle = writer.create(stack.prefix + rel, (stack.count, *shape), dtype, (1, *shape))
+          src_handle = source.array_handle(stack.prefix + rel)
+          for i in range(stack.count):
+            writer.write(handle, i, _read_unit_slice(src_handle, i))
+      writer.commit(
+        stacks=[(st.prefix, st.count) for st in source.stacks],
+        quantization=None if info.quantization is None else info.quantization.to_dict(),
+      )
+    except BaseException as e:
+      if (disk_full := writer.fail(e)) is not None:
+        raise disk_full from e
+      raise
+    finally:
+      source.close()
   return dataclasses.replace(info, path=dst)

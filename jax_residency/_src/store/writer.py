@@ -373,26 +373,27 @@ def save_store(
     for prefix, arrays, _ in laid_out
   }
   static_nbytes = sum(tensor_nbytes(a.shape, dtypes[p]) for p, a in static_arrays.items())
-  writer = StoreWriter(
-    path,
-    overwrite=overwrite,
-    progress=progress,
-    total=sum(unit_nbytes[p] * n for p, _, n in laid_out) + static_nbytes,
-    desc=desc,
-    in_flight=in_flight_bytes,
-  )
-  try:
-    _write_static(writer, static_arrays, dtypes)
-    _write_stacks(writer, laid_out, dtypes)
-    writer.commit(
-      stacks=[(prefix, count) for prefix, _, count in laid_out],
-      extra=extra,
-      quantization=None if quantization is None else quantization.to_dict(),
+  with commit.terminations_raise():  # SIGTERM, as SIGINT, removes the temporary store
+    writer = StoreWriter(
+      path,
+      overwrite=overwrite,
+      progress=progress,
+      total=sum(unit_nbytes[p] * n for p, _, n in laid_out) + static_nbytes,
+      desc=desc,
+      in_flight=in_flight_bytes,
     )
-  except BaseException as e:
-    if (disk_full := writer.fail(e)) is not None:
-      raise disk_full from e
-    raise
+    try:
+      _write_static(writer, static_arrays, dtypes)
+      _write_stacks(writer, laid_out, dtypes)
+      writer.commit(
+        stacks=[(prefix, count) for prefix, _, count in laid_out],
+        extra=extra,
+        quantization=None if quantization is None else quantization.to_dict(),
+      )
+    except BaseException as e:
+      if (disk_full := writer.fail(e)) is not None:
+        raise disk_full from e
+      raise
   return StoreInfo(
     path=path,
     unit_prefix=laid_out[0][0],

@@ -4,6 +4,12 @@ was planned."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +19,7 @@ from policies import dense
 import jax_residency as jr
 from jax_residency import testing
 from jax_residency._src.plan import budget as plan
+from jax_residency._src.plan import memory
 from jax_residency._src.store.buffers import BufferPool, buffer_layout
 from jax_residency.toy import ToyConfig, ToyTransformer
 
@@ -193,3 +200,75 @@ def test_jitted_passes_report_their_program_temporaries(model, policy):
   temps = [p.step_temp_bytes for p in passes]
   assert 0 < temps[0] < temps[1] and temps[2] == temps[0]
   assert passes[2].compile_seconds == 0.0  # the small input's program was reused
+
+
+# --- the process, measured -------------------------------------------------------------------
+
+_MEASURE = r"""
+import ctypes, gc, json, os, sys
+import jax, numpy as np
+from flax import nnx
+import jax_residency as jr
+from jax_residency.toy import ToyConfig, ToyTransformer
+
+store, cfg = sys.argv[1], ToyConfig(**json.loads(sys.argv[2]))
+unit = cfg.unit_bytes()
+trim = ctypes.CDLL(None).malloc_trim
+
+def status(key):
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+abstract = nnx.eval_shape(lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0)))
+tokens = jax.numpy.zeros((1, 8), jax.numpy.int32)
+jax.block_until_ready(tokens)
+policies = {
+  "dense, host 0": jr.DenseDiskStream(host_budget_bytes=0, device_budget_bytes=3 * unit),
+  "dense, host 2 units": jr.DenseDiskStream(
+    host_budget_bytes=2 * unit, device_budget_bytes=3 * unit
+  ),
+  "LayerwiseHost": jr.LayerwiseHost(),
+  "FullyResident": jr.FullyResident(),
+}
+out = {}
+for name, policy in policies.items():
+  gc.collect()
+  trim(0)
+  with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
+    f.write("5")
+  baseline = status("VmRSS")
+  with jr.place(abstract, policy, store=store) as placed:
+    jax.block_until_ready(placed(tokens))  # compiles, then runs
+    jax.block_until_ready(placed(tokens))
+    planned = placed.metadata.planned_process_bytes
+  out[name] = {"growth": status("VmHWM") - baseline, "planned": planned}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_process_grows_by_at_most_its_plan_and_the_runtime_allowance(tmp_path):
+  """docs/memory.md, "Process memory beside the plan": a model with 75 MiB units placed
+  from its store under each policy, in a fresh process, twice run: the process's peak
+  RSS (``VmHWM``, reset before each placement) grows by at most the placement's
+  ``planned_process_bytes`` plus `RUNTIME_ALLOWANCE_BYTES`, and by more than the plan
+  less the allowance and two units (the process did hold what the plan names)."""
+  cfg = ToyConfig(vocab=256, d_model=1280, n_heads=8, d_ff=5120, n_layers=4)
+  assert cfg.unit_bytes() > memory.RUNTIME_ALLOWANCE_BYTES
+  store = str(tmp_path / "store")
+  jr.save(ToyTransformer(cfg, rngs=nnx.Rngs(0)), store, progress=False)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+  env["JAX_PLATFORMS"] = "cpu"
+  done = subprocess.run(
+    [sys.executable, "-c", _MEASURE, store, json.dumps(dataclasses.asdict(cfg))],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  measured = json.loads(done.stdout.splitlines()[-1])
+  allowance = memory.RUNTIME_ALLOWANCE_BYTES
+  for name, m in measured.items():
+    assert m["growth"] <= m["planned"] + allowance, (name, m, allowance)
+    assert m["growth"] >= m["planned"] - allowance - 2 * cfg.unit_bytes(), (name, m)

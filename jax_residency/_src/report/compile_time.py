@@ -15,9 +15,9 @@ program caches) and the temporaries it allocates (:func:`temp_bytes`).
 
 The same listener returns the heap a compile leaves behind (:func:`release_heap`).
 XLA's compiler allocates tens of MiB while it compiles and frees them at the end,
-but glibc keeps freed memory in its arenas: on the memory sweep's 400 MiB units,
-30 of the 56 MiB of anonymous memory a placement held after its first pass was
-such freed heap (docs/memory.md, "Process memory beside the plan").
+but glibc keeps freed memory in its arenas, where it counts as the process's
+anonymous memory (docs/memory.md, "Process memory beside the plan", has the
+memory sweep's figures before and after).
 """
 
 from __future__ import annotations

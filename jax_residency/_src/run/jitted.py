@@ -6,12 +6,23 @@ window), and runs the forward as one XLA program per input signature, compiled
 ahead of its first call so each pass reports its temporaries. Called under a
 JAX transformation (``jax.grad``, ``jax.make_jaxpr``, an outer ``jit``) the
 forward is traced instead, so input gradients work.
+
+A pass's ``peak_*`` unit figures are measured (`held_units`): the unit arrays the
+placement holds when the pass ends, still alive (not deleted), by memory kind, per
+device. These placements hold every unit for their whole life, so what they hold at
+the end of a pass is what they held during it. ``LayerwiseHost``'s device window is
+not an array the placement holds: it lives inside the compiled program, among its
+temporaries (``step_temp_bytes``, from XLA's memory analysis); the planned window is
+``metadata.device_window_bytes``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -151,16 +162,16 @@ class JittedExecutor:
         exe, temp, shares = self._program(args, kwargs)
         out = exe(self._static, self._units, *args, **kwargs)
     out = jax.block_until_ready(out)
-    meta = self.metadata
     moved = sum(s.bytes_moved for s in shares.values())
+    held = held_units(self._units, [(s.leaf_slice, s.count) for s in self._split.stacks])
     self.telemetry.commit_pass(
       args=args,
       seconds=time.perf_counter() - start,
       counters=PassCounters(host_to_device_bytes=moved, step_temp_bytes=temp, stacks=shares),
-      peak_device_units=meta.device_window_units,
-      peak_device_bytes=meta.device_window_bytes,
-      peak_host_units=meta.layer_count if self._layerwise else 0,
-      peak_host_bytes=meta.largest_host_unit_bytes * meta.layer_count if self._layerwise else 0,
+      peak_device_units=held[pl.DEVICE][0],
+      peak_device_bytes=held[pl.DEVICE][1],
+      peak_host_units=held[pl.PINNED_HOST][0],
+      peak_host_bytes=held[pl.PINNED_HOST][1],
     )
     return out
 
@@ -207,11 +218,45 @@ class JittedExecutor:
         memory="host",
         nbytes=transit_bytes(split, opened),
         counted_in=OVERHEAD,
-        note="at placement only: one stored array read and on its way to its memory "
-        "(and the decode of a chunk of several units)",
+        note="at placement only: one stored array read and on its way to its memory, "
+        "TensorStore's buffers of its chunks (and the decode of a chunk of several units)",
       )
       self.metadata = dataclasses.replace(self.metadata, memory=(*self.metadata.memory, loading))
       return values, opened.own_read_bytes
+
+
+def held_units(
+  units: Sequence[Any], stacks: Sequence[tuple[slice, int]]
+) -> dict[str, tuple[int, int]]:
+  """``{memory kind: (units, bytes)}`` of the unit arrays in ``units`` that are alive:
+  for each kind, the most bytes any one device holds in it, and the units of the
+  stacks (``(leaf slice, unit count)``) with a live leaf there. A kind holding nothing
+  answers ``(0, 0)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> a, b = jnp.zeros((3, 4)), jnp.zeros((3, 2), jnp.int8)  # one stack of 3 units
+    >>> held_units([a, b], [(slice(0, 2), 3)])["device"], held_units([a], [])["pinned_host"]
+    ((3, 54), (0, 0))
+    >>> b.delete()
+    >>> held_units([a, b], [(slice(0, 2), 3)])["device"]
+    (3, 48)
+  """
+  per_device: dict[tuple[str, Any], int] = collections.defaultdict(int)
+  kinds_of: list[set[str]] = [set() for _ in units]
+  for i, a in enumerate(units):
+    if not isinstance(a, jax.Array) or a.is_deleted():
+      continue
+    kind = a.sharding.memory_kind or pl.DEVICE
+    shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+    for device in a.sharding.addressable_devices:
+      per_device[(kind, device)] += shard
+    kinds_of[i].add(kind)
+  out: dict[str, tuple[int, int]] = collections.defaultdict(lambda: (0, 0))
+  for kind in {k for k, _ in per_device}:
+    count = sum(n for leaves, n in stacks if any(kind in ks for ks in kinds_of[leaves]))
+    out[kind] = (count, max(v for (k, _), v in per_device.items() if k == kind))
+  return out
 
 
 def _own_weights(split: SplitModel) -> list[Any]:

@@ -267,6 +267,7 @@ SLOWEST_FIRST = (
   "tests/test_llama.py",  # 75 s
   "tests/test_notebooks.py",  # 60 s: five notebook kernels
   "tests/test_quantized_stores.py",  # 45 s: every policy, scheme and mesh
+  "tests/test_faults.py",  # 40 s: broken stores, a reader as nobody, interrupted writes
   "tests/test_placement.py",  # 30 s
   "tests/test_gguf.py",  # 30 s
   "tests/test_t5.py",  # 30 s
@@ -275,7 +276,7 @@ SLOWEST_FIRST = (
   "tests/test_examples.py",  # 25 s
   "tests/test_remote.py",  # 20 s, mostly waiting on time-outs
   "tests/test_testing.py",  # 20 s: a pytest subprocess
-  "tests/test_faults.py",  # 18 s
+  "tests/test_memory_plan.py",  # 20 s: a fresh process placing under each policy
   "tests/test_lint.py",  # 17 s with mypy's cache cold, as on CI
   "tests/test_cli.py",  # 16 s
   "tests/test_minilm.py",  # 16 s

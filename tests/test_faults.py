@@ -698,7 +698,7 @@ print(json.dumps(results))
 #: steps of the commit (`commit.crash_point`) reached by a local overwrite on Linux. The
 #: three share the writer; a save is interrupted at every moment.
 MOMENTS = {
-  "save": ["chunk 1", "chunk 4", "commit written", "commit exchanged", "commit cleaned"],
+  "save": ["chunk 1", "chunk 4", "commit exchanged", "commit cleaned"],
   "convert_hf": ["chunk 4", "commit exchanged"],
   "rechunk": ["chunk 4", "commit exchanged"],
 }

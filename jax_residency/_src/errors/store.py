@@ -76,6 +76,8 @@ class StoreCorruptionError(StoreError):
   placement, the dense stream (mapped or copied reads) and ``jax-residency verify``,
   which checks every chunk and lists every damaged tensor. Carries ``store``,
   ``tensor`` (the dot-separated path) and ``unit`` (None for a static tensor).
+  Also raised when a store opens and its OCDBT manifest (or an index node) fails
+  its own checksum; ``tensor`` and ``unit`` are then None.
 
   Example:
     >>> import glob, os, tempfile, jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr

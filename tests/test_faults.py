@@ -630,7 +630,7 @@ def test_an_interrupted_save_leaves_the_old_store_and_nothing_else(
 
 
 _INTERRUPTER = r"""
-import json, os, signal, sys, threading
+import json, os, shutil, signal, sys, threading
 import numpy as np
 from flax import nnx
 import jax_residency as jr
@@ -643,8 +643,9 @@ from jax_residency._src.store.unit_store import UnitStore
 base, hf, moments = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 cfg = ToyConfig(vocab=64, d_model=64, n_heads=4, d_ff=128, n_layers=4)
 old, new = (ToyTransformer(cfg, rngs=nnx.Rngs(seed)) for seed in (0, 7))
-source = os.path.join(base, "source")
+source, before = os.path.join(base, "source"), os.path.join(base, "before")
 jr.save(new, source, progress=False)
+jr.save(old, before, progress=False)
 ops = {
   "save": lambda dest: jr.save(new, dest, progress=False, overwrite=True),
   "convert_hf": lambda dest: models.convert_hf(hf, dest, progress=False, overwrite=True),
@@ -658,7 +659,7 @@ for op, run in ops.items():
       folder = os.path.join(base, f"{op}-{name}-{moment}".replace(" ", "_"))
       os.mkdir(folder)
       dest = os.path.join(folder, "store")
-      jr.save(old, dest, progress=False)
+      shutil.copytree(before, dest)  # the store being replaced
       count = []
 
       def fire():

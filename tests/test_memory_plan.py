@@ -247,7 +247,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_a_process_grows_by_at_most_its_plan_and_the_runtime_allowance(tmp_path):
+def test_a_process_grows_by_at_most_its_plan_and_the_runtime_allowance(tmp_path, seeded_nnx):
   """docs/memory.md, "Process memory beside the plan": a model with 48 MiB units placed
   from its store under each policy, in a fresh process, twice run: the process's peak
   RSS (``VmHWM``, reset before each placement) grows by at most the placement's
@@ -256,7 +256,7 @@ def test_a_process_grows_by_at_most_its_plan_and_the_runtime_allowance(tmp_path)
   cfg = ToyConfig(vocab=256, d_model=1024, n_heads=8, d_ff=4096, n_layers=4)
   assert cfg.unit_bytes() > 3 * memory.RUNTIME_ALLOWANCE_BYTES // 4  # weights dominate
   store = str(tmp_path / "store")
-  jr.save(ToyTransformer(cfg, rngs=nnx.Rngs(0)), store, progress=False)
+  jr.save(seeded_nnx(lambda: ToyTransformer(cfg, rngs=nnx.Rngs(0))), store, progress=False)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
   env["JAX_PLATFORMS"] = "cpu"
   done = subprocess.run(

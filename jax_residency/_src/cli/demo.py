@@ -328,6 +328,8 @@ class DemoResult:
       "",
       "peak RSS: the whole process while the policy was placed and run. On CPU the device is",
       "host memory too, and fully_resident / layerwise_host also hold the plain model.",
+      "device window: the unit bytes a pass held on the device, measured; layerwise_host's",
+      "window is inside its compiled program, so its planned size is shown.",
       f"{'all outputs match the plain model' if self.ok else 'PARITY FAILED'}; "
       f"{self.seconds:.1f} s ({_process_seconds():.1f} s since the process started)",
     ]
@@ -370,11 +372,22 @@ def _demo_row(run: PolicyRun) -> list[str]:
     run.name,
     fmt_seconds(run.seconds),
     "n/a" if run.peak_rss_bytes is None else fmt_bytes(run.peak_rss_bytes),
-    f"{p.peak_device_units} units, {fmt_bytes(p.peak_device_bytes)}",
+    _window(run),
     fmt_bytes(p.bytes_read) if streams else "-",
     "-" if hit is None else f"{100 * hit:.0f}% (host)",
     parity,
   ]
+
+
+def _window(run: PolicyRun) -> str:
+  """The device window column: the pass's measured peak, or for ``layerwise_host``, whose
+  window is inside its compiled program (no array the placement holds), the plan's."""
+  p = _last_pass(run)
+  if run.name == "layerwise_host":
+    meta = run.report.metadata
+    units, nbytes = meta["device_window_units"], meta["device_window_bytes"]
+    return f"{units} units, {fmt_bytes(nbytes)} (planned)"
+  return f"{p.peak_device_units} units, {fmt_bytes(p.peak_device_bytes)}"
 
 
 def _demo_row_json(run: PolicyRun) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Stores on an S3-compatible server: moto's standalone server (`moto[server]`) on
+"""Stores on an S3-compatible server: moto's standalone server (``python -m moto.server``) on
 127.0.0.1, reached through the AWS SDKs' endpoint variable (``AWS_ENDPOINT_URL_S3``,
 `jax_residency._src.store.discovery.s3_spec`). A save to ``s3://`` places under every
 policy bit for bit as the local store does, verifies, inspects and is overwritten.
@@ -26,7 +26,7 @@ from jax_residency._src.cli import main as cli
 from jax_residency._src.store.verify import verify_store
 from jax_residency.toy import ToyConfig, ToyTransformer
 
-pytest.importorskip("moto", reason="the S3 tests need moto[server] (the test extras)")
+pytest.importorskip("moto", reason="the S3 tests need moto, flask and flask-cors (test extras)")
 
 CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4)
 MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))

@@ -22,6 +22,33 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--d-ff", type=int, default=6144)
 
 
+def add_gpt_args(
+  parser: argparse.ArgumentParser, *, layers: int, d_model: int, d_ff: int, heads: int, vocab: int
+) -> None:
+  """A GPT's size flags (``--layers``, ``--d-model``, ``--d-ff``, ``--heads``,
+  ``--vocab``) with a benchmark's defaults; :func:`gpt_config` reads them."""
+  parser.add_argument("--layers", type=int, default=layers)
+  parser.add_argument("--d-model", type=int, default=d_model)
+  parser.add_argument("--d-ff", type=int, default=d_ff)
+  parser.add_argument("--heads", type=int, default=heads)
+  parser.add_argument("--vocab", type=int, default=vocab)
+
+
+def gpt_config(args: argparse.Namespace, max_len: int, *, tie_head: bool = False):
+  """The :class:`jax_residency.models.GPTConfig` that :func:`add_gpt_args`' flags size."""
+  from jax_residency import models
+
+  return models.GPTConfig(
+    vocab_size=args.vocab,
+    d_model=args.d_model,
+    n_heads=args.heads,
+    d_ff=args.d_ff,
+    n_layers=args.layers,
+    max_len=max_len,
+    tie_head=tie_head,
+  )
+
+
 def config(args: argparse.Namespace):
   """The benchmark's toy transformer, sized by :func:`add_model_args`' flags."""
   from jax_residency.toy import ToyConfig

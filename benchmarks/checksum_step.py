@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 
+import _measure
 import _result
 
 STEP_RATIO_TARGET = 1.1  # target: page-cache step with checksums <= 1.1x without
@@ -65,14 +66,7 @@ def child(args: argparse.Namespace, checksums: bool) -> dict:
   from jax_residency._src.store.unit_store import UnitStore
 
   max_len = 8 + args.steps + 4
-  cfg = models.GPTConfig(
-    vocab_size=args.vocab,
-    d_model=args.d_model,
-    n_heads=args.heads,
-    d_ff=args.d_ff,
-    n_layers=args.layers,
-    max_len=max_len,
-  )
+  cfg = _measure.gpt_config(args, max_len)
   tag = f"gpt-{args.layers}x{args.d_model}x{args.d_ff}-v{args.vocab}-t{max_len}"
   store = os.path.join(args.dir, f"{tag}-{'crc' if checksums else 'plain'}")
   if not os.path.exists(store):
@@ -148,11 +142,7 @@ def main() -> int:
     help="keep the stores here and reuse them (default: a temporary directory named"
     " jr_checksum_step; with --quick, a fresh one removed afterwards)",
   )
-  parser.add_argument("--layers", type=int, default=4)
-  parser.add_argument("--d-model", type=int, default=2048)
-  parser.add_argument("--d-ff", type=int, default=8192)
-  parser.add_argument("--heads", type=int, default=16)
-  parser.add_argument("--vocab", type=int, default=16000)
+  _measure.add_gpt_args(parser, layers=4, d_model=2048, d_ff=8192, heads=16, vocab=16000)
   parser.add_argument("--steps", type=int, default=16)
   parser.add_argument("--repeat", type=int, default=3, help="fresh processes per store")
   _result.add_args(parser)

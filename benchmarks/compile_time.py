@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 
+import _measure
 import _result
 
 FIRST_PASS_RATIO_TARGET = 0.5  # target: warm first pass <= 0.5x the cold one
@@ -44,16 +45,7 @@ POLICIES = ("resident", "dense-host0")
 
 def gpt(args: argparse.Namespace):
   """The benchmark's :class:`GPTConfig` and the path of its store."""
-  from jax_residency import models
-
-  cfg = models.GPTConfig(
-    vocab_size=args.vocab,
-    d_model=args.d_model,
-    n_heads=args.heads,
-    d_ff=args.d_ff,
-    n_layers=args.layers,
-    max_len=PROMPT + 4,
-  )
+  cfg = _measure.gpt_config(args, PROMPT + 4)
   return cfg, os.path.join(args.dir, f"gpt-{args.layers}x{args.d_model}x{args.d_ff}-v{args.vocab}")
 
 
@@ -190,11 +182,7 @@ def main() -> int:
     help="keep the store here and reuse it (default: a temporary directory named"
     " jr_compile_time; with --quick, a fresh one removed afterwards)",
   )
-  parser.add_argument("--layers", type=int, default=4)
-  parser.add_argument("--d-model", type=int, default=1024)
-  parser.add_argument("--d-ff", type=int, default=4096)
-  parser.add_argument("--heads", type=int, default=8)
-  parser.add_argument("--vocab", type=int, default=8000)
+  _measure.add_gpt_args(parser, layers=4, d_model=1024, d_ff=4096, heads=8, vocab=8000)
   parser.add_argument("--repeat", type=int, default=3, help="pairs of processes per policy")
   _result.add_args(parser)
   parser.add_argument("--child", choices=POLICIES, help=argparse.SUPPRESS)

@@ -169,6 +169,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules
 
+import _measure  # noqa: E402
 import _result  # noqa: E402
 from _measure import (  # noqa: E402
   AnonPeak,
@@ -253,17 +254,7 @@ def label(name: str) -> str:
 
 def gpt_config(args: argparse.Namespace):
   """The benchmark's :class:`GPTConfig`; it holds the prompt and every decode step."""
-  from jax_residency import models
-
-  return models.GPTConfig(
-    vocab_size=args.vocab,
-    d_model=args.d_model,
-    n_heads=args.heads,
-    d_ff=args.d_ff,
-    n_layers=args.layers,
-    max_len=args.prompt_len + args.steps,
-    tie_head=args.tie_head,
-  )
+  return _measure.gpt_config(args, args.prompt_len + args.steps, tie_head=args.tie_head)
 
 
 def sizes(args: argparse.Namespace) -> dict[str, int]:
@@ -1593,11 +1584,7 @@ def main() -> int:
     help="where the stores, checkpoint and reference are written and reused (default: "
     "$TMPDIR/jax_residency_decode; with --quick, a fresh temporary directory removed at the end)",
   )
-  parser.add_argument("--layers", type=int, default=12)
-  parser.add_argument("--d-model", type=int, default=2048)
-  parser.add_argument("--d-ff", type=int, default=8192)
-  parser.add_argument("--vocab", type=int, default=32000)
-  parser.add_argument("--heads", type=int, default=16)
+  _measure.add_gpt_args(parser, layers=12, d_model=2048, d_ff=8192, heads=16, vocab=32000)
   parser.add_argument("--tie-head", action="store_true", help="logits from the embedding (GPT-2)")
   parser.add_argument("--prompt-len", type=int, default=128)
   parser.add_argument("--steps", type=int, default=16, help="decode steps after the prefill")

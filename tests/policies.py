@@ -1,7 +1,8 @@
-"""The suite's one `DenseDiskStream` builder. Imported by name (``conftest.py`` puts this
-directory on ``sys.path``)::
+"""The suite's one `DenseDiskStream` builder, and one of each policy for tests that place
+a store from somewhere else (a server, a bucket). Imported by name (``conftest.py`` puts
+this directory on ``sys.path``)::
 
-  from policies import dense
+  from policies import REMOTE_POLICIES, dense
 
   dense(0)  # direct disk to device: no host cache, no read-ahead thread
   dense(3 * UNIT, 2)  # a host cache of three units, two units read ahead
@@ -38,3 +39,13 @@ def dense(
   if lfu:
     fields["eviction_policy"] = jr.CacheEvictionPolicy.LEAST_FREQUENTLY_USED
   return jr.DenseDiskStream(**fields)
+
+
+#: Each policy once, with the dense stream both cached and direct: what the remote-store
+#: tests (`test_remote.py` over HTTP, `test_s3.py` on an S3 server) place a store under.
+REMOTE_POLICIES = {
+  "fully_resident": jr.FullyResident(),
+  "layerwise_host": jr.LayerwiseHost(prefetch_depth=2),
+  "dense_disk_stream": jr.DenseDiskStream(host_budget_bytes="64MiB"),
+  "dense_direct": jr.DenseDiskStream(host_budget_bytes=0),
+}

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from policies import REMOTE_POLICIES
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
@@ -28,12 +29,7 @@ from jax_residency.toy import ToyConfig, ToyTransformer
 
 CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4)
 MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
-POLICIES = {
-  "fully_resident": jr.FullyResident(),
-  "layerwise_host": jr.LayerwiseHost(prefetch_depth=2),
-  "dense_disk_stream": jr.DenseDiskStream(host_budget_bytes="64MiB"),
-  "dense_direct": jr.DenseDiskStream(host_budget_bytes=0),
-}
+POLICIES = REMOTE_POLICIES
 #: Retries that back off for milliseconds, so failing reads fail fast.
 QUICK = {"retry_delay_s": 0.005, "max_retry_delay_s": 0.01}
 

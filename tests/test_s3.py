@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from policies import REMOTE_POLICIES
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
@@ -30,12 +31,7 @@ pytest.importorskip("moto", reason="the S3 tests need moto, flask and flask-cors
 
 CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=4)
 MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
-POLICIES = {
-  "fully_resident": jr.FullyResident(),
-  "layerwise_host": jr.LayerwiseHost(prefetch_depth=2),
-  "dense_disk_stream": jr.DenseDiskStream(host_budget_bytes="64MiB"),
-  "dense_direct": jr.DenseDiskStream(host_budget_bytes=0),
-}
+POLICIES = REMOTE_POLICIES
 BUCKET = "jr-bucket"
 
 model, tokens, store = toy_fixtures(CFG, seeded=True)

@@ -1,13 +1,17 @@
 """Stores on an S3-compatible server: moto's standalone server (``python -m moto.server``) on
 127.0.0.1, reached through the AWS SDKs' endpoint variable (``AWS_ENDPOINT_URL_S3``,
-`jax_residency._src.store.discovery.s3_spec`). A save to ``s3://`` places under every
-policy bit for bit as the local store does, verifies, inspects and is overwritten.
+`jax_residency._src.store.discovery.s3_spec`). A store saved over another on ``s3://``
+places under every policy bit for bit as the local store does, verifies, inspects and
+rechunks; a save killed (SIGKILL) at several moments leaves the old store or the new one
+(store/pointers.py), and the next save removes what it left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,12 +22,16 @@ import urllib.request
 import jax
 import numpy as np
 import pytest
+import tensorstore as ts
 from flax import nnx
 from policies import REMOTE_POLICIES
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
 from jax_residency._src.cli import main as cli
+from jax_residency._src.store import discovery, pointers
+from jax_residency._src.store.handles import store_context
+from jax_residency._src.store.rechunk import rechunk_store
 from jax_residency._src.store.verify import verify_store
 from jax_residency.toy import ToyConfig, ToyTransformer
 
@@ -77,9 +85,17 @@ def s3():
 
 @pytest.fixture(scope="module")
 def s3_store(s3, model):
+  """The toy model's store on the server, saved over another model's."""
   url = f"s3://{BUCKET}/toy"
-  jr.save(model, url, progress=False)
+  jr.save(ToyTransformer(CFG, rngs=nnx.Rngs(5)), url, progress=False)
+  jr.save(model, url, progress=False, overwrite=True)
   return url
+
+
+def _top_keys(url: str) -> set[str]:
+  """The first path component of every object under ``url``."""
+  kv = ts.KvStore.open(discovery.s3_spec(url), context=store_context()).result()
+  return {k.decode().split("/")[0] for k in kv.list().result()}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -94,6 +110,8 @@ def test_a_store_on_s3_places_bit_for_bit_as_the_local_one(s3_store, store, mode
 
 
 def test_verify_and_inspect_read_a_store_on_s3(s3_store):
+  keys = _top_keys(s3_store)  # the overwritten store's generation is gone
+  assert len(keys) == 2 and pointers.POINTER_KEY in keys, keys
   assert verify_store(s3_store).damaged == ()
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -117,3 +135,72 @@ def test_a_store_on_s3_is_overwritten_with_the_new_weights(s3, seeded_nnx, token
 def test_an_s3_url_without_a_bucket_is_a_store_error(s3, model):
   with pytest.raises(jr.StoreError, match="needs a bucket"):
     jr.save(model, "s3:///toy", progress=False)
+
+
+def test_a_store_rechunks_to_and_from_s3(s3, store, model, tokens, tmp_path):
+  there, back = f"s3://{BUCKET}/rechunked", str(tmp_path / "from-s3")
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    assert cli.main(["rechunk", store, there]) == 0
+  assert there in out.getvalue()
+  rechunk_store(there, back, progress=False)
+  want = np.asarray(model(tokens))
+  for path in (there, back):
+    with jr.place(model, jr.DenseDiskStream(host_budget_bytes=0), store=path, mesh=MESH1) as p:
+      np.testing.assert_array_equal(np.asarray(p(tokens)), want)
+
+
+#: A child that overwrites ``s3://BUCKET/<name>`` with the seed-2 toy model and SIGKILLs
+#: itself at one moment of the save (argv: name, moment).
+_KILLED_SAVE = """
+import os, signal, sys
+from flax import nnx
+import jax_residency as jr
+from jax_residency._src.store import pointers, writer
+from jax_residency.toy import ToyConfig, ToyTransformer
+sys.path.insert(0, {tests!r})
+from conftest import build_nnx
+name, moment = sys.argv[1:]
+die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+chunks = []
+def write_chunk(*args):
+  chunks.append(1)
+  if moment == "mid-write" and len(chunks) == 4:
+    die()
+  return write_chunk.original(*args)
+write_chunk.original = writer._write_chunk
+writer._write_chunk = write_chunk
+if moment == "before-switch":
+  pointers.switch = die
+if moment == "after-switch":
+  pointers.remove_others = die
+model = build_nnx(lambda: ToyTransformer(ToyConfig(**{cfg}), rngs=nnx.Rngs(0)), seed=2)
+jr.save(model, f"s3://{bucket}/{{name}}", progress=False, overwrite=True)
+"""
+#: What the path holds after the kill: the old store (seed 1) or the new (seed 2).
+_AFTER_KILL = {"mid-write": 1, "before-switch": 1, "after-switch": 2}
+
+
+def test_a_save_killed_at_any_moment_leaves_the_old_store_or_the_new(s3, seeded_nnx, tokens):
+  models = {
+    seed: seeded_nnx(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)), seed=seed) for seed in (1, 2)
+  }
+  for moment in _AFTER_KILL:
+    jr.save(models[1], f"s3://{BUCKET}/killed-{moment}", progress=False)
+  tests = os.path.dirname(os.path.abspath(__file__))
+  script = _KILLED_SAVE.format(cfg=CFG.__dict__, bucket=BUCKET, tests=tests)
+  children = {  # the three run at once
+    moment: subprocess.Popen([sys.executable, "-c", script, f"killed-{moment}", moment])
+    for moment in _AFTER_KILL
+  }
+  for moment, child in children.items():
+    assert child.wait(timeout=300) == -signal.SIGKILL, moment
+  for moment, seed in _AFTER_KILL.items():
+    url = f"s3://{BUCKET}/killed-{moment}"
+    assert len(_top_keys(url)) == 3, moment  # the pointer, the old and the new generation
+    for policy in (jr.FullyResident(), jr.DenseDiskStream(host_budget_bytes=0)):
+      with jr.place(models[seed], policy, store=url, mesh=MESH1) as placed:
+        got = np.asarray(placed(tokens))
+      np.testing.assert_array_equal(got, np.asarray(models[seed](tokens)), err_msg=moment)
+    jr.save(models[2], url, progress=False, overwrite=True)  # removes what the kill left
+    assert len(_top_keys(url)) == 2, moment

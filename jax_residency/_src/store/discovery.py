@@ -24,6 +24,7 @@ import tensorstore as ts
 
 from jax_residency._src import errors
 from jax_residency._src.store import mapped, remote
+from jax_residency._src.store.pointers import generation_base
 from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.unit_reads import read_advice
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
@@ -373,9 +374,7 @@ def array_kvstore(loc: Location, name: str, *, use_ocdbt: bool) -> Any:
   """The kvstore spec of the array stored under ``name`` (its Orbax name)."""
   if use_ocdbt:
     return {**ocdbt_spec(loc), "path": name + "/"}
-  if isinstance(loc.base, dict):
-    return {**loc.base, "path": loc.base["path"] + name + "/"}
-  return loc.base + name + "/"
+  return generation_base(loc.base, name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import tqdm
 from jax_residency._src.errors import StoreError
 from jax_residency._src.plan.quantized import QuantPlan
 from jax_residency._src.plan.split import SplitModel
-from jax_residency._src.store import checkpoints, checks, commit, discovery, handles
+from jax_residency._src.store import checkpoints, checks, commit, discovery, handles, pointers
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.remote import FetchCounter
@@ -86,6 +86,7 @@ def recorded_in(
   if loc.local is not None:  # a save that died between its two renames
     commit.recover_local(loc.local)
   context = handles.store_context(reads=loc.reads)
+  loc = pointers.follow(loc, context)  # an object store's current generation
   found = discovery.discover_checked(loc.path, loc, context, sidecar_key=SIDECAR_KEY)
   return checks.recorded_stacks(found), checks.recorded_quantization(found, loc.path)
 

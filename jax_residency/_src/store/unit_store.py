@@ -43,6 +43,7 @@ from jax_residency._src.store import (
   generation,
   handles,
   mapped,
+  pointers,
   remote,
 )
 from jax_residency._src.store.buffers import BufferPool
@@ -174,6 +175,7 @@ class UnitStore(StackLayout):
     if loc.local is not None:  # a save that died between its two renames
       commit.recover_local(loc.local)
     context = handles.store_context(reads=loc.reads)
+    loc = pointers.follow(loc, context)  # an object store's current generation
     found = discovery.discover_checked(path, loc, context, sidecar_key=SIDECAR_KEY)
     layout = checks.check_layout(
       path,

@@ -2,18 +2,21 @@
 `save_store`; `rechunk.py` copies a store with it.
 
 Stores are written into a temporary sibling directory and put in place only
-when complete (local paths; `commit.py`), with one uncompressed chunk per unit
-for the stacked layers; see `unit_store.py` for the layout and for reading.
+when complete (local paths; `commit.py`), or on object stores as a new generation
+that a pointer object is switched to last (`pointers.py`), with one uncompressed
+chunk per unit for the stacked layers; see `unit_store.py` for the layout and for reading.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import json
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +26,13 @@ import tqdm
 
 from jax_residency._src import errors
 from jax_residency._src.plan.quantized import QuantPlan
-from jax_residency._src.store import checks, commit, mapped, remote, space
+from jax_residency._src.store import checks, commit, mapped, pointers, remote, space
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
   FORMAT_VERSION,
   OCDBT_INLINE_BYTES,
   PLAIN_FORMAT_VERSION,
   SIDECAR_KEY,
-  Location,
   as_path,
   locate,
   ocdbt_spec,
@@ -76,8 +78,10 @@ def _write_chunk(handle: ts.TensorStore, index: Any, value: np.ndarray) -> Any:
 class StoreWriter:
   """Writes one store into a temporary sibling, put in place on `commit` (`commit.py`).
 
-  For non-local kvstores (`memory://`, `gs://`...) it writes in place, markers
-  (`_METADATA`, the sidecar) last. Writes are bounded to `WRITE_IN_FLIGHT_BYTES`.
+  On object stores (`memory://`, `gs://`, `s3://`) it writes a new generation under the
+  path, markers (`_METADATA`, the sidecar) last, then switches the path's pointer to it
+  and removes the old one (`pointers.py`): the path holds the old store or the new
+  at every moment. Writes are bounded to `WRITE_IN_FLIGHT_BYTES`.
   A local writer first puts back a store a dead writer left renamed aside, and
   removes dead writers' temporaries; it refuses a store of `total` bytes that
   cannot fit in the free space.
@@ -112,6 +116,7 @@ class StoreWriter:
       commit.remove_stale(self.dest.local)
     self._replacing = self._check_destination()
     self._tmp: str | None = None
+    self._generation: str | None = None
     self._free: int | None = None
     if self.dest.local is not None:
       self._free = space.check_free(self.dest.path, ancestor, total, replacing=self._replacing)
@@ -120,9 +125,9 @@ class StoreWriter:
       os.mkdir(self._tmp)
       self.target = locate(self._tmp)
     else:
-      self.target = self.dest
-      if overwrite:
-        self._delete_all(self.dest)
+      self._generation = pointers.new_name()
+      base = pointers.generation_base(self.dest.base, self._generation)
+      self.target = dataclasses.replace(self.dest, base=base)
     try:  # until the caller's `abort` can clean up, clean up here
       self.context = store_context()
       self._ocdbt = ocdbt_spec(self.target, write=True)
@@ -149,18 +154,14 @@ class StoreWriter:
       exists = True
     else:
       kv = ts.KvStore.open(self.dest.base, context=store_context()).result()
-      exists = any(kv.read(k).result().state == "value" for k in _CHECKPOINT_MARKERS)
+      keys = (pointers.POINTER_KEY, *_CHECKPOINT_MARKERS)
+      exists = any(kv.read(k).result().state == "value" for k in keys)
     if exists and not self._overwrite:
       raise errors.StoreError(
         f"A store already exists at {self.dest.path}. Pass overwrite=True to replace "
         "it, or choose another path."
       )
     return exists
-
-  @staticmethod
-  def _delete_all(loc: Location) -> None:
-    kv = ts.KvStore.open(loc.base, context=store_context()).result()
-    kv.delete_range(ts.KvStore.KeyRange()).result()
 
   def create(
     self, path: ParamPath, shape: tuple[int, ...], dtype: np.dtype, chunk: Sequence[int]
@@ -249,11 +250,27 @@ class StoreWriter:
       text = value if isinstance(value, str) else json.dumps(value, indent=1)
       kv.write(key, text.encode()).result()
     self._bar.close()
-    if self._tmp is None:
+    if self._generation is not None:
+      self._switch(self._generation)
       return
-    assert self.dest.local is not None
+    assert self._tmp is not None and self.dest.local is not None
     commit.put_in_place(self._tmp, self.dest.local)
     self._tmp = None
+
+  def _switch(self, name: str) -> None:
+    """Points the object store's path at the generation just written, then removes the
+    others (a failure there leaves garbage the next save removes, not a failed save)."""
+    root = ts.KvStore.open(self.dest.base, context=self.context).result()
+    pointers.switch(root, name)
+    self._generation = None  # in place: nothing for `abort` to remove
+    try:
+      pointers.remove_others(root, keep=name)
+    except ValueError as e:
+      warnings.warn(
+        f"The store at {self.dest.path} was written, but removing its old generation "
+        f"failed ({e}); the next save to that path removes it.",
+        stacklevel=3,
+      )
 
   def abort(self) -> None:
     """Waits for in-flight writes, then removes everything written."""
@@ -267,11 +284,13 @@ class StoreWriter:
     if self._tmp is not None:
       shutil.rmtree(self._tmp, ignore_errors=True)
       self._tmp = None
-    elif self.dest.local is None:
+    elif self._generation is not None:  # the path still names the old store, if any
       try:
-        self._delete_all(self.dest)
-      except ValueError:
+        root = ts.KvStore.open(self.dest.base, context=store_context()).result()
+        pointers.remove_generation(root, self._generation)
+      except ValueError:  # the next save removes what is left
         pass
+      self._generation = None
 
   def fail(self, error: BaseException) -> errors.StoreError | None:
     """Aborts after `error`; returns the error to raise instead (a full disk), if any."""

@@ -24,7 +24,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 # The suite never writes compiled programs into the user's cache directory: place()
 # leaves JAX's persistent compilation cache off (tests/test_compile_cache.py turns it
-# on in subprocesses, under temporary directories). Child processes inherit this.
+# on in subprocesses, under temporary directories). Child processes inherit this, but for
+# the scripts run as a user would (tests/user_env.py), whose cache is a temporary one.
 os.environ["JAX_RESIDENCY_COMPILATION_CACHE"] = "0"
 
 import jax  # noqa: E402 - must follow the XLA_FLAGS update above
@@ -275,6 +276,7 @@ SLOWEST_FIRST = (
   "tests/test_gpt.py",  # 25 s
   "tests/test_examples.py",  # 25 s
   "tests/test_remote.py",  # 20 s, mostly waiting on time-outs
+  "tests/test_s3.py",  # 19 s: moto's server, three writers killed mid-save
   "tests/test_testing.py",  # 20 s: a pytest subprocess
   "tests/test_memory_plan.py",  # 20 s: a fresh process placing under each policy
   "tests/test_lint.py",  # 17 s with mypy's cache cold, as on CI

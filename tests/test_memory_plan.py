@@ -227,6 +227,12 @@ policies = {
   "dense, host 2 units": jr.DenseDiskStream(
     host_budget_bytes=2 * unit, device_budget_bytes=3 * unit
   ),
+  "dense, 1 unit kept on the device, 1 in host memory": jr.DenseDiskStream(
+    host_budget_bytes=3 * unit,
+    device_budget_bytes=4 * unit,
+    device_resident_units=1,
+    host_resident_units=1,
+  ),
   "LayerwiseHost": jr.LayerwiseHost(),
   "FullyResident": jr.FullyResident(),
 }

@@ -755,6 +755,8 @@ def test_dense_policy_dict():
       "host_budget_bytes": 16 * GiB,
       "host_lookahead": 2,
       "background_queue_capacity": 2,
+      "device_resident_units": 0,
+      "host_resident_units": 0,
       "eviction_policy": "least_recently_used",
       "max_cached_shards": 4,
       "strict_loading": True,
@@ -915,8 +917,9 @@ def test_repr_shows_budgets_in_human_units():
   text = repr(opts)
   assert text.startswith(
     "DenseDiskStreamLoadOptions(device_budget_bytes=unbounded, host_budget_bytes=512.0 MiB, "
-    "host_lookahead=2, background_queue_capacity=2, "
-    "eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED, max_cached_shards=4, "
+    "host_lookahead=2, background_queue_capacity=2, device_resident_units=0, "
+    "host_resident_units=0, eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED, "
+    "max_cached_shards=4, "
   )
   assert type(opts.host_budget_bytes) is int  # the field stays an int
   assert repr(DenseDiskStreamLoadOptions()).startswith(

@@ -48,8 +48,13 @@ POLICIES: dict[str, Callable[[], jr.LayerWeightResidency]] = {
   "layerwise_k2": lambda: jr.LayerwiseHost(prefetch_depth=2),
   "dense_host": lambda: jr.DenseDiskStream(host_budget_bytes="1MiB"),
   "dense_direct": lambda: jr.DenseDiskStream(host_budget_bytes=0),
+  # The first unit of each stack kept on the device, the next in host memory: the mixer
+  # (2 units) streams none, the towers (3) one.
+  "dense_resident": lambda: jr.DenseDiskStream(
+    host_budget_bytes="1MiB", device_resident_units=1, host_resident_units=1
+  ),
 }
-DENSE = ("dense_host", "dense_direct")
+DENSE = ("dense_host", "dense_direct", "dense_resident")
 STREAMED = ("layerwise_k1", "layerwise_k2", *DENSE)
 
 #: (model, mesh) variants: every policy runs on both meshes for NNX; Linen on the
@@ -469,15 +474,19 @@ def test_window_is_the_largest_stack_window(run):
 # --- 7. per-stack reports ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["fully_resident", "layerwise_k2", "dense_direct"])
+@pytest.mark.parametrize(
+  "policy", ["fully_resident", "layerwise_k2", "dense_direct", "dense_resident"]
+)
 def test_report_per_stack(run, policy: str):
   """A full pass runs every unit of each stack; a streaming policy moves each unit once
-  (layer_count × unit_bytes), FullyResident moves none."""
+  (layer_count × unit_bytes), but for the unit of each stack kept on the device, and
+  FullyResident moves none."""
   r = run("nnx-1dev", policy)
   _, last = r.full()
   assert set(last.stacks) == set(STACKS)
   for s in r.placed.metadata.stacks:
     record = last.stacks[s.path]
     assert record.units_run == LAYERS[s.path] == s.layer_count
-    moved = s.layer_count * s.unit_bytes if policy in STREAMED else 0
+    moving = s.layer_count - (policy == "dense_resident")
+    moved = moving * s.unit_bytes if policy in STREAMED else 0
     assert record.bytes_moved == moved

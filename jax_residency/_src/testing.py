@@ -226,9 +226,10 @@ def assert_within_budgets(placed: PlacedModel) -> None:
   """Asserts that every pass so far stayed within what the placement planned.
 
   Checks each pass report's peaks against ``placed.metadata``: device unit
-  bytes within the device window, host unit bytes within the host cache (a
-  dense stream) or the host units (``LayerwiseHost``), and static plus window
-  within the device budget, where there is one. The report's totals are checked
+  bytes within the device window (and a dense stream's device-resident units),
+  host unit bytes within the host cache and host-resident units (a dense
+  stream) or the host units (``LayerwiseHost``), and static plus those device
+  bytes within the device budget, where there is one. The report's totals are checked
   too, so a pass older than the report's history (``report().passes`` keeps the
   most recent 256) is covered as well.
 
@@ -245,11 +246,14 @@ def assert_within_budgets(placed: PlacedModel) -> None:
     ...   assert_within_budgets(p)
   """
   meta = placed.metadata
-  host_plan = meta.item_bytes("host cache") + meta.item_bytes("host units")
+  host_plan = sum(
+    meta.item_bytes(name) for name in ("host cache", "host units", "host-resident units")
+  )
+  device_plan = meta.device_window_bytes + meta.item_bytes("device-resident units")
   budget = meta.policy.offload().device_budget_bytes
   report = placed.report()
   limits = (
-    ("peak_device_bytes", "unit bytes on a device, planned window", meta.device_window_bytes),
+    ("peak_device_bytes", "unit bytes on a device, planned window (+ resident)", device_plan),
     ("peak_host_bytes", "unit bytes in host memory, planned", host_plan),
   )
   problems = []
@@ -259,10 +263,10 @@ def assert_within_budgets(placed: PlacedModel) -> None:
     peak = getattr(report.total, field)
     if not over and peak > planned:  # the peak of a pass the history no longer keeps
       problems.append(f"a pass before the report's history: {peak} {what} {planned}")
-  if budget is not None and meta.static_device_bytes + meta.device_window_bytes > budget:
+  if budget is not None and meta.static_device_bytes + device_plan > budget:
     problems.append(
-      f"planned static + window {meta.static_device_bytes + meta.device_window_bytes} exceeds "
-      f"the device budget {budget}"
+      f"planned static + window (+ resident units) {meta.static_device_bytes + device_plan} "
+      f"exceeds the device budget {budget}"
     )
   if problems:
     raise AssertionError(

@@ -16,12 +16,8 @@ from typing import Any
 
 from jax_residency._src.cli.console import PROG, fmt_bytes, table
 from jax_residency._src.errors import BudgetTooSmallError
-from jax_residency._src.plan.budget import (
-  ModelMetadata,
-  check_budgets,
-  largest_window,
-  staging_bytes,
-)
+from jax_residency._src.plan.budget import ModelMetadata, check_budgets, largest_window
+from jax_residency._src.plan.memory import staging_bytes
 from jax_residency._src.policy.options import (
   DenseDiskStreamLoadOptions,
   LayerwiseLoadOptions,

@@ -67,7 +67,8 @@ class BudgetTooSmallError(PlacementError):
   The arithmetic is in the message and, as ints, in attributes:
   ``required`` and ``budget`` always; ``static``, ``window``, ``depth`` and
   ``decoded`` (device: a quantized unit's float tensors while its step runs) or
-  ``window`` and ``staging`` (host) where they apply, else ``None``.
+  ``window`` and ``staging`` (host) where they apply, and ``resident`` (the bytes
+  of the units a dense stream keeps resident in that tier), else ``None``.
 
   Example:
     >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
@@ -93,8 +94,10 @@ class BudgetTooSmallError(PlacementError):
     depth: int | None = None,
     staging: int | None = None,
     decoded: int | None = None,
+    resident: int | None = None,
   ) -> None:
     super().__init__(message)
+    self.resident = resident
     self.required = required
     self.budget = budget
     self.static = static

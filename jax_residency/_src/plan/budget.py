@@ -14,35 +14,21 @@ from typing import Any
 
 import jax
 
-from jax_residency._src.errors import DeviceBudgetTooSmallError, HostBudgetTooSmallError
 from jax_residency._src.plan import shardings as pl
+from jax_residency._src.plan.budget_checks import check_device_budget, check_host_budget
+from jax_residency._src.plan.budget_checks import largest_window as largest_window
 from jax_residency._src.plan.memory import DEVICE_BUDGET as DEVICE_BUDGET
 from jax_residency._src.plan.memory import HOST_BUDGET as HOST_BUDGET
-from jax_residency._src.plan.memory import OVERHEAD, MemoryItem, memory_items, staging_bytes
+from jax_residency._src.plan.memory import OVERHEAD, MemoryItem, memory_items
 from jax_residency._src.plan.memory import STORE_INDEX_CACHE_BYTES as STORE_INDEX_CACHE_BYTES
 from jax_residency._src.plan.quantized import decoded_bytes
+from jax_residency._src.plan.resident import NO_RESIDENT_UNITS, ResidentUnits, resident_units
 from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import (
-  DenseDiskStream,
   ExecutionResidency,
   LayerWeightResidency,
-  LayerwiseHost,
 )
-
-
-def largest_window(unit_bytes: Sequence[int], depth: int) -> int:
-  """Bytes of the ``depth`` consecutive units that weigh the most."""
-  n = len(unit_bytes)
-  if n == 0 or depth <= 0:
-    return 0
-  depth = min(depth, n)
-  window = sum(unit_bytes[:depth])
-  best = window
-  for i in range(depth, n):
-    window += unit_bytes[i] - unit_bytes[i - depth]
-    best = max(best, window)
-  return best
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,6 +95,8 @@ class ModelMetadata:
       more for a checkpoint whose chunks span several units (Orbax's default),
       which ``jax-residency rechunk`` rewrites. 1.0 for other policies, which
       read each stored array whole, once.
+    resident: the units a dense stream keeps on the device or in host memory
+      from placement on (``device_resident_units``, ``host_resident_units``).
 
   Example:
     >>> from flax import nnx
@@ -138,6 +126,7 @@ class ModelMetadata:
   stacks: tuple[StackMetadata, ...] = ()
   unplaced_stacks: tuple[str, ...] = ()
   bytes_read_per_byte_used: float = 1.0
+  resident: ResidentUnits = NO_RESIDENT_UNITS
 
   @property
   def total_unit_bytes(self) -> int:
@@ -267,11 +256,15 @@ def check_budgets(
   """
   offload = policy.offload()
   n = len(device_unit_bytes)
-  per_stack = _stack_windows(policy, stacks or (("", n),), unit_bytes, device_unit_bytes)
+  stacks = stacks or (("", n),)
+  per_stack = _stack_windows(policy, stacks, unit_bytes, device_unit_bytes)
+  resident = resident_units(policy, stacks, device_unit_bytes, host_unit_bytes)
   depth, window, window_of = _device_window(policy, per_stack)
   budget = offload.device_budget_bytes
-  _check_device_budget(policy, static_device_bytes, window, depth, window_of, sum(decoded_bytes))
-  _check_host_budget(policy, host_unit_bytes, device_is_host=device_is_host)
+  check_device_budget(
+    policy, static_device_bytes, window, depth, window_of, sum(decoded_bytes), resident
+  )
+  check_host_budget(policy, host_unit_bytes, device_is_host=device_is_host, resident=resident)
   largest_dev = max(device_unit_bytes, default=0)
   capacity = None
   if budget is not None:
@@ -295,9 +288,11 @@ def check_budgets(
       device_is_host=device_is_host,
       window_of=window_of,
       decoded_bytes=decoded_bytes,
+      resident=resident,
     ),
     device_is_host=device_is_host,
     stacks=tuple(per_stack) if per_stack[0].path else (),
+    resident=resident,
   )
 
 
@@ -345,78 +340,6 @@ def _device_window(
   if len(per_stack) > 1:
     window_of = f" of stack {heaviest.path!r} ({heaviest.layer_count} units; the heaviest window)"
   return heaviest.device_window_units, heaviest.device_window_bytes, window_of
-
-
-def _check_device_budget(
-  policy: LayerWeightResidency,
-  static: int,
-  window: int,
-  depth: int,
-  window_of: str,
-  decoded: int = 0,
-) -> None:
-  """Raises `DeviceBudgetTooSmallError` when static bytes + the window (+ a quantized
-  unit's decoded tensors) exceed the budget."""
-  budget = policy.offload().device_budget_bytes
-  required = static + window + decoded
-  if budget is None or required <= budget:
-    return
-  also = f"decoded={decoded} ({format_bytes(decoded)}) + " if decoded else ""
-  raise DeviceBudgetTooSmallError(
-    f"device_budget_bytes={budget} ({format_bytes(budget)}) is too small for {policy.name}: "
-    f"static={static} ({format_bytes(static)}) + {also}"
-    f"window={window} ({format_bytes(window)}, depth={depth} units{window_of}) = "
-    f"required={required} ({format_bytes(required)}); raise the device budget to at least "
-    f"{required} bytes, or lower the prefetch depth",
-    static=static,
-    window=window,
-    depth=depth,
-    required=required,
-    budget=budget,
-    decoded=decoded,
-  )
-
-
-def _check_host_budget(
-  policy: LayerWeightResidency, host_unit_bytes: Sequence[int], *, device_is_host: bool
-) -> None:
-  """Raises `HostBudgetTooSmallError` when the host window (+ staging) exceeds the budget.
-
-  For a dense stream a zero host budget means direct disk-to-device loading; for
-  `LayerwiseHost` it means nothing fits in host memory.
-  """
-  host_budget = policy.offload().host_budget_bytes
-  if host_budget is None or (host_budget == 0 and not isinstance(policy, LayerwiseHost)):
-    return
-  staging = 0
-  dense = policy.dense
-  if isinstance(policy, DenseDiskStream) and dense is not None:
-    host_window = largest_window(host_unit_bytes, dense.host_lookahead)
-    staging = staging_bytes(policy, max(host_unit_bytes, default=0), device_is_host=device_is_host)
-    what = f"host_lookahead={dense.host_lookahead} units"
-  elif isinstance(policy, LayerwiseHost):
-    host_window = sum(host_unit_bytes)
-    what = f"all {len(host_unit_bytes)} units (LayerwiseHost keeps every unit in host memory)"
-  else:
-    return
-  required = host_window + staging
-  if required <= host_budget:
-    return
-  arithmetic = f"window={host_window} ({format_bytes(host_window)}, {what})"
-  if staging:
-    arithmetic += (
-      f" + staging={staging} ({format_bytes(staging)}, one unit's host buffer on its way "
-      f"to the device) = required={required} ({format_bytes(required)})"
-    )
-  raise HostBudgetTooSmallError(
-    f"host_budget_bytes={host_budget} ({format_bytes(host_budget)}) is too small for "
-    f"{policy.name}: {arithmetic}; raise the host budget to at least {required} bytes"
-    + (", or lower host_lookahead" if isinstance(policy, DenseDiskStream) else ""),
-    window=host_window,
-    staging=staging,
-    required=required,
-    budget=host_budget,
-  )
 
 
 def metadata_for(

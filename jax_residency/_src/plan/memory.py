@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jax_residency._src.plan.resident import NO_RESIDENT_UNITS, ResidentUnits
 from jax_residency._src.policy.types import DenseDiskStream, LayerWeightResidency, LayerwiseHost
 
 #: Bytes of decoded OCDBT index nodes an open store may cache: the one cache a
@@ -95,13 +96,15 @@ def memory_items(
   device_is_host: bool,
   window_of: str = "",
   decoded_bytes: tuple[int, int] = (0, 0),
+  resident: ResidentUnits = NO_RESIDENT_UNITS,
 ) -> tuple[MemoryItem, ...]:
   """Every item a placement of ``policy`` holds, each with its bound and who pays.
 
   ``device_window`` is ``(units, bytes)``; ``host_unit_bytes`` what this
   process holds of each unit in host memory; ``decoded_bytes`` the float tensors
   of a quantized store while they are used: the static ones and one unit's
-  (``(0, 0)``: nothing is quantized).
+  (``(0, 0)``: nothing is quantized); ``resident`` the units a dense stream keeps
+  on the device and in host memory from placement on.
   """
   depth, window = device_window
   n = len(host_unit_bytes)
@@ -121,6 +124,16 @@ def memory_items(
       note=f"{depth} units{window_of}" if window_of else f"{depth} of {n} units",
     ),
   ]
+  if resident.device:
+    items.append(
+      MemoryItem(
+        name="device-resident units",
+        memory="device",
+        nbytes=resident.device_bytes,
+        counted_in=DEVICE_BUDGET,
+        note=f"{len(resident.device)} units read at placement, never moved again",
+      )
+    )
   static_floats, unit_floats = decoded_bytes
   if static_floats:
     items.append(
@@ -155,23 +168,41 @@ def memory_items(
       )
     )
   if policy.dense is not None:
-    items.extend(_dense_stream_items(policy, host_unit_bytes, device_is_host=device_is_host))
+    items.extend(
+      _dense_stream_items(policy, host_unit_bytes, device_is_host=device_is_host, kept=resident)
+    )
   return tuple(items)
 
 
 def _dense_stream_items(
-  policy: LayerWeightResidency, host_unit_bytes: Sequence[int], *, device_is_host: bool
+  policy: LayerWeightResidency,
+  host_unit_bytes: Sequence[int],
+  *,
+  device_is_host: bool,
+  kept: ResidentUnits,
 ) -> list[MemoryItem]:
-  """A dense stream's host items: its cache, the staging buffer, mapped store pages,
-  read-ahead's mappings and the store's index cache."""
+  """A dense stream's host items: its resident units, its cache, the staging buffer,
+  mapped store pages, read-ahead's mappings and the store's index cache."""
   assert policy.dense is not None
   items: list[MemoryItem] = []
   largest = max(host_unit_bytes, default=0)
   staging = staging_bytes(policy, largest, device_is_host=device_is_host)
   host_budget = policy.dense.host_budget_bytes
+  if kept.host:
+    items.append(
+      MemoryItem(
+        name="host-resident units",
+        memory="host",
+        nbytes=kept.host_bytes,
+        counted_in=HOST_BUDGET,
+        note=f"{len(kept.host)} units read at placement, moved to the device each pass",
+      )
+    )
   if host_budget != 0:
-    everything = sum(host_unit_bytes)
-    cache = everything if host_budget is None else min(host_budget - staging, everything)
+    resident = set(kept.device) | set(kept.host)
+    everything = sum(b for i, b in enumerate(host_unit_bytes) if i not in resident)
+    room = None if host_budget is None else host_budget - staging - kept.host_bytes
+    cache = everything if room is None else min(room, everything)
     items.append(
       MemoryItem(
         name="host cache",

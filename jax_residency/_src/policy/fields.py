@@ -63,6 +63,8 @@ class DenseFields(_LoadControls, total=False):
   host_budget_bytes: int | str | None
   host_lookahead: int
   background_queue_capacity: int
+  device_resident_units: int
+  host_resident_units: int
   eviction_policy: CacheEvictionPolicy
 
 

@@ -113,6 +113,17 @@ def check_int(owner: str, field: str, value: object, example: int) -> int:
   return int(value)
 
 
+def check_units(owner: str, field: str, value: object) -> int:
+  """A count of units (an int >= 0), or `InvalidPolicyValueError` naming the field."""
+  count = check_int(owner, field, value, 2)
+  if count < 0:
+    raise InvalidPolicyValueError(
+      f"{owner}: {field}={count!r} is negative; pass a number of units of each stack "
+      "(>= 0; 0, the default, keeps none)."
+    )
+  return count
+
+
 def _bool(owner: str, field: str, value: object) -> bool:
   if not isinstance(value, bool):
     raise InvalidPolicyValueError(
@@ -339,6 +350,14 @@ class DenseDiskStreamLoadOptions(_Options):
     background_queue_capacity: pending reads the prefetch worker's FIFO holds;
       a full queue blocks the submitter. Unset, it follows the host budget
       like `host_lookahead`.
+    device_resident_units: the first this many units of each stack are read
+      once, at placement, and stay on the device: they never move again, and the
+      device budget pays for them beside the window (docs/design.md, 4.6).
+    host_resident_units: the next this many units of each stack stay in host
+      memory from placement on (out of the host budget, beside the cache): a
+      pass moves them to the device but never reads them from the store.
+      Needs a host budget; with ``host_budget_bytes=0`` a value other than 0
+      raises `HostDisabledControlsError`.
     eviction_policy: which cached unit to evict first.
     max_cached_shards: open TensorStore handles/readers kept; at least 1.
     strict_loading: reject stored tensors the model does not claim.
@@ -352,8 +371,9 @@ class DenseDiskStreamLoadOptions(_Options):
     536870912
     >>> opts  # doctest: +NORMALIZE_WHITESPACE
     DenseDiskStreamLoadOptions(device_budget_bytes=4.0 GiB, host_budget_bytes=512.0 MiB,
-      host_lookahead=3, background_queue_capacity=2,
-      eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED, max_cached_shards=4,
+      host_lookahead=3, background_queue_capacity=2, device_resident_units=0,
+      host_resident_units=0, eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED,
+      max_cached_shards=4,
       strict_loading=True, sample_backend_memory=False, sample_process_memory=False)
     >>> direct = DenseDiskStreamLoadOptions(host_budget_bytes=0)
     >>> direct.host_lookahead, direct.background_queue_capacity
@@ -366,6 +386,8 @@ class DenseDiskStreamLoadOptions(_Options):
   host_budget_bytes: int | None = DEFAULT_DENSE_HOST_BUDGET_BYTES
   host_lookahead: int = FOLLOWS_HOST_BUDGET
   background_queue_capacity: int = FOLLOWS_HOST_BUDGET
+  device_resident_units: int = 0
+  host_resident_units: int = 0
   eviction_policy: CacheEvictionPolicy = CacheEvictionPolicy.LEAST_RECENTLY_USED
   max_cached_shards: int = DEFAULT_MAX_CACHED_SHARDS
   strict_loading: bool = True
@@ -388,14 +410,17 @@ class DenseDiskStreamLoadOptions(_Options):
       "background_queue_capacity",
       check_int(owner, "background_queue_capacity", self.background_queue_capacity, 2),
     )
+    for name in ("device_resident_units", "host_resident_units"):
+      set_(self, name, check_units(owner, name, getattr(self, name)))
     self.validate()
 
   def validate(self) -> None:
     """Checks every field and the host-cache rules; raises on the first violation.
 
     Raises:
-      HostDisabledControlsError: `host_budget_bytes == 0` and `host_lookahead`
-        or `background_queue_capacity` was set to a value other than 0.
+      HostDisabledControlsError: `host_budget_bytes == 0` and `host_lookahead`,
+        `background_queue_capacity` or `host_resident_units` was set to a value
+        other than 0.
       ZeroHostLookaheadError: a host cache (budget > 0 or `None`) with
         `host_lookahead < 1`.
       ZeroQueueCapacityError: a host cache with `background_queue_capacity < 1`.
@@ -407,11 +432,20 @@ class DenseDiskStreamLoadOptions(_Options):
     host = check_budget(owner, "host_budget_bytes", self.host_budget_bytes)
     lookahead = check_int(owner, "host_lookahead", self.host_lookahead, 2)
     queue = check_int(owner, "background_queue_capacity", self.background_queue_capacity, 2)
+    check_units(owner, "device_resident_units", self.device_resident_units)
+    pinned = check_units(owner, "host_resident_units", self.host_resident_units)
     _member(owner, "eviction_policy", self.eviction_policy, CacheEvictionPolicy)
     _max_cached_shards(owner, self.max_cached_shards)
     for name in ("strict_loading", "sample_backend_memory", "sample_process_memory"):
       _bool(owner, name, getattr(self, name))
     if host == 0:
+      if pinned:
+        raise HostDisabledControlsError(
+          f"{owner}: host_budget_bytes=0 disables host memory for units, but "
+          f"host_resident_units={pinned!r} asks to keep {pinned} units of each stack there; "
+          "give a host budget that holds them (plus the cache), or set host_resident_units=0 "
+          "(device_resident_units keeps units on the device instead)."
+        )
       if lookahead != 0 or queue != 0:
         raise HostDisabledControlsError(
           f"{owner}: host_budget_bytes=0 disables the host cache, but host_lookahead="

@@ -20,16 +20,15 @@ Counters are per pass and committed only when the pass succeeds.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
-from jax_residency._src.errors import AdmissionError, ClosedError, StoreError
+from jax_residency._src.errors import AdmissionError
 from jax_residency._src.loop.unit_loop import (
   LoopContext,
   StackLoop,
@@ -45,11 +44,12 @@ from jax_residency._src.report.records import PassCounters, TimelinePoint
 from jax_residency._src.report.stream_metrics import Tier
 from jax_residency._src.report.telemetry import Telemetry
 from jax_residency._src.store.buffers import release_dropped_buffers
-from jax_residency._src.stream.boxes import from_local_box
+from jax_residency._src.stream.kept import KeptUnits
 from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger
 from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker
 from jax_residency._src.stream.stack_units import StackUnits
 from jax_residency._src.stream.staged import StackSpan, StagedForward, run_staged, trace
+from jax_residency._src.stream.unit_source import UnitSource, read_unit, start_read
 from jax_residency._src.typing import ParamPath
 
 #: Platforms whose unit steps run inside a one-trip while loop. On CPU that
@@ -58,17 +58,6 @@ from jax_residency._src.typing import ParamPath
 #: store's steps are plain programs everywhere (docs/quantization.md, "Reading
 #: codes once").
 STEP_IN_LOOP_PLATFORMS = frozenset({"cpu"})
-
-
-class UnitSource(Protocol):
-  """What the engine needs from a unit store."""
-
-  @property
-  def unit_count(self) -> int: ...
-
-  def read_unit(
-    self, i: int, /, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
-  ) -> Mapping[ParamPath, np.ndarray]: ...
 
 
 class DenseStreamEngine:
@@ -116,27 +105,14 @@ class DenseStreamEngine:
     staging = metadata.item_bytes("staging")
     host_budget = opts.host_budget_bytes
     if self._host_enabled and host_budget is not None:
-      host_budget -= staging
+      host_budget -= staging + metadata.resident.host_bytes  # the cache gets the rest
     self.ledger = ResidencyLedger(
       host_budget_bytes=host_budget if self._host_enabled else 0,
       device_budget_bytes=unit_device_budget,
       eviction_policy=opts.eviction_policy,
       on_evict=self._on_evict,
     )
-    # Idle read buffers are kept for reuse only while every buffer, live or idle,
-    # fits what the plan gives host-side unit buffers: the host cache, the
-    # staging unit, and (CPU) the device window, whose arrays are read buffers.
-    limit_buffers = getattr(source, "limit_buffers", None)
-    if limit_buffers is not None:
-      window = metadata.device_window_units if metadata.device_is_host else 0
-      cached = metadata.item_bytes("host cache") + staging
-      units = window + (cached // self._host_unit_bytes if self._host_unit_bytes else 0)
-      limit_buffers(units, reclaim=release_dropped_buffers)
-    # Where device memory is host memory, whole units are mapped from the store's
-    # files instead of copied (see `mapped`): the page cache is the read buffer.
-    use_mapped = getattr(source, "use_mapped_reads", None)
-    if use_mapped is not None and metadata.device_is_host and not self._multiprocess:
-      use_mapped()
+    self._tune_source(staging)
     # Direct loading hints the kernel to read the unit after next while reads come from
     # disk (`_after_step`); a source without local raw chunks has nothing to hint.
     self._advise = None if self._host_enabled else getattr(source, "advise_unit", None)
@@ -153,6 +129,26 @@ class DenseStreamEngine:
     self._pass_start = time.perf_counter()
     self._at_start = (0, 0)
     self._run_lock = threading.Lock()
+    # Units kept resident (device_resident_units, host_resident_units): read now, once.
+    self._kept = KeptUnits(metadata.resident, self._owner, self._read)
+
+  def _tune_source(self, staging: int) -> None:
+    """Bounds the source's read buffers by the plan, and maps reads where it can."""
+    source, metadata = self._source, self._metadata
+    # Idle read buffers are kept for reuse only while every buffer, live or idle,
+    # fits what the plan gives host-side unit buffers: the host cache, the
+    # staging unit, and (CPU) the device window, whose arrays are read buffers.
+    limit_buffers = getattr(source, "limit_buffers", None)
+    if limit_buffers is not None:
+      window = metadata.device_window_units if metadata.device_is_host else 0
+      cached = metadata.item_bytes("host cache") + staging
+      units = window + (cached // self._host_unit_bytes if self._host_unit_bytes else 0)
+      limit_buffers(units, reclaim=release_dropped_buffers)
+    # Where device memory is host memory, whole units are mapped from the store's
+    # files instead of copied (see `mapped`): the page cache is the read buffer.
+    use_mapped = getattr(source, "use_mapped_reads", None)
+    if use_mapped is not None and metadata.device_is_host and not self._multiprocess:
+      use_mapped()
 
   # --- a pass ----------------------------------------------------------------
 
@@ -244,21 +240,30 @@ class DenseStreamEngine:
     (mapped, fetched), (mapped0, fetched0) = self._source_totals(), self._at_start
     counters.mapped_bytes, counters.fetched_bytes = mapped - mapped0, fetched - fetched0
     if ok:
+      # The caches' peaks (the ledger's), plus the resident units, measured as held.
+      dev_units, dev_bytes, host_units, host_bytes = self._kept.held()
+      dev, host = ledger_metrics[Tier.DEVICE], ledger_metrics[Tier.HOST]
       self._telemetry.commit_pass(
         args=args,
         seconds=seconds,
         ledger=ledger_metrics,
         worker=worker_metrics,
         counters=counters,
+        peak_device_units=dev.peak_units + dev_units,
+        peak_device_bytes=dev.peak_bytes + dev_bytes,
+        peak_host_units=host.peak_units + host_units,
+        peak_host_bytes=host.peak_bytes + host_bytes,
       )
 
   # --- the unit loop's callbacks --------------------------------------------
 
   def _fetch(self, i: int, upcoming: Sequence[int]) -> list[jax.Array]:
-    self.ledger.protect(Tier.DEVICE, (i, *self._next_in_stack(i, upcoming)))
-    arrays = self.ledger.get(Tier.DEVICE, i)
+    arrays = self._kept.on_device(i)
     if arrays is None:
-      arrays = self._load_device(i)
+      self.ledger.protect(Tier.DEVICE, (i, *self._next_in_stack(i, upcoming)))
+      arrays = self.ledger.get(Tier.DEVICE, i)
+      if arrays is None:
+        arrays = self._load_device(i)
     with self._counters_lock:
       self._counters.stacks[self._owner[i].name] += StackPass(units_run=1)
     point = TimelinePoint(
@@ -272,25 +277,27 @@ class DenseStreamEngine:
     return arrays
 
   def _next_in_stack(self, i: int, upcoming: Sequence[int]) -> tuple[int, ...]:
-    """The unit the device window moves in after ``i``: the next one, if it is of
-    ``i``'s stack (the window of a stack holds only that stack's units)."""
-    if upcoming and self._owner[upcoming[0]] is self._owner[i]:
-      return (upcoming[0],)
+    """The unit the device window moves in after ``i``: the next one not kept on the
+    device, if it is of ``i``'s stack (the window of a stack holds only its units)."""
+    for j in upcoming:
+      if self._kept.on_device(j) is None:
+        return (j,) if self._owner[j] is self._owner[i] else ()
     return ()
 
   def _after_step(self, i: int, upcoming: Sequence[int]) -> None:
     # The host cache is shared: read-ahead follows the forward, into the next stack.
-    ahead = upcoming[: self._lookahead]
+    ahead = self._kept.streamed(upcoming, self._lookahead)
     if self.worker is not None:
       self.ledger.protect(Tier.HOST, ahead)
       for j in ahead:
         if not (self.ledger.contains(Tier.HOST, j) or self.ledger.is_pending(Tier.HOST, j)):
           self.worker.submit(j)
-    if self._from_disk and self._advise is not None and len(upcoming) > 1:
+    streamed = self._kept.streamed(upcoming, 2)
+    if self._from_disk and self._advise is not None and len(streamed) > 1:
       # Into the page cache only: the disk reads on while the next steps' checks, moves
       # and dispatches run, and the next read finds its pages on the way.
-      if self._advise(upcoming[1]):
-        self._asked_ahead.add(upcoming[1])
+      if self._advise(streamed[1]):
+        self._asked_ahead.add(streamed[1])
     for j in self._next_in_stack(i, upcoming):
       if not self.ledger.contains(Tier.DEVICE, j):
         self.ledger.protect(Tier.DEVICE, (i, j))
@@ -309,8 +316,9 @@ class DenseStreamEngine:
     with self.ledger.reserve(Tier.DEVICE, i, st.device_bytes) as reservation:
       if reservation.evicted:
         release_dropped_buffers()
-      if self._host_enabled:
-        host = self._host_unit(i)
+      kept = self._kept.in_host(i)
+      if kept is not None or self._host_enabled:
+        host = kept if kept is not None else self._host_unit(i)
         source = "host"
       else:
         asked = self._advised()
@@ -318,17 +326,7 @@ class DenseStreamEngine:
         self._from_disk = self._advised() != asked or i in self._asked_ahead
         self._asked_ahead.discard(i)
         source = "disk"
-      # On a CPU backend, page-aligned host buffers become device arrays without a
-      # copy (may_alias); accelerators copy host→device as usual.
-      if st.read_index is None:
-        arrays = jax.device_put(
-          [np.asarray(host[p]) for p in st.rel_paths], list(st.shardings), may_alias=True
-        )
-      else:
-        arrays = [
-          from_local_box(np.asarray(host[p]), shape, s, st.read_index[p])
-          for p, shape, s in zip(st.rel_paths, st.shapes, st.shardings, strict=True)
-        ]
+      arrays = st.to_device(host, alias=True)
       del host
       reservation.commit(arrays)
     with self._counters_lock:
@@ -370,38 +368,11 @@ class DenseStreamEngine:
     return data
 
   def _read(self, i: int) -> Mapping[ParamPath, np.ndarray]:
-    index = self._owner[i].read_index
-    try:
-      if index is None:
-        return self._source.read_unit(i)
-      return self._source.read_unit(i, index=index)
-    except (StoreError, ClosedError):
-      raise
-    except Exception as e:
-      _raise_read_error(i, e)
-      raise  # unreachable
+    return read_unit(self._source, i, self._owner[i].read_index)
 
   def _start_read(self, i: int) -> Callable[[], Mapping[ParamPath, np.ndarray]]:
     """Issues the read of unit ``i``; the returned callable waits for it."""
-    start_async = getattr(self._source, "read_unit_async", None)
-    if start_async is None:
-      return lambda: self._read(i)
-    index = self._owner[i].read_index
-    try:
-      pending = start_async(i) if index is None else start_async(i, index=index)
-    except Exception as e:  # noqa: BLE001 - re-raised with the unit named
-      return functools.partial(_raise_read_error, i, e)
-
-    def finish() -> Mapping[ParamPath, np.ndarray]:
-      try:
-        return pending.result()
-      except (StoreError, ClosedError):
-        raise
-      except Exception as e:
-        _raise_read_error(i, e)
-        raise  # unreachable
-
-    return finish
+    return start_read(self._source, i, self._owner[i].read_index)
 
   def _prefetch(self, i: int, token: CancelToken) -> None:
     """Runs on the worker thread: reads unit ``i`` into the host tier.
@@ -471,7 +442,8 @@ class DenseStreamEngine:
       self.worker.note_evicted_before_use()
 
   def clear_caches(self) -> None:
-    """Drops every cached unit copy (host and device); counters are kept."""
+    """Drops every cached unit copy (host and device); counters are kept, and so are
+    the resident units, which are not a cache's."""
     with self._run_lock:
       if self.worker is not None:
         self.worker.cancel(wait=True)
@@ -483,11 +455,6 @@ class DenseStreamEngine:
       self.worker.close()
       self._drop_read_ahead()
     self.ledger.close()
+    self._kept.close()
     self._static = []
     self._staged.clear()
-
-
-def _raise_read_error(i: int, e: Exception) -> NoReturn:
-  if isinstance(e, StoreError | ClosedError):  # already says what happened, and where
-    raise e
-  raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e

@@ -10,13 +10,14 @@ unit takes in host and device memory.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
+import numpy as np
 
 from jax_residency._src.plan.budget import StackMetadata
 from jax_residency._src.plan.split import SplitModel, Stack
-from jax_residency._src.stream.boxes import addressable_box, box_nbytes
+from jax_residency._src.stream.boxes import addressable_box, box_nbytes, from_local_box
 from jax_residency._src.typing import ParamPath
 
 
@@ -77,3 +78,16 @@ class StackUnits:
       host_bytes=host_bytes,
       device_bytes=meta.device_unit_bytes,
     )
+
+  def to_device(self, host: Mapping[ParamPath, np.ndarray], *, alias: bool) -> list[jax.Array]:
+    """One unit's tensors, as read (``host``), put on the devices. With ``alias``, on a
+    CPU backend a page-aligned host buffer becomes the device array without a copy;
+    accelerators copy host to device either way."""
+    if self.read_index is None:
+      return jax.device_put(
+        [np.asarray(host[p]) for p in self.rel_paths], list(self.shardings), may_alias=alias
+      )
+    return [
+      from_local_box(np.asarray(host[p]), shape, s, self.read_index[p])
+      for p, shape, s in zip(self.rel_paths, self.shapes, self.shardings, strict=True)
+    ]

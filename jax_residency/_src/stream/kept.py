@@ -1,0 +1,90 @@
+"""The units a dense stream keeps resident from placement on (docs/design.md, 4.6).
+
+`KeptUnits` reads them once, when the placement is made: the device-resident ones
+onto the devices, the host-resident ones into host memory the process owns (a copy,
+not a view of the page cache or of a reusable read buffer). The engine serves them
+without its ledger: they are never evicted, never read again, and never counted as a
+cache's hits or misses. Streamed units are everything else; read-ahead skips the kept
+ones, so a pass's reads begin with its first streamed unit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from jax_residency._src.plan.resident import ResidentUnits
+from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.typing import ParamPath
+
+Read = Callable[[int], Mapping[ParamPath, np.ndarray]]
+
+
+class KeptUnits:
+  """The resident units of one placement, read at construction.
+
+  Args:
+    resident: which units, by tier (`plan.resident.resident_units`).
+    owner: the stack of each unit id.
+    read: reads one unit from the store.
+  """
+
+  def __init__(self, resident: ResidentUnits, owner: Sequence[StackUnits], read: Read) -> None:
+    self.resident = resident
+    self._device: dict[int, list[jax.Array]] = {}
+    self._host: dict[int, dict[ParamPath, np.ndarray]] = {}
+    for i in resident.device:
+      # The unit's own copy: never a view of the store's mapped pages or of a read
+      # buffer the store reuses. jax.device_put on CPU aliases a large numpy buffer
+      # even with may_alias=False (JAX 0.10), so the copy is made here, and on CPU it
+      # becomes the device array as it is.
+      self._device[i] = owner[i].to_device(_copied(read(i)), alias=True)
+    for i in resident.host:
+      self._host[i] = _copied(read(i))
+    self._kept = frozenset(self._device) | frozenset(self._host)
+
+  def on_device(self, i: int) -> list[jax.Array] | None:
+    """Unit ``i``'s device arrays if it is device-resident, else None."""
+    return self._device.get(i)
+
+  def in_host(self, i: int) -> Mapping[ParamPath, np.ndarray] | None:
+    """Unit ``i``'s host tensors if it is host-resident, else None."""
+    return self._host.get(i)
+
+  def streamed(self, units: Sequence[int], most: int) -> list[int]:
+    """The first ``most`` of ``units`` that are not kept, in order."""
+    if not self._kept:
+      return list(units[:most])
+    out: list[int] = []
+    for j in units:
+      if len(out) >= most:
+        break
+      if j not in self._kept:
+        out.append(j)
+    return out
+
+  def held(self) -> tuple[int, int, int, int]:
+    """What the kept units hold now, measured from their live arrays: device units and
+    the most bytes of them on one device, host units and their bytes."""
+    per_device: dict[object, int] = {}
+    units = 0
+    for arrays in self._device.values():
+      live = [a for a in arrays if not a.is_deleted()]
+      units += bool(live)
+      for a in live:
+        shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+        for d in a.sharding.addressable_devices:
+          per_device[d] = per_device.get(d, 0) + shard
+    host = sum(a.nbytes for unit in self._host.values() for a in unit.values())
+    return units, max(per_device.values(), default=0), len(self._host), host
+
+  def close(self) -> None:
+    self._device.clear()
+    self._host.clear()
+
+
+def _copied(unit: Mapping[ParamPath, np.ndarray]) -> dict[ParamPath, np.ndarray]:
+  return {p: np.array(a, copy=True) for p, a in unit.items()}

@@ -1,0 +1,70 @@
+"""Reading one unit for the dense stream, with failures named by unit.
+
+`UnitSource` is what the engine needs of a store (`store.unit_store.UnitStore` is
+one). `read_unit` reads a unit now; `start_read` issues its read and returns a callable
+that waits for it (where the source reads asynchronously). Either raises the store's
+own `StoreError` as it is, and any other failure as a `StoreError` naming the unit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn, Protocol
+
+import numpy as np
+
+from jax_residency._src.errors import ClosedError, StoreError
+from jax_residency._src.typing import ParamPath
+
+Index = Mapping[ParamPath, tuple[Any, ...]] | None
+
+
+class UnitSource(Protocol):
+  """What the engine needs from a unit store."""
+
+  @property
+  def unit_count(self) -> int: ...
+
+  def read_unit(self, i: int, /, *, index: Index = None) -> Mapping[ParamPath, np.ndarray]: ...
+
+
+def read_unit(source: UnitSource, i: int, index: Index) -> Mapping[ParamPath, np.ndarray]:
+  """Unit ``i`` of ``source`` (only the boxes ``index`` names, on a multi-process mesh)."""
+  try:
+    return source.read_unit(i) if index is None else source.read_unit(i, index=index)
+  except (StoreError, ClosedError):
+    raise
+  except Exception as e:
+    raise_read_error(i, e)
+    raise  # unreachable
+
+
+def start_read(
+  source: UnitSource, i: int, index: Index
+) -> Callable[[], Mapping[ParamPath, np.ndarray]]:
+  """Issues the read of unit ``i``; the returned callable waits for it."""
+  start_async = getattr(source, "read_unit_async", None)
+  if start_async is None:
+    return lambda: read_unit(source, i, index)
+  try:
+    pending = start_async(i) if index is None else start_async(i, index=index)
+  except Exception as e:  # noqa: BLE001 - re-raised with the unit named
+    return functools.partial(raise_read_error, i, e)
+
+  def finish() -> Mapping[ParamPath, np.ndarray]:
+    try:
+      return pending.result()
+    except (StoreError, ClosedError):
+      raise
+    except Exception as e:
+      raise_read_error(i, e)
+      raise  # unreachable
+
+  return finish
+
+
+def raise_read_error(i: int, e: Exception) -> NoReturn:
+  if isinstance(e, StoreError | ClosedError):  # already says what happened, and where
+    raise e
+  raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e

@@ -777,6 +777,7 @@ def test_layerwise_and_resident_policy_dicts():
         "prefetch_depth": 3,
         "eviction_policy": "least_frequently_used",
       },
+      "device_resident_units": 0,
       "max_cached_shards": 7,
       "strict_loading": False,
       "sample_backend_memory": True,

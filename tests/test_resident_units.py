@@ -7,9 +7,13 @@ the reads' order, the plan and budgets, and bad input.
 
 from __future__ import annotations
 
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
@@ -154,3 +158,85 @@ def test_fully_resident_takes_no_kept_units_and_the_fields_round_trip():
   policy = jr.DenseDiskStream(device_resident_units=2, host_resident_units=1)
   assert jr.LayerWeightResidency.from_dict(policy.to_dict()) == policy
   assert "device_resident_units=2" in repr(policy)
+
+
+# --- LayerwiseHost -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jitted_reference(model, tokens):
+  """The plain model under jit: what LayerwiseHost's one program gives, bit for bit."""
+  return np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
+
+
+@pytest.mark.parametrize("kept, depth", [(1, 1), (3, 2), (7, 3), (8, 2)])
+def test_layerwise_host_keeps_the_first_units_in_device_memory(
+  model, tokens, jitted_reference, kept, depth
+):
+  """The kept units are arrays of their own in device memory, the rest in pinned_host;
+  each pass moves only the rest (a part of the loop one unit long is run as a loop too,
+  so the outputs stay bit for bit the plain model's)."""
+  policy = jr.LayerwiseHost(prefetch_depth=depth, device_resident_units=kept)
+  with jr.place(model, policy, mesh=MESH1) as placed:
+    for _ in range(2):
+      np.testing.assert_array_equal(np.asarray(placed(tokens)), jitted_reference)
+    last = placed.report().last
+    testing.assert_within_budgets(placed)
+    kinds = testing.assert_memory_kinds(placed)
+    arrays, meta = placed.arrays(), placed.metadata
+  assert last.host_to_device_bytes == (8 - kept) * UNIT
+  assert (last.peak_device_units, last.peak_device_bytes) == (kept, kept * UNIT)
+  assert (last.peak_host_units, last.peak_host_bytes) == (8 - kept, (8 - kept) * UNIT)
+  assert meta.item_bytes("device-resident units") == kept * UNIT
+  assert meta.item_bytes("host units") == (8 - kept) * UNIT
+  first = [k for k in arrays if k.startswith("layers.") and k.endswith(f"[:{kept}]")]
+  assert first and all(arrays[k].shape[0] == kept for k in first)
+  assert all(arrays[k[: -len(f"[:{kept}]")]].shape[0] == 8 - kept for k in first)
+  assert kinds["device"] > len(first)
+
+
+def test_layerwise_host_with_kept_units_lowers_only_the_rest_to_pinned_host(model, tokens):
+  policy = jr.LayerwiseHost(prefetch_depth=2, device_resident_units=3)
+  with jr.place(model, policy, mesh=MESH1) as placed:
+    text = placed.lower(tokens, platforms=("cuda",)).as_text()
+  pinned = re.findall(r"tensor<(\d+)x[^>]*>[^%]*?mhlo.memory_kind = \"pinned_host\"", text)
+  assert pinned and set(pinned) == {"5"}  # the 5 units not kept, and no others
+
+
+class _FloatNet(nnx.Module):
+  """Four stacked dense layers over a float input (so it has an input gradient)."""
+
+  def __init__(self) -> None:
+    @nnx.vmap
+    def make(key: jax.Array) -> nnx.Linear:
+      return nnx.Linear(8, 8, rngs=nnx.Rngs(key))
+
+    self.layers = make(jax.random.split(jax.random.key(3), 4))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jr.scan_units(lambda h, layer: jnp.tanh(layer(h)), x, self.layers)
+
+
+@pytest.mark.parametrize("kept", [1, 2])
+def test_layerwise_host_input_gradients_with_kept_units(kept):
+  net, x = _FloatNet(), jax.random.normal(jax.random.key(4), (2, 8))
+  loss = lambda f: lambda x: (f(x) ** 2).sum()  # noqa: E731
+  want = nnx.jit(lambda m, x: nnx.grad(lambda x, m: (m(x) ** 2).sum())(x, m))(net, x)
+  policy = jr.LayerwiseHost(prefetch_depth=2, device_resident_units=kept)
+  with jr.place(net, policy, units="layers", mesh=MESH1) as placed:
+    got = jax.grad(loss(placed))(x)
+  assert float(jnp.abs(want).max()) > 1e-3
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_layerwise_host_budgets_count_the_kept_units(model):
+  policy = lambda **kw: jr.LayerwiseHost(device_resident_units=3, **kw)  # noqa: E731
+  with jr.place(model, policy(host_budget_bytes=5 * UNIT), mesh=MESH1) as placed:
+    static = placed.metadata.static_device_bytes
+  with pytest.raises(jr.HostBudgetTooSmallError, match="all but the 3 device-resident"):
+    jr.place(model, policy(host_budget_bytes=5 * UNIT - 1), mesh=MESH1)
+  with pytest.raises(jr.DeviceBudgetTooSmallError, match=r"device-resident=\d+ .*3 units") as e:
+    jr.place(model, policy(device_budget_bytes=static + 4 * UNIT - 1), mesh=MESH1)
+  assert e.value.resident == 3 * UNIT
+  with pytest.raises(jr.PlacementError, match="device_resident_units=9 .*layers has 8"):
+    jr.place(model, jr.LayerwiseHost(device_resident_units=9), mesh=MESH1)

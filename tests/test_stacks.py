@@ -46,6 +46,9 @@ POLICIES: dict[str, Callable[[], jr.LayerWeightResidency]] = {
   "fully_resident": lambda: jr.FullyResident(),
   "layerwise_k1": lambda: jr.LayerwiseHost(prefetch_depth=1),
   "layerwise_k2": lambda: jr.LayerwiseHost(prefetch_depth=2),
+  # The first unit of each stack in device memory: the mixer's loop is then one unit
+  # kept and one moved.
+  "layerwise_resident": lambda: jr.LayerwiseHost(prefetch_depth=2, device_resident_units=1),
   "dense_host": lambda: jr.DenseDiskStream(host_budget_bytes="1MiB"),
   "dense_direct": lambda: jr.DenseDiskStream(host_budget_bytes=0),
   # The first unit of each stack kept on the device, the next in host memory: the mixer
@@ -55,7 +58,7 @@ POLICIES: dict[str, Callable[[], jr.LayerWeightResidency]] = {
   ),
 }
 DENSE = ("dense_host", "dense_direct", "dense_resident")
-STREAMED = ("layerwise_k1", "layerwise_k2", *DENSE)
+STREAMED = ("layerwise_k1", "layerwise_k2", "layerwise_resident", *DENSE)
 
 #: (model, mesh) variants: every policy runs on both meshes for NNX; Linen on the
 #: 8-device mesh runs a subset (one policy of each kind) to keep the module fast.
@@ -475,7 +478,8 @@ def test_window_is_the_largest_stack_window(run):
 
 
 @pytest.mark.parametrize(
-  "policy", ["fully_resident", "layerwise_k2", "dense_direct", "dense_resident"]
+  "policy",
+  ["fully_resident", "layerwise_k2", "layerwise_resident", "dense_direct", "dense_resident"],
 )
 def test_report_per_stack(run, policy: str):
   """A full pass runs every unit of each stack; a streaming policy moves each unit once
@@ -487,6 +491,6 @@ def test_report_per_stack(run, policy: str):
   for s in r.placed.metadata.stacks:
     record = last.stacks[s.path]
     assert record.units_run == LAYERS[s.path] == s.layer_count
-    moving = s.layer_count - (policy == "dense_resident")
+    moving = s.layer_count - (policy in ("dense_resident", "layerwise_resident"))
     moved = moving * s.unit_bytes if policy in STREAMED else 0
     assert record.bytes_moved == moved

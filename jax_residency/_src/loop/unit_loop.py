@@ -55,12 +55,19 @@ class StackLoop:
       the leaf order of the stack's pytree.
     depth: device window in units (the prefetch depth for ``LAYERWISE_HOST``).
     loops: how many loops over the stack ran while tracing.
+    resident: for ``LAYERWISE_HOST`` with device-resident units, the stack's first
+      units, already in device memory: one stacked array per leaf, in the leaf order
+      of the stack's pytree. The units the loop is given are then the rest.
+    one: with ``resident``, the int32 1 as an argument of the program (not a
+      constant), the trip count of a part of the loop one unit long.
   """
 
   ref: Any
   shardings: tuple[jax.sharding.Sharding, ...]
   depth: int
   loops: int = 0
+  resident: Sequence[Any] | None = None
+  one: Any = None
 
 
 @dataclasses.dataclass
@@ -125,7 +132,7 @@ class LoopContext:
     ``reverse``: ``ys[i]`` is still unit ``i``'s output).
     """
     loop.loops += 1
-    length = _leading_dim(units)
+    _leading_dim(units)  # raises for a stack without parameters
 
     def decoded(c: Any, unit: Any, x: Any) -> tuple[Any, Any]:
       # A quantized unit's tensors arrive as their stored parts; the float values are
@@ -136,15 +143,25 @@ class LoopContext:
       return fenced(lambda c, u, x: step(c, decode_tree(u), x), c, unit, x)
 
     if self.kind is ExecutionResidency.LAYERWISE_HOST:
-      return _pipelined_host_scan(
-        decoded,
-        carry,
-        units,
-        xs,
-        depth=loop.depth,
-        shardings=loop.shardings,
-        length=length,
-        reverse=reverse,
+
+      def moved(c: Any, u: Any, x: Any) -> tuple[Any, Any]:
+        n = _leading_dim(u)
+        if n == 1 and loop.one is not None:  # see _one_trip
+          return _one_trip(
+            lambda c, ix: decoded(c, _fetch(u, ix[0], loop.shardings), ix[1]),
+            c,
+            (jnp.arange(1), x),
+            loop.one,
+          )
+        return _pipelined_host_scan(
+          decoded, c, u, x, depth=loop.depth, shardings=loop.shardings, length=n, reverse=reverse
+        )
+
+      if not loop.resident:
+        return moved(carry, units, xs)
+      kept = jax.tree.unflatten(jax.tree.structure(units), list(loop.resident))
+      return _resident_then_moved(
+        decoded, moved, carry, kept, units, xs, reverse=reverse, one=loop.one
       )
     # FULLY_RESIDENT runs the plain scan; DENSE_DISK_STREAM traces it so the
     # streaming engine can find it in the jaxpr and run it unit by unit.
@@ -237,6 +254,61 @@ def _fetch(units: Any, i: Any, shardings: tuple[jax.sharding.Sharding, ...]) -> 
     for a, s in zip(leaves, shardings, strict=True)
   ]
   return jax.tree.unflatten(treedef, moved)
+
+
+def _resident_then_moved(
+  step: Step,
+  moved: Callable[[Any, Any, Any], tuple[Any, Any]],
+  carry: Any,
+  kept: Any,
+  units: Any,
+  xs: Any,
+  *,
+  reverse: bool,
+  one: Any,
+) -> tuple[Any, Any]:
+  """The loop of a stack whose first units (``kept``) are in device memory: a plain scan
+  over those, and ``moved`` (the pipelined host scan) over the rest (``units``), in the
+  loop's order; ``xs`` and the outputs are split and joined along the unit axis."""
+  d = _leading_dim(kept)
+  rest = _leading_dim(units)
+  xs_kept, xs_rest = jax.tree.map(lambda a: a[:d], xs), jax.tree.map(lambda a: a[d:], xs)
+
+  def resident(c: Any, x: Any) -> tuple[Any, Any]:
+    if d == 1 and one is not None:
+      return _one_trip(lambda c, ux: step(c, *ux), c, (kept, x), one)
+    return lax.scan(lambda c, ux: step(c, *ux), c, (kept, x), reverse=reverse)
+
+  if rest == 0:
+    return resident(carry, xs_kept)
+  if reverse:
+    carry, ys_rest = moved(carry, units, xs_rest)
+    carry, ys_kept = resident(carry, xs_kept)
+  else:
+    carry, ys_kept = resident(carry, xs_kept)
+    carry, ys_rest = moved(carry, units, xs_rest)
+  return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys_kept, ys_rest)
+
+
+def _one_trip(f: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any, one: Any) -> Any:
+  """``lax.scan(f, carry, xs)`` over one element, as a loop whose trip count (``one``, a
+  program argument) XLA cannot see: a loop known to run once is inlined and fused with
+  what surrounds it, which rounds differently from the plain model's scanned layer; a
+  loop body is compiled as the plain scan's is (as the dense stream's steps,
+  stream/staged.py)."""
+  first = jax.tree.map(lambda a: a[0], xs)
+  y_shape = jax.eval_shape(lambda c, x: f(c, x)[1], carry, first)
+  ys = jax.tree.map(lambda s: jnp.zeros((1, *s.shape), s.dtype), y_shape)
+
+  def body(state: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    t, c, out = state
+    x = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, t, keepdims=False), xs)
+    c, y = f(c, x)
+    out = jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, t, 0), out, y)
+    return t + 1, c, out
+
+  _, carry, ys = lax.while_loop(lambda s: s[0] < one, body, (jnp.int32(0), carry, ys))
+  return carry, ys
 
 
 def _pipelined_host_scan(

@@ -87,8 +87,14 @@ def check_host_budget(
     staging = staging_bytes(policy, max(host_unit_bytes, default=0), device_is_host=device_is_host)
     what = f"host_lookahead={dense.host_lookahead} units"
   elif isinstance(policy, LayerwiseHost):
-    host_window = sum(host_unit_bytes)
+    on_device = set(resident.device)
+    host_window = sum(b for i, b in enumerate(host_unit_bytes) if i not in on_device)
     what = f"all {len(host_unit_bytes)} units (LayerwiseHost keeps every unit in host memory)"
+    if on_device:
+      what = (
+        f"{len(host_unit_bytes) - len(on_device)} units: all but the "
+        f"{len(on_device)} device-resident ones"
+      )
   else:
     return
   held = resident.host_bytes

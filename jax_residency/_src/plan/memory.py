@@ -158,13 +158,16 @@ def memory_items(
       )
     )
   if isinstance(policy, LayerwiseHost):
+    on_device = set(resident.device)
     items.append(
       MemoryItem(
         name="host units",
         memory="host",
-        nbytes=sum(host_unit_bytes),
+        nbytes=sum(b for i, b in enumerate(host_unit_bytes) if i not in on_device),
         counted_in=HOST_BUDGET,
-        note=f"all {n} units in pinned_host memory",
+        note=f"{n - len(on_device)} of {n} units in pinned_host memory"
+        if on_device
+        else f"all {n} units in pinned_host memory",
       )
     )
   if policy.dense is not None:

@@ -3,6 +3,8 @@
 A `DenseDiskStream` with ``device_resident_units=d`` and ``host_resident_units=h``
 keeps the first ``d`` units of each stack on the device and the next ``h`` in host
 memory, read once at placement; the rest stream through the window and the cache.
+A `LayerwiseHost` with ``device_resident_units=d`` keeps the first ``d`` in device
+memory instead of ``pinned_host``.
 `resident_units` says which units those are (global unit ids, in the forward's order)
 and what they cost per device and in host memory, for the budgets, the memory items
 and the engine alike.
@@ -60,18 +62,21 @@ def resident_units(
     >>> r.device, r.host, r.device_bytes, r.host_bytes
     ((0, 1, 4, 5), (2, 6), 40, 20)
   """
-  dense = policy.dense
-  if dense is None or not (dense.device_resident_units or dense.host_resident_units):
+  options = getattr(policy, "options", None)  # FullyResident has none (all resident)
+  d = getattr(options, "device_resident_units", 0)
+  h = getattr(options, "host_resident_units", 0)
+  if not (d or h):
     return NO_RESIDENT_UNITS
-  d, h = dense.device_resident_units, dense.host_resident_units
   short = [(path, count) for path, count in stacks if d + h > count]
   if short:
     listed = ", ".join(f"{path or 'the stack'!s} has {count}" for path, count in short)
+    kept = f"device_resident_units={d}"
+    if h:
+      kept += f" + host_resident_units={h} = {d + h}"
     raise PlacementError(
-      f"{policy.name} keeps device_resident_units={d} + host_resident_units={h} = {d + h} "
-      f"units of each stack resident, but {listed}. Lower them to at most "
-      f"{min(c for _, c in short)} in all, or use FullyResident to keep every unit on the "
-      "device."
+      f"{policy.name} keeps {kept} units of each stack resident, but {listed}. Lower "
+      f"{'them' if h else 'it'} to at most {min(c for _, c in short)}"
+      f"{' in all' if h else ''}, or use FullyResident to keep every unit on the device."
     )
   device: list[int] = []
   host: list[int] = []

@@ -54,6 +54,7 @@ class LayerwiseFields(_LoadControls, total=False):
   prefetch_depth: int
   eviction_policy: CacheEvictionPolicy
   offload: OffloadConfig
+  device_resident_units: int
 
 
 class DenseFields(_LoadControls, total=False):

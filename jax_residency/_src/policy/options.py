@@ -289,6 +289,10 @@ class LayerwiseLoadOptions(_Options):
 
   Attributes:
     offload: budgets, window (`prefetch_depth`) and eviction policy.
+    device_resident_units: the first this many units of each stack stay in
+      device memory for the placement's life and never move; the program moves
+      only the rest from ``pinned_host`` memory through the window (docs/design.md,
+      4.6). The device budget pays for them beside the window.
     max_cached_shards: open checkpoint shard handles/readers kept; at least 1.
     strict_loading: reject stored tensors the model does not claim.
     sample_backend_memory: record the backend's memory statistics per pass.
@@ -302,6 +306,7 @@ class LayerwiseLoadOptions(_Options):
   """
 
   offload: OffloadConfig = OffloadConfig()
+  device_resident_units: int = 0
   max_cached_shards: int = DEFAULT_MAX_CACHED_SHARDS
   strict_loading: bool = True
   sample_backend_memory: bool = False
@@ -314,6 +319,8 @@ class LayerwiseLoadOptions(_Options):
         f"{owner}: offload={self.offload!r} has type {type(self.offload).__name__}; "
         "pass an OffloadConfig, e.g. offload=OffloadConfig(prefetch_depth=2)."
       )
+    units = check_units(owner, "device_resident_units", self.device_resident_units)
+    object.__setattr__(self, "device_resident_units", units)
     object.__setattr__(self, "max_cached_shards", _max_cached_shards(owner, self.max_cached_shards))
     for name in ("strict_loading", "sample_backend_memory", "sample_process_memory"):
       _bool(owner, name, getattr(self, name))

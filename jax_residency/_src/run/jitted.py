@@ -75,7 +75,7 @@ class JittedExecutor:
     values, own_reads = self._weights(split, policy, store, shardings)
     split.values = []  # the placement holds its own copies, not the caller's arrays
     self._static = pl.put([values[i] for i in split.static_index], placed_at.static)
-    self._units = pl.put([values[i] for i in split.unit_index], placed_at.units)
+    self._place_units([values[i] for i in split.unit_index], placed_at.units, len(split.stacks))
     del values
     self._split = split
     # On CPU, passes run per-unit steps over views of the units (no per-layer copy).
@@ -92,10 +92,14 @@ class JittedExecutor:
     self._last_trace: LoopContext | None = None
     self._traced_shares: dict[str, StackPass] = {}
 
-    def forward(static: list[Any], units: list[Any], *args: Any, **kwargs: Any) -> Any:
+    def forward(static: list[Any], units: list[Any], kept: Any, *args: Any, **kwargs: Any) -> Any:
       bound = split.bind(split.join(static, units))
+      resident, one = kept if kept else ([], None)  # (device-resident units, int32 1)
       stacks = [
-        dataclasses.replace(loop, ref=ref) for loop, ref in zip(loops, bound.units, strict=True)
+        dataclasses.replace(
+          loop, ref=ref, resident=resident[s.leaf_slice] if resident else None, one=one
+        )
+        for loop, ref, s in zip(loops, bound.units, split.stacks, strict=True)
       ]
       out, self._last_trace = run_in_loop(
         bound, stacks, kind=policy.execution_residency, names=names, args=args, kwargs=kwargs
@@ -107,8 +111,10 @@ class JittedExecutor:
       # loop's steps are): a one-token head reads its codes once (quant/fused.py).
       plain = forward
 
-      def forward(static: list[Any], units: list[Any], *args: Any, **kwargs: Any) -> Any:
-        return fenced(lambda s, u, a, kw: plain(s, u, *a, **kw), static, units, args, kwargs)
+      def forward(static: list[Any], units: list[Any], kept: Any, *args: Any, **kwargs: Any) -> Any:
+        return fenced(
+          lambda s, u, k, a, kw: plain(s, u, k, *a, **kw), static, units, kept, args, kwargs
+        )
 
     self._jitted = jax.jit(forward)
     self.telemetry = Telemetry.for_policy(
@@ -119,6 +125,19 @@ class JittedExecutor:
     # One program per input signature: its temporaries and each stack's share of a pass.
     self._compiled: dict[Any, tuple[Any, int, dict[str, StackPass]]] = {}
 
+  def _place_units(self, values: list[Any], shardings: Sequence[Any], stacks: int) -> None:
+    """Places the unit leaves. LayerwiseHost's device-resident units: each stack's first
+    `kept` units are arrays of their own in device memory; the pinned_host arrays hold
+    the rest (docs/design.md, 4.6)."""
+    self._kept = len(self.metadata.resident.device) // max(stacks, 1)
+    kept = self._kept
+    self._resident = pl.put(
+      [v[:kept] for v in values] if kept else [],
+      [s.with_memory_kind(pl.DEVICE) for s in shardings] if kept else [],
+    )
+    self._units = pl.put([v[kept:] for v in values] if kept else values, list(shardings))
+    self._kept_args = (self._resident, np.int32(1)) if kept else ()
+
   def _shares(self, ctx: LoopContext | None) -> dict[str, StackPass]:
     """Each stack's units run and bytes moved by a program traced with ``ctx``;
     notes the stacks it loops over that are not placed."""
@@ -128,7 +147,7 @@ class JittedExecutor:
     shares = {}
     for stack, loop, meta in zip(self._split.stacks, ctx.stacks, self.metadata.stacks, strict=True):
       run = loop.loops * stack.count
-      moved = run * meta.unit_bytes if self._layerwise else 0
+      moved = loop.loops * (stack.count - self._kept) * meta.unit_bytes if self._layerwise else 0
       shares[stack.name] = StackPass(units_run=run, bytes_moved=moved)
     return shares
 
@@ -138,7 +157,7 @@ class JittedExecutor:
     key = signature(args, kwargs)
     found = self._compiled.get(key)
     if found is None:
-      traced = self._jitted.trace(self._static, self._units, *args, **kwargs)
+      traced = self._jitted.trace(self._static, self._units, self._kept_args, *args, **kwargs)
       shares = self._shares(self._last_trace)
       exe = traced.lower().compile()
       found = self._compiled[key] = (exe, temp_bytes(exe) or 0, shares)
@@ -149,7 +168,10 @@ class JittedExecutor:
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
       # Under a transformation (grad, make_jaxpr, an outer jit) the forward is traced.
       self._last_trace = None
-      out = self._jitted(self._static, self._units, *args, **kwargs)
+      # No runtime trip count there: reverse-mode AD cannot run a while loop with one,
+      # so a part of the loop one unit long is a plain scan (close, not bit for bit).
+      kept = (self._resident, None) if self._kept else ()
+      out = self._jitted(self._static, self._units, kept, *args, **kwargs)
       if self._last_trace is not None:  # else jit reused a trace: the shares are as before
         self._traced_shares = self._shares(self._last_trace)
       temp, shares = 0, self._traced_shares
@@ -160,10 +182,10 @@ class JittedExecutor:
         shares = self._shares(ctx)
       else:
         exe, temp, shares = self._program(args, kwargs)
-        out = exe(self._static, self._units, *args, **kwargs)
+        out = exe(self._static, self._units, self._kept_args, *args, **kwargs)
     out = jax.block_until_ready(out)
     moved = sum(s.bytes_moved for s in shares.values())
-    held = held_units(self._units, [(s.leaf_slice, s.count) for s in self._split.stacks])
+    held = self._held()
     self.telemetry.commit_pass(
       args=args,
       seconds=time.perf_counter() - start,
@@ -176,12 +198,26 @@ class JittedExecutor:
     return out
 
   def lower(self, *args: Any, platforms: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
-    traced = self._jitted.trace(self._static, self._units, *args, **kwargs)
+    traced = self._jitted.trace(self._static, self._units, self._kept_args, *args, **kwargs)
     return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+
+  def _held(self) -> dict[str, tuple[int, int]]:
+    """The unit arrays held now, by memory kind (`held_units`), device-resident ones too."""
+    stacks = self._split.stacks
+    n = len(self._units)
+    spans = [(s.leaf_slice, s.count - self._kept) for s in stacks]
+    if self._resident:
+      shift = [slice(s.leaf_slice.start + n, s.leaf_slice.stop + n) for s in stacks]
+      spans += [(leaves, self._kept) for leaves in shift]
+    return held_units([*self._units, *self._resident], spans)
 
   def arrays(self) -> dict[str, jax.Array]:
     leaves = self._split.join(self._static, self._units)
-    return {path_str(leaf.path): a for leaf, a in zip(self._split.leaves, leaves, strict=True)}
+    out = {path_str(leaf.path): a for leaf, a in zip(self._split.leaves, leaves, strict=True)}
+    units = [self._split.leaves[i] for i in self._split.unit_index]
+    for leaf, a in zip(units, self._resident, strict=False):  # none without resident units
+      out[f"{path_str(leaf.path)}[:{self._kept}]"] = a
+    return out
 
   def clear_caches(self) -> None:
     """Every unit stays placed: nothing to drop."""
@@ -189,7 +225,7 @@ class JittedExecutor:
   def close(self) -> None:
     # Dropping the references frees the copies; deleting them outright could free
     # buffers shared with the caller's model (device_put to an equal sharding aliases).
-    self._static, self._units = [], []
+    self._static, self._units, self._resident, self._kept_args = [], [], [], ()
     self._compiled.clear()
     if self._steps is not None:
       self._steps.close()

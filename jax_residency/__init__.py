@@ -9,6 +9,8 @@ The public surface (``__all__``):
 
 * placing: `place`, `PlacedModel` (``placed.arrays()``, ``placed.report()``,
   ``placed.metadata``), `scan_units`, `linen` (``jr.linen.scan``), `save`;
+* choosing a placement: `measure` and the `Measurement` it returns (a store's read
+  bandwidths, host-to-device bandwidth and a unit step's time on this backend);
 * policies and their options: `FullyResident`, `LayerwiseHost`,
   `DenseDiskStream`, `LayerWeightResidency`, `OrdinaryWeightResidency`,
   `ExecutionResidency`, `LayerwiseLoadOptions`, `DenseDiskStreamLoadOptions`,
@@ -59,6 +61,8 @@ from ._src.report.records import TimelinePoint as TimelinePoint
 from ._src.report.records import Totals as Totals
 from ._src.report.stream_metrics import TierMetrics as TierMetrics
 from ._src.report.stream_metrics import WorkerMetrics as WorkerMetrics
+from ._src.run.measure import Measurement as Measurement
+from ._src.run.measure import measure as measure
 from ._src.run.place import PlacedModel as PlacedModel
 from ._src.run.place import place as place
 from ._src.store.info import StackInfo as StackInfo
@@ -76,6 +80,7 @@ from .errors import HostBudgetTooSmallError as HostBudgetTooSmallError
 from .errors import HostDisabledControlsError as HostDisabledControlsError
 from .errors import InvalidBudgetError as InvalidBudgetError
 from .errors import InvalidPolicyValueError as InvalidPolicyValueError
+from .errors import MeasurementMismatchError as MeasurementMismatchError
 from .errors import MissingCheckpointParametersError as MissingCheckpointParametersError
 from .errors import ModelConfigError as ModelConfigError
 from .errors import PlacementError as PlacementError
@@ -108,6 +113,9 @@ __all__ = [
   "place",
   "save",
   "scan_units",
+  # choosing a placement
+  "Measurement",
+  "measure",
   # policies and their options
   "CacheEvictionPolicy",
   "DenseDiskStream",

@@ -23,6 +23,7 @@ The hierarchy (a builtin in parentheses is a second base class)::
           BudgetTooSmallError
               DeviceBudgetTooSmallError
               HostBudgetTooSmallError
+          MeasurementMismatchError
       StoreError (ValueError)
           StoreNotFoundError (FileNotFoundError)
           StoreLayoutError
@@ -70,6 +71,7 @@ from jax_residency._src.errors import HostBudgetTooSmallError as HostBudgetTooSm
 from jax_residency._src.errors import HostDisabledControlsError as HostDisabledControlsError
 from jax_residency._src.errors import InvalidBudgetError as InvalidBudgetError
 from jax_residency._src.errors import InvalidPolicyValueError as InvalidPolicyValueError
+from jax_residency._src.errors import MeasurementMismatchError as MeasurementMismatchError
 from jax_residency._src.errors import (
   MissingCheckpointParametersError as MissingCheckpointParametersError,
 )
@@ -107,6 +109,7 @@ __all__ = [
   "ClosedError",
   "DeviceBudgetTooSmallError",
   "HostBudgetTooSmallError",
+  "MeasurementMismatchError",
   "HostDisabledControlsError",
   "InvalidBudgetError",
   "InvalidPolicyValueError",

@@ -37,6 +37,7 @@ RETURNED = (
   jr.ModelMetadata,
   jr.MemoryItem,
   jr.StoreInfo,
+  jr.Measurement,
 )
 
 #: The errors a user catches most: the only ones the top level lists in `__all__`.

@@ -34,6 +34,7 @@ from jax_residency._src.cli.commands import (
 from jax_residency._src.cli.console import PROG, CommandError, one_line
 from jax_residency._src.cli.demo import DEMO_CONFIG, DEMO_TOKENS, POLICY_NAMES, cmd_demo
 from jax_residency._src.cli.inspection import cmd_inspect
+from jax_residency._src.cli.measuring import cmd_measure
 from jax_residency._src.version import __version__
 
 
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect,
     _add_verify,
     _add_plan,
+    _add_measure,
     _add_run,
     _add_rechunk,
     _add_convert,
@@ -333,6 +335,34 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
   )
   run.add_argument("--seed", metavar="N", type=int, default=0, help="seed of the random tokens")
   _add_json(run)
+
+
+def _add_measure(sub: argparse._SubParsersAction[_Parser]) -> None:
+  measure = _command(
+    sub,
+    "measure",
+    cmd_measure,
+    summary="measure a store's read bandwidth, host-to-device bandwidth and a unit step",
+    description=(
+      "Measures, on this machine's backend: the store's disk bandwidth (its files read\n"
+      "raw by one thread, and its units read by the library, each after the store's pages\n"
+      "were dropped from the page cache), the same reads from the page cache, host-to-\n"
+      "device bandwidth, and, where the store records its model (stores written by `demo`)\n"
+      "or --model names one, a unit step's time for a decode step and a prompt. The result\n"
+      "is cached under the library's cache directory, keyed by the store and the backend."
+    ),
+    epilog="Example: jax-residency measure ./store --prompt-len 128",
+  )
+  _add_store(measure)
+  measure.add_argument(
+    "--model", metavar="MODULE:FACTORY", help="build the model with this factory"
+  )
+  measure.add_argument("--batch", metavar="N", type=_count(1), default=1, help="batch (default 1)")
+  measure.add_argument(
+    "--prompt-len", metavar="N", type=_count(1), default=16, help="prompt tokens (default 16)"
+  )
+  measure.add_argument("--refresh", action="store_true", help="measure again, ignoring the cache")
+  _add_json(measure)
 
 
 def _add_rechunk(sub: argparse._SubParsersAction[_Parser]) -> None:

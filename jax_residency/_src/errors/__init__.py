@@ -15,6 +15,9 @@ from jax_residency._src.errors.placement import (
   DeviceBudgetTooSmallError as DeviceBudgetTooSmallError,
 )
 from jax_residency._src.errors.placement import HostBudgetTooSmallError as HostBudgetTooSmallError
+from jax_residency._src.errors.placement import (
+  MeasurementMismatchError as MeasurementMismatchError,
+)
 from jax_residency._src.errors.placement import ModelConfigError as ModelConfigError
 from jax_residency._src.errors.placement import PlacementError as PlacementError
 from jax_residency._src.errors.placement import QuantizationError as QuantizationError

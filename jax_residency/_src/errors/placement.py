@@ -158,3 +158,17 @@ class ModelConfigError(ResidencyError, ValueError):
     ...   print(type(e).__name__, "feed_forward_proj='gated-silu'" in str(e))
     ModelConfigError True
   """
+
+
+class MeasurementMismatchError(PlacementError):
+  """A measurement given for another store or another backend than the one at hand.
+
+  Raised by `jax_residency.plan` and ``Measurement.check``: a measurement's figures hold
+  for the store (as it was when measured) and the backend it was taken on. The message
+  shows both keys; measure again with ``jr.measure``.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> issubclass(jr.errors.MeasurementMismatchError, jr.PlacementError)
+    True
+  """

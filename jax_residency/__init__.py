@@ -10,7 +10,9 @@ The public surface (``__all__``):
 * placing: `place`, `PlacedModel` (``placed.arrays()``, ``placed.report()``,
   ``placed.metadata``), `scan_units`, `linen` (``jr.linen.scan``), `save`;
 * choosing a placement: `measure` and the `Measurement` it returns (a store's read
-  bandwidths, host-to-device bandwidth and a unit step's time on this backend);
+  bandwidths, host-to-device bandwidth and a unit step's time on this backend), and
+  `plan`, every placement a store's budgets admit as a `Candidate` with its predicted
+  times for a `Workload`, fastest first;
 * policies and their options: `FullyResident`, `LayerwiseHost`,
   `DenseDiskStream`, `LayerWeightResidency`, `OrdinaryWeightResidency`,
   `ExecutionResidency`, `LayerwiseLoadOptions`, `DenseDiskStreamLoadOptions`,
@@ -65,6 +67,9 @@ from ._src.run.measure import Measurement as Measurement
 from ._src.run.measure import measure as measure
 from ._src.run.place import PlacedModel as PlacedModel
 from ._src.run.place import place as place
+from ._src.run.planner import Candidate as Candidate
+from ._src.run.planner import Workload as Workload
+from ._src.run.planner import plan as plan
 from ._src.store.info import StackInfo as StackInfo
 from ._src.store.info import StoreInfo as StoreInfo
 from ._src.store.read_options import ReadOptions as ReadOptions
@@ -114,8 +119,11 @@ __all__ = [
   "save",
   "scan_units",
   # choosing a placement
+  "Candidate",
   "Measurement",
+  "Workload",
   "measure",
+  "plan",
   # policies and their options
   "CacheEvictionPolicy",
   "DenseDiskStream",

@@ -38,6 +38,7 @@ RETURNED = (
   jr.MemoryItem,
   jr.StoreInfo,
   jr.Measurement,
+  jr.Candidate,
 )
 
 #: The errors a user catches most: the only ones the top level lists in `__all__`.

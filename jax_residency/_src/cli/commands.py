@@ -132,8 +132,11 @@ def _quantize_flags(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+  from jax_residency._src.cli.measuring import cmd_plan_auto  # noqa: PLC0415
   from jax_residency._src.plan.quantized import plan_decoded_bytes  # noqa: PLC0415
 
+  if args.auto:
+    return cmd_plan_auto(args)
   config = _hf_config_path(args.path)
   quantize = _quantize_flags(args)
   if config is not None:

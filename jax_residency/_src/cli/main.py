@@ -286,6 +286,28 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
   _add_lookahead(plan, minimum=1, default=2)
   _add_units(plan)
   plan.add_argument(
+    "--auto",
+    action="store_true",
+    help="rank every placement that fits by predicted time (jr.plan), from this machine's\n"
+    "measurement of the store (jr.measure, cached; measured now if there is none)",
+  )
+  plan.add_argument(
+    "--prompt-len", metavar="N", type=_count(1), default=128, help="--auto: prompt tokens (128)"
+  )
+  plan.add_argument(
+    "--steps", metavar="N", type=_count(0), default=32, help="--auto: decode steps (32)"
+  )
+  plan.add_argument("--batch", metavar="N", type=_count(1), default=1, help="--auto: batch (1)")
+  plan.add_argument(
+    "--regime",
+    choices=("disk", "page cache"),
+    default="disk",
+    help="--auto: streamed units come from disk (default) or from the page cache",
+  )
+  plan.add_argument(
+    "--model", metavar="MODULE:FACTORY", help="--auto: the model, to time its unit step"
+  )
+  plan.add_argument(
     "--platform",
     choices=("cpu", "gpu", "tpu"),
     default=None,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from jax_residency._src.cli.console import emit, emit_json
+from jax_residency._src.cli.console import CommandError, emit, emit_json
 from jax_residency._src.cli.stored_models import (
   abstract_from_factory,
   abstract_toy,
@@ -14,7 +15,9 @@ from jax_residency._src.cli.stored_models import (
 )
 
 
-def cmd_measure(args: argparse.Namespace) -> int:
+def _measured(args: argparse.Namespace, *, refresh: bool) -> tuple[Any, Any]:
+  """The store's measurement (cached or taken now), timing a decode step and a prompt of
+  ``args.prompt_len`` where the model is known; and the model (None: not known)."""
   import numpy as np  # noqa: PLC0415
 
   from jax_residency._src.run.measure import measure  # noqa: PLC0415
@@ -31,11 +34,64 @@ def cmd_measure(args: argparse.Namespace) -> int:
   shapes = [(args.batch, 1), (args.batch, args.prompt_len)]
   inputs = [(np.zeros(shape, np.int32),) for shape in shapes]
   timed = inputs if model is not None else ()
-  found = measure(args.path, model, inputs=timed, refresh=args.refresh)
+  return measure(args.path, model, inputs=timed, refresh=refresh), model
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+  found, model = _measured(args, refresh=args.refresh)
   if args.json:
     emit_json(found.to_dict())
     return 0
   emit(str(found))
   if model is None:
     emit("no unit step time: the store records no model; pass --model module:factory to time one")
+  return 0
+
+
+def cmd_plan_auto(args: argparse.Namespace) -> int:
+  """``plan --auto``: every placement that fits, ranked by predicted time (`jr.plan`)."""
+  from jax_residency._src.errors import PlacementError  # noqa: PLC0415
+  from jax_residency._src.run.planner import Workload, plan, ranking_table  # noqa: PLC0415
+
+  found, model = _measured(args, refresh=False)
+  if model is None:
+    raise CommandError(
+      f"{args.path} records no model, so its unit step cannot be timed; pass --model "
+      "module:factory for --auto"
+    )
+  workload = Workload(prompt_len=args.prompt_len, decode_steps=args.steps, batch=args.batch)
+  try:
+    ranked = plan(
+      args.path,
+      found,
+      device_budget_bytes=args.device_budget,
+      host_budget_bytes=args.host_budget,
+      workload=workload,
+      regime=args.regime,
+    )
+  except PlacementError as e:
+    if "no placement fits" not in str(e):
+      raise
+    emit(str(e))
+    return 1
+  if args.json:
+    emit_json(
+      [
+        {
+          "policy": c.policy.to_dict(),
+          "prefill_seconds": c.prefill_seconds,
+          "decode_seconds": c.decode_seconds,
+          "total_seconds": c.total_seconds,
+          "bytes_per_token": c.bytes_per_token,
+        }
+        for c in ranked
+      ]
+    )
+    return 0
+  emit(
+    f"{len(ranked)} placements fit; predicted for a {workload.prompt_len}-token prompt and "
+    f"{workload.decode_steps} decode steps (batch {workload.batch}), streamed units from "
+    f"the {args.regime}, from the measurement of {found.date}:"
+  )
+  emit(ranking_table(ranked))
   return 0

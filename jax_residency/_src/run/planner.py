@@ -1,0 +1,323 @@
+"""Choosing a placement: every one the budgets admit, ranked by predicted time
+(docs/design.md, 4.8).
+
+`plan(store, measurement, device_budget_bytes=..., host_budget_bytes=...)` enumerates
+the placements that fit (the same `check_budgets` arithmetic `place` applies):
+`FullyResident`; `LayerwiseHost` with a prefetch depth of 1 or 2 and 0 to all units of
+each stack kept on the device; `DenseDiskStream` direct (host budget 0) and with the
+host budget, with 0 to all units kept on the device and, with a host budget, 0 to the
+rest kept in host memory. For each it predicts a prefill pass and a decode step from a
+`Measurement` (`measure.py`) with a cost model (`predict`):
+
+* a unit's compute ``c`` is the measured unit step of its stack, for the workload's
+  decode and prompt inputs;
+* a unit's transfer ``t`` is what it moves each pass: nothing if kept on the device
+  (or under `FullyResident`); its bytes at the host-to-device bandwidth if it is in host
+  memory (`LayerwiseHost`, a dense stream's host-resident units), which is 0 where device
+  memory is host memory (CPU: XLA drops the copy, the dense stream aliases); its bytes at
+  the store's read bandwidth (disk: the read path with the pages dropped; page cache:
+  the read path from the page cache) if it streams from the store and the host cache
+  cannot keep every streamed unit (the cache is least recently used, and a pass reads
+  the units in order: a cache smaller than them all keeps none for the next pass);
+* the engine overlaps a unit's move with the step before it, so a unit costs
+  ``max(c, t)``; `LayerwiseHost` with a prefetch depth of 1 moves a unit and then runs
+  it: ``c + t``. A pass is the sum over its units.
+
+Ranked by the workload's time: one prefill pass and ``decode_steps`` decode steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jax_residency._src.errors import BudgetTooSmallError, PlacementError
+from jax_residency._src.plan.budget import ModelMetadata, check_budgets
+from jax_residency._src.policy.options import format_budget
+from jax_residency._src.policy.sizes import format_bytes
+from jax_residency._src.policy.types import (
+  DenseDiskStream,
+  FullyResident,
+  LayerWeightResidency,
+  LayerwiseHost,
+)
+from jax_residency._src.run.measure import Measurement
+from jax_residency._src.store.unit_store import UnitStore
+from jax_residency._src.typing import path_str
+
+#: Where a dense stream's streamed units come from, each pass.
+REGIMES = ("disk", "page cache")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+  """What the placement runs: a prompt of ``prompt_len`` tokens, then ``decode_steps``
+  one-token steps, for ``batch`` sequences.
+
+  Example:
+    >>> Workload(prompt_len=64).prefill_signature, Workload().decode_signature
+    ('int32[1,64]', 'int32[1,1]')
+  """
+
+  prompt_len: int = 128
+  decode_steps: int = 32
+  batch: int = 1
+
+  @property
+  def decode_signature(self) -> str:
+    return f"int32[{self.batch},1]"
+
+  @property
+  def prefill_signature(self) -> str:
+    return f"int32[{self.batch},{self.prompt_len}]"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+  """One feasible placement and its prediction.
+
+  Attributes:
+    policy: the policy to place with.
+    prefill_seconds: a prompt's pass, predicted.
+    decode_seconds: one decode step, predicted.
+    total_seconds: the workload: ``prefill_seconds + decode_steps * decode_seconds``.
+    bytes_per_token: bytes a decode step moves (store reads and host-to-device
+      moves), per sequence of the batch.
+    metadata: the plan `place` would make (`ModelMetadata`, its memory items).
+
+  Example:
+    >>> import jax_residency as jr
+    >>> jr.Candidate.__dataclass_fields__.keys() >= {"policy", "decode_seconds"}
+    True
+  """
+
+  policy: LayerWeightResidency
+  prefill_seconds: float
+  decode_seconds: float
+  total_seconds: float
+  bytes_per_token: float
+  metadata: ModelMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+  static: int
+  stacks: tuple[tuple[str, int, int], ...]  # (path, units, bytes per unit)
+
+  def unit_bytes(self) -> list[int]:
+    return [b for _, n, b in self.stacks for _ in range(n)]
+
+
+def plan(
+  store: str,
+  measurement: Measurement,
+  *,
+  device_budget_bytes: int | None,
+  host_budget_bytes: int | None,
+  workload: Workload = Workload(),  # noqa: B008 - frozen
+  regime: str = "disk",
+) -> list[Candidate]:
+  """Every placement of ``store`` the budgets admit, fastest first (module docstring).
+
+  Raises:
+    MeasurementMismatchError: ``measurement`` is of another store or backend.
+    PlacementError: the measurement has no step time for the workload's inputs (the
+      message says how to measure them), or no placement fits (the message gives the
+      smallest budgets one fits).
+
+  Example:
+    >>> import os, tempfile, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> os.environ["JAX_RESIDENCY_CACHE_DIR"] = tempfile.mkdtemp()
+    >>> model = ToyTransformer(ToyConfig(n_layers=4), rngs=nnx.Rngs(0))
+    >>> store = jr.save(model, os.path.join(tempfile.mkdtemp(), "toy"), progress=False).path
+    >>> work = jr.Workload(prompt_len=8, decode_steps=4)
+    >>> tokens = [(jnp.zeros((1, 1), jnp.int32),), (jnp.zeros((1, 8), jnp.int32),)]
+    >>> found = jr.measure(store, model, inputs=tokens)
+    >>> ranked = jr.plan(store, found, device_budget_bytes=None, host_budget_bytes=0,
+    ...                  workload=work)
+    >>> type(ranked[0].policy).__name__, ranked[0].decode_seconds > 0
+    ('FullyResident', True)
+    >>> del os.environ["JAX_RESIDENCY_CACHE_DIR"]
+  """
+  if regime not in REGIMES:
+    raise PlacementError(f"regime={regime!r}: pass one of {', '.join(map(repr, REGIMES))}")
+  measurement.check(store)
+  steps = [
+    _steps(measurement, sig) for sig in (workload.prefill_signature, workload.decode_signature)
+  ]
+  with UnitStore.open(store, require_unit_chunks=False) as opened:
+    info = opened.info
+  sizes = _Sizes(
+    info.static_nbytes, tuple((path_str(s.prefix), s.count, s.unit_nbytes) for s in info.stacks)
+  )
+  on_cpu = measurement.backend.startswith("cpu:")
+  found = []
+  for policy in _policies(sizes, device_budget_bytes, host_budget_bytes):
+    try:
+      meta = _check(policy, sizes, device_is_host=on_cpu)
+    except (BudgetTooSmallError, PlacementError):
+      continue
+    prefill, _ = predict(policy, meta, sizes, measurement, steps[0], regime=regime, on_cpu=on_cpu)
+    decode, moved = predict(
+      policy, meta, sizes, measurement, steps[1], regime=regime, on_cpu=on_cpu
+    )
+    found.append(
+      Candidate(
+        policy=policy,
+        prefill_seconds=prefill,
+        decode_seconds=decode,
+        total_seconds=prefill + workload.decode_steps * decode,
+        bytes_per_token=moved / workload.batch,
+        metadata=meta,
+      )
+    )
+  if not found:
+    raise PlacementError(_nothing_fits(sizes, device_budget_bytes, host_budget_bytes))
+  return sorted(found, key=lambda c: (c.total_seconds, c.decode_seconds))
+
+
+def _steps(measurement: Measurement, signature: str) -> dict[str, float]:
+  found = measurement.step_seconds.get(signature)
+  if not found:
+    raise PlacementError(
+      f"the measurement of {measurement.store} has no unit step time for the input "
+      f"{signature} (it has {sorted(measurement.step_seconds) or 'none'}); measure with "
+      "the model and that input: jr.measure(store, model, inputs=[...]), or "
+      "`jax-residency measure STORE --prompt-len N` for a stored toy model."
+    )
+  return dict(found)
+
+
+def _check(policy: LayerWeightResidency, sizes: _Sizes, *, device_is_host: bool) -> ModelMetadata:
+  units = sizes.unit_bytes()
+  return check_budgets(
+    policy,
+    static_device_bytes=sizes.static,
+    unit_bytes=units,
+    device_unit_bytes=units,
+    host_unit_bytes=units if not isinstance(policy, FullyResident) else [0] * len(units),
+    device_is_host=device_is_host,
+    stacks=[(path, n) for path, n, _ in sizes.stacks],
+  )
+
+
+def _policies(
+  sizes: _Sizes, device: int | None, host: int | None
+) -> Iterator[LayerWeightResidency]:
+  """Every candidate policy with these budgets (the budgets check each one)."""
+  shortest = min(n for _, n, _ in sizes.stacks)
+  yield FullyResident(device_budget_bytes=device)
+  for depth, kept in itertools.product((1, 2), range(shortest + 1)):
+    yield LayerwiseHost(
+      prefetch_depth=depth,
+      device_resident_units=kept,
+      device_budget_bytes=device,
+      host_budget_bytes=host,
+    )
+  for kept in range(shortest + 1):
+    yield DenseDiskStream(
+      host_budget_bytes=0, device_budget_bytes=device, device_resident_units=kept
+    )
+  if host != 0:
+    for kept in range(shortest + 1):
+      for held in range(shortest - kept + 1):
+        yield DenseDiskStream(
+          host_budget_bytes=host,
+          device_budget_bytes=device,
+          device_resident_units=kept,
+          host_resident_units=held,
+        )
+
+
+def predict(
+  policy: LayerWeightResidency,
+  meta: ModelMetadata,
+  sizes: _Sizes,
+  measurement: Measurement,
+  step_seconds: dict[str, float],
+  *,
+  regime: str,
+  on_cpu: bool,
+) -> tuple[float, int]:
+  """A pass's predicted seconds and the bytes it moves (module docstring)."""
+  kept_device, kept_host = set(meta.resident.device), set(meta.resident.host)
+  h2d = 0.0 if on_cpu else 1.0 / measurement.host_to_device_bytes_per_s
+  read_rate = (
+    measurement.read_path_bytes_per_s if regime == "disk" else measurement.page_cache_bytes_per_s
+  )
+  dense = policy.dense
+  cached_all = False
+  if dense is not None and dense.host_budget_bytes != 0:
+    streamed = sum(b for i, b in enumerate(sizes.unit_bytes()) if i not in kept_device | kept_host)
+    cached_all = meta.item_bytes("host cache") >= streamed
+  seconds, moved, unit = 0.0, 0, 0
+  for path, count, nbytes in sizes.stacks:
+    c = step_seconds.get(path, max(step_seconds.values()))
+    for _ in range(count):
+      if isinstance(policy, FullyResident) or unit in kept_device:
+        t, m = 0.0, 0
+      elif isinstance(policy, LayerwiseHost) or unit in kept_host or cached_all:
+        t, m = nbytes * h2d, nbytes
+      else:
+        t, m = (
+          nbytes / read_rate + (nbytes * h2d if dense and dense.host_budget_bytes else 0),
+          nbytes,
+        )
+      serial = isinstance(policy, LayerwiseHost) and policy.options.offload.prefetch_depth == 1
+      seconds += c + t if serial else max(c, t)
+      moved += m
+      unit += 1
+  return seconds, moved
+
+
+def _nothing_fits(sizes: _Sizes, device: int | None, host: int | None) -> str:
+  largest = max(b for _, _, b in sizes.stacks)
+  need = sizes.static + 2 * largest
+  return (
+    f"no placement fits device_budget_bytes={device} and host_budget_bytes={host}: the "
+    f"smallest device budget any placement fits is {need} ({format_bytes(need)}: static "
+    f"{format_bytes(sizes.static)} + a window of 2 units of {format_bytes(largest)}, "
+    "DenseDiskStream(host_budget_bytes=0)), with no host budget."
+  )
+
+
+def ranking_table(candidates: Sequence[Candidate], *, top: int = 10) -> str:
+  """The first ``top`` candidates as a table: rank, policy, predicted times, bytes/token."""
+  rows = [("#", "placement", "prefill", "decode step", "moved/token")]
+  for k, c in enumerate(candidates[:top], 1):
+    rows.append(
+      (
+        str(k),
+        describe(c.policy),
+        f"{c.prefill_seconds * 1e3:.2f} ms",
+        f"{c.decode_seconds * 1e3:.2f} ms",
+        format_bytes(int(c.bytes_per_token)),
+      )
+    )
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return "\n".join(
+    "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows
+  )
+
+
+def describe(policy: LayerWeightResidency) -> str:
+  """A short description of a candidate policy (its non-default fields)."""
+  if isinstance(policy, FullyResident):
+    return "FullyResident()"
+  if isinstance(policy, LayerwiseHost):
+    o = policy.options
+    return (
+      f"LayerwiseHost(prefetch_depth={o.offload.prefetch_depth}, "
+      f"device_resident_units={o.device_resident_units})"
+    )
+  dense: Any = policy.dense
+  host = format_budget(dense.host_budget_bytes)
+  return (
+    f"DenseDiskStream(host_budget_bytes={host}, device_resident_units="
+    f"{dense.device_resident_units}, host_resident_units={dense.host_resident_units})"
+  )

@@ -1,0 +1,148 @@
+"""`jr.plan` and ``jax-residency plan --auto`` (run/planner.py; docs/design.md, 4.8):
+every placement the budgets admit, ranked by the cost model's prediction."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from toy_fixtures import toy_fixtures
+
+import jax_residency as jr
+from jax_residency._src.cli import main as cli
+from jax_residency._src.cli.stored_models import write_model_record
+from jax_residency._src.run.measure import backend_key, store_key
+from jax_residency.toy import ToyConfig
+
+CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=6)
+UNIT = CFG.unit_bytes()
+WORK = jr.Workload(prompt_len=4, decode_steps=3)
+DECODE, PREFILL = "int32[1,1]", "int32[1,4]"
+
+model, tokens, store = toy_fixtures(CFG, seeded=True)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAX_RESIDENCY_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _measurement(path: str, *, read: float = 1e8, h2d: float = 1e9, step: float = 1e-3):
+  """A measurement of ``path`` on this backend with known figures (seconds per unit
+  step ``step`` for decode, twice that for the prompt)."""
+  return jr.Measurement(
+    store=path,
+    store_key=store_key(path),
+    backend=backend_key(),
+    unit_bytes=UNIT,
+    units_read=2,
+    disk_bytes_per_s=read,
+    read_path_bytes_per_s=read,
+    page_cache_bytes_per_s=10 * read,
+    host_to_device_bytes_per_s=h2d,
+    pinned_host=True,
+    step_seconds={DECODE: {"layers": step}, PREFILL: {"layers": 2 * step}},
+    date="2026-12-05T00:00:00+00:00",
+  )
+
+
+def test_every_candidate_fits_its_budgets_and_places(model, tokens, store):
+  static = jr.save(model, "memory://planner/probe", progress=False).static_nbytes
+  device = static + 4 * UNIT
+  ranked = jr.plan(
+    store,
+    _measurement(store),
+    device_budget_bytes=device,
+    host_budget_bytes=3 * UNIT,
+    workload=WORK,
+  )
+  kinds = {type(c.policy).__name__ for c in ranked}
+  assert "FullyResident" not in kinds and {"LayerwiseHost", "DenseDiskStream"} <= kinds
+  assert [c.total_seconds for c in ranked] == sorted(c.total_seconds for c in ranked)
+  for c in ranked:
+    assert c.metadata.static_device_bytes + c.metadata.device_window_bytes <= device
+    assert c.total_seconds == pytest.approx(c.prefill_seconds + 3 * c.decode_seconds)
+  want = np.asarray(model(tokens))
+  for c in ranked[:3] + ranked[-2:]:  # the best and the worst place, as predicted to fit
+    with jr.place(model, c.policy, store=store) as placed:
+      np.testing.assert_allclose(np.asarray(placed(tokens)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prediction_is_the_sum_of_each_units_max_of_compute_and_transfer(store):
+  read, step = 1e8, 1e-4  # reading a unit (UNIT / read) takes longer than its step
+  ranked = jr.plan(
+    store,
+    _measurement(store, read=read, step=step),
+    device_budget_bytes=None,
+    host_budget_bytes=0,
+    workload=WORK,
+  )
+  by = {
+    (type(c.policy).__name__, getattr(c.policy.dense, "device_resident_units", None)): c
+    for c in ranked
+  }
+  assert ranked[0].policy == jr.FullyResident() and ranked[0].decode_seconds == pytest.approx(
+    6 * step
+  )
+  direct = by["DenseDiskStream", 2]  # 2 units on the device, 4 read from disk each pass
+  assert direct.decode_seconds == pytest.approx(2 * step + 4 * max(step, UNIT / read))
+  assert direct.prefill_seconds == pytest.approx(2 * 2 * step + 4 * max(2 * step, UNIT / read))
+  assert direct.bytes_per_token == 4 * UNIT
+  assert by["DenseDiskStream", 6].decode_seconds == pytest.approx(6 * step)
+  page_cache = jr.plan(
+    store,
+    _measurement(store, read=read, step=step),
+    device_budget_bytes=None,
+    host_budget_bytes=0,
+    workload=WORK,
+    regime="page cache",
+  )
+  fast = next(c for c in page_cache if c.policy == direct.policy)
+  assert fast.decode_seconds == pytest.approx(2 * step + 4 * max(step, UNIT / (10 * read)))
+
+
+def test_plan_errors_name_the_fix(store, tmp_path):
+  with pytest.raises(jr.PlacementError, match=r"smallest device budget .*DenseDiskStream"):
+    jr.plan(
+      store, _measurement(store), device_budget_bytes=UNIT, host_budget_bytes=None, workload=WORK
+    )
+  bare = dataclasses.replace(_measurement(store), step_seconds={})
+  with pytest.raises(jr.PlacementError, match=r"no unit step time for the input int32\[1,128\]"):
+    jr.plan(store, bare, device_budget_bytes=None, host_budget_bytes=None)
+  other = str(tmp_path / "other")
+  shutil.copytree(store, other)
+  with pytest.raises(jr.errors.MeasurementMismatchError):
+    jr.plan(
+      other, _measurement(store), device_budget_bytes=None, host_budget_bytes=None, workload=WORK
+    )
+  with pytest.raises(jr.PlacementError, match="regime"):
+    jr.plan(
+      store, _measurement(store), device_budget_bytes=None, host_budget_bytes=None, regime="ssd"
+    )
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    code = cli.main(list(argv))
+  return code, out.getvalue(), err.getvalue()
+
+
+def test_plan_auto_prints_the_ranking(store, tmp_path):
+  path = str(tmp_path / "store")
+  shutil.copytree(store, path)
+  code, _, err = _cli("plan", path, "--auto")
+  assert code == 2 and "records no model" in err
+  write_model_record(path, CFG, 0)
+  code, out, err = _cli("plan", path, "--auto", "--prompt-len", "4", "--steps", "2")
+  assert code == 0, err
+  assert "placements fit; predicted for a 4-token prompt and 2 decode steps" in out
+  assert out.splitlines()[2].split()[1] == "FullyResident()"  # unbounded: nothing moves
+  code, out, _ = _cli("plan", path, "--auto", "--prompt-len", "4", "--device-budget", "1KiB")
+  assert code == 1 and "smallest device budget" in out
+  assert jax.devices()  # the CPU backend the measurement was taken on

@@ -54,7 +54,10 @@ REGIMES = ("disk", "page cache")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
   """What the placement runs: a prompt of ``prompt_len`` tokens, then ``decode_steps``
-  one-token steps, for ``batch`` sequences.
+  one-token steps, for ``batch`` sequences. ``decode_input`` and ``prefill_input`` name
+  the two calls' inputs as `jax_residency.measure` keys its step times (`signature`);
+  left out, they are token ids alone: ``int32[batch,1]`` and ``int32[batch,prompt_len]``
+  (a model that also takes a cache, as a decoder's steps do, names its own).
 
   Example:
     >>> Workload(prompt_len=64).prefill_signature, Workload().decode_signature
@@ -64,14 +67,16 @@ class Workload:
   prompt_len: int = 128
   decode_steps: int = 32
   batch: int = 1
+  decode_input: str | None = None
+  prefill_input: str | None = None
 
   @property
   def decode_signature(self) -> str:
-    return f"int32[{self.batch},1]"
+    return self.decode_input or f"int32[{self.batch},1]"
 
   @property
   def prefill_signature(self) -> str:
-    return f"int32[{self.batch},{self.prompt_len}]"
+    return self.prefill_input or f"int32[{self.batch},{self.prompt_len}]"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,8 @@ rest kept in host memory. For each it predicts a prefill pass and a decode step 
   the store's read bandwidth (disk: the read path with the pages dropped; page cache:
   the read path from the page cache) if it streams from the store and the host cache
   cannot keep every streamed unit (the cache is least recently used, and a pass reads
-  the units in order: a cache smaller than them all keeps none for the next pass);
+  the units in order: a cache smaller than them all keeps none for the next pass; the
+  prompt's pass, the placement's first, finds the cache empty);
 * the engine overlaps a unit's move with the step before it, so a unit costs
   ``max(c, t)``; `LayerwiseHost` with a prefetch depth of 1 moves a unit and then runs
   it: ``c + t``. A pass is the sum over its units.
@@ -167,7 +168,10 @@ def plan(
       meta = _check(policy, sizes, device_is_host=on_cpu)
     except (BudgetTooSmallError, PlacementError):
       continue
-    prefill, _ = predict(policy, meta, sizes, measurement, steps[0], regime=regime, on_cpu=on_cpu)
+    # The prompt's pass is the first: a host cache holds nothing yet.
+    prefill, _ = predict(
+      policy, meta, sizes, measurement, steps[0], regime=regime, on_cpu=on_cpu, first=True
+    )
     decode, moved = predict(
       policy, meta, sizes, measurement, steps[1], regime=regime, on_cpu=on_cpu
     )
@@ -248,8 +252,10 @@ def predict(
   *,
   regime: str,
   on_cpu: bool,
+  first: bool = False,
 ) -> tuple[float, int]:
-  """A pass's predicted seconds and the bytes it moves (module docstring)."""
+  """A pass's predicted seconds and the bytes it moves (module docstring); ``first``: the
+  placement's first pass, before a host cache holds anything."""
   kept_device, kept_host = set(meta.resident.device), set(meta.resident.host)
   h2d = 0.0 if on_cpu else 1.0 / measurement.host_to_device_bytes_per_s
   read_rate = (
@@ -257,7 +263,7 @@ def predict(
   )
   dense = policy.dense
   cached_all = False
-  if dense is not None and dense.host_budget_bytes != 0:
+  if dense is not None and dense.host_budget_bytes != 0 and not first:
     streamed = sum(b for i, b in enumerate(sizes.unit_bytes()) if i not in kept_device | kept_host)
     cached_all = meta.item_bytes("host cache") >= streamed
   seconds, moved, unit = 0.0, 0, 0

@@ -282,5 +282,31 @@ def render(result: dict) -> str:
   return "\n".join(rows)
 
 
+def markdown(result: dict) -> str:
+  """The result's figures as a Markdown table (``benchmarks/report.py``)."""
+  m = result["measurement"]
+  mib = 2**20
+  rows = [
+    f"GPT {result['layers']} x {result['d_model']}/{result['d_ff']}, vocab {result['vocab']}: "
+    f"units of {m['unit_bytes'] / mib:.0f} MiB; a {result['prompt_len']}-token prompt, then "
+    f"{result['steps']} decode steps; medians of {result['repeat']} fresh process(es). "
+    f"Measured: read path {m['read_path_bytes_per_s'] / mib:.0f} MiB/s with the pages "
+    f"dropped, {m['page_cache_bytes_per_s'] / mib:.0f} MiB/s from the page cache.",
+    "",
+    "| regime | rank | placement | predicted step | measured step | predicted / measured |",
+    "|---|---|---|---|---|---|",
+  ]
+  for regime, rank, name, predicted, got in result["table"]:
+    rows.append(
+      f"| {regime} | {rank} | `{name}` | {predicted:.4f} s | {got:.4f} s | {predicted / got:.2f} |"
+    )
+  plain = result["plain_step_s"]
+  rows.append(
+    f"| page cache / disk | - | plain `DenseDiskStream` (host 0) | - | "
+    f"{plain['page cache']:.4f} s / {plain['disk']:.4f} s | - |"
+  )
+  return "\n".join(rows)
+
+
 if __name__ == "__main__":
   sys.exit(main())

@@ -106,6 +106,19 @@ def test_a_prediction_is_the_sum_of_each_units_max_of_compute_and_transfer(store
   assert fast.decode_seconds == pytest.approx(2 * step + 4 * max(step, UNIT / (10 * read)))
 
 
+def test_a_streamed_unit_costs_what_the_engine_took_when_measured(store):
+  """Where the measurement timed streamed units in the engine, a streamed unit costs that
+  (read-ahead and overlap included) instead of the bandwidth model's estimate."""
+  step, streamed = 1e-4, 3e-3
+  m = dataclasses.replace(
+    _measurement(store, step=step),
+    streamed_seconds={"direct, disk": {DECODE: {"layers": streamed}}},
+  )
+  ranked = jr.plan(store, m, device_budget_bytes=None, host_budget_bytes=0, workload=WORK)
+  direct = next(c for c in ranked if c.policy.dense and c.policy.dense.device_resident_units == 2)
+  assert direct.decode_seconds == pytest.approx(2 * step + 4 * streamed)
+
+
 def test_plan_errors_name_the_fix(store, tmp_path):
   with pytest.raises(jr.PlacementError, match=r"smallest device budget .*DenseDiskStream"):
     jr.plan(

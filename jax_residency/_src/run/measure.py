@@ -49,8 +49,11 @@ from jax_residency._src.store.unit_store import UnitStore
 SUBDIR = "measurements"
 #: Bytes of units the bandwidth measurements read (at least two units, at most all).
 READ_BYTES = 512 << 20
-#: Units of each stack kept on the device to time a unit step.
+#: Units of each stack kept on the device to time a unit step (at most; three or more of
+#: each stack stream, to time a streamed unit after the first).
 STEP_UNITS = 5
+#: Units a dense stream's host cache holds when a streamed unit is timed through it.
+CACHED_UNITS = 3
 #: Passes timed for each input (after one that compiles).
 STEP_PASSES = 2
 
@@ -74,7 +77,12 @@ class Measurement:
     host_to_device_bytes_per_s: one unit's bytes moved from host to device memory.
     pinned_host: whether the host side of that move was ``pinned_host`` memory.
     step_seconds: one unit step's time per input signature (``"int32[1,1]"``), per
-      stack (``{signature: {stack: seconds}}``); empty without a model.
+      stack (``{signature: {stack: seconds}}``), for a unit on the device; empty
+      without a model.
+    streamed_seconds: one streamed unit's time in the same passes, read ahead and
+      moved as the engine does, by how (``"direct, page cache"``, ``"direct, disk"``,
+      ``"cached, page cache"``, ``"cached, disk"``: host budget 0, or a host cache
+      too small to keep them), then by signature and stack; empty without a model.
     date: when it was measured (UTC, ISO 8601).
 
   Example:
@@ -100,6 +108,9 @@ class Measurement:
   pinned_host: bool
   step_seconds: Mapping[str, Mapping[str, float]]
   date: str
+  streamed_seconds: Mapping[str, Mapping[str, Mapping[str, float]]] = dataclasses.field(
+    default_factory=dict
+  )
 
   @property
   def key(self) -> str:
@@ -120,6 +131,9 @@ class Measurement:
   def to_dict(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
     out["step_seconds"] = {k: dict(v) for k, v in self.step_seconds.items()}
+    out["streamed_seconds"] = {
+      how: {sig: dict(v) for sig, v in per.items()} for how, per in self.streamed_seconds.items()
+    }
     return out
 
   @classmethod
@@ -144,6 +158,12 @@ class Measurement:
       *(
         (f"unit step, {sig}, {stack}", f"{seconds * 1e3:.3f} ms")
         for sig, per_stack in self.step_seconds.items()
+        for stack, seconds in per_stack.items()
+      ),
+      *(
+        (f"streamed unit ({how}), {sig}, {stack}", f"{seconds * 1e3:.3f} ms")
+        for how, per in self.streamed_seconds.items()
+        for sig, per_stack in per.items()
         for stack, seconds in per_stack.items()
       ),
       ("measured", self.date),
@@ -223,12 +243,16 @@ def measure(
   if cached is not None and not refresh and wanted <= set(cached.step_seconds):
     return cached
   found = _bandwidths(path)
-  steps = _step_seconds(path, model, inputs) if model is not None and inputs else {}
+  steps: dict[str, dict[str, float]] = {}
+  streamed: dict[str, dict[str, dict[str, float]]] = {}
+  if model is not None and inputs:
+    steps, streamed = _engine_seconds(path, model, inputs)
   result = Measurement(
     store=path,
     store_key=store_key(path),
     backend=backend_key(),
     step_seconds=steps,
+    streamed_seconds=streamed,
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     **found,
   )
@@ -313,35 +337,61 @@ def _host_to_device(nbytes: int) -> tuple[float, bool]:
   return nbytes / statistics.median(times), pinned
 
 
-def _step_seconds(
+def _engine_seconds(
   path: str, model: Any, inputs: Sequence[Sequence[Any]]
-) -> dict[str, dict[str, float]]:
-  """One unit step's time per input and per stack (see the module docstring)."""
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, dict[str, float]]]]:
+  """One kept unit's step, and one streamed unit's, per input and stack, in the engine
+  (see the module docstring): ``(step_seconds, streamed_seconds)``."""
   from jax_residency._src.run.place import place  # noqa: PLC0415 - place imports this package
 
   with UnitStore.open(path, require_unit_chunks=False) as store:
     counts = [s.count for s in store.info.stacks]
-  kept = min(STEP_UNITS, *counts)
+    largest = max(s.unit_nbytes for s in store.info.stacks)
+  kept = min(STEP_UNITS, min(counts) - 3)  # three or more units of each stack stream
   if kept < 3:  # the first step's time is not a steady one: two more are needed
-    return {}
-  policy = DenseDiskStream(
-    host_budget_bytes=0, device_budget_bytes=None, device_resident_units=kept
-  )
-  out: dict[str, dict[str, float]] = {}
-  with place(model, policy, store=path) as placed:
-    ids = placed.metadata.resident.device  # each stack's first `kept` units, in order
-    firsts = [ids[k] for k in range(0, len(ids), kept)]
-    for args in inputs:
-      for _ in range(1 + STEP_PASSES):
-        jax.block_until_ready(placed(*args))
-      passes = placed.report().passes[-STEP_PASSES:]
-      per_stack: dict[str, float] = {}
-      for name, first in zip(placed.stacks, firsts, strict=True):
-        gaps = []
-        for p in passes:
-          at = {t.unit: t.seconds for t in p.timeline}
-          gaps += [at[u + 1] - at[u] for u in range(first + 1, first + kept - 1) if u + 1 in at]
-        if gaps:  # a call that runs only some stacks times only those
-          per_stack[name] = statistics.median(gaps)
-      out[signature(args)] = per_stack
-  return out
+    return {}, {}
+  local = locate(path).local
+  modes = {"direct": DenseDiskStream(host_budget_bytes=0)}
+  if min(counts) - kept > CACHED_UNITS:  # a cache that cannot keep them: reads every pass
+    staging = largest if jax.devices()[0].platform != "cpu" else 0  # see plan.staging_bytes
+    modes["cached"] = DenseDiskStream(host_budget_bytes=CACHED_UNITS * largest + staging)
+  steps: dict[str, dict[str, float]] = {}
+  streamed: dict[str, dict[str, dict[str, float]]] = {}
+  for mode, base in modes.items():
+    policy = dataclasses.replace(
+      base,
+      options=dataclasses.replace(
+        base.options, device_budget_bytes=None, device_resident_units=kept
+      ),
+    )
+    with place(model, policy, store=path) as placed:
+      firsts = placed.metadata.resident.device[::kept]  # each stack's first unit
+      for args in inputs:
+        sig = signature(args)
+        jax.block_until_ready(placed(*args))  # compiles
+        for regime in ("page cache", "disk"):
+          if regime == "disk" and (local is None or not files.drop_cached(local)):
+            continue
+          for _ in range(STEP_PASSES):
+            if regime == "disk" and local is not None:
+              files.drop_cached(local)
+            jax.block_until_ready(placed(*args))
+          passes = placed.report().passes[-STEP_PASSES:]
+          for name, first, count in zip(placed.stacks, firsts, counts, strict=True):
+            kept_gaps = _gaps(passes, range(first + 1, first + kept - 1))
+            if mode == "direct" and regime == "page cache" and kept_gaps:
+              steps.setdefault(sig, {})[name] = kept_gaps
+            moving = _gaps(passes, range(first + kept + 1, first + count - 1))
+            if moving:
+              streamed.setdefault(f"{mode}, {regime}", {}).setdefault(sig, {})[name] = moving
+  return steps, streamed
+
+
+def _gaps(passes: Sequence[Any], units: range) -> float | None:
+  """The median time between the forward's asks for unit ``u`` and ``u + 1``, over
+  ``units`` and ``passes`` (None: none to time)."""
+  gaps = []
+  for p in passes:
+    at = {t.unit: t.seconds for t in p.timeline}
+    gaps += [at[u + 1] - at[u] for u in units if u in at and u + 1 in at]
+  return statistics.median(gaps) if gaps else None

@@ -170,10 +170,25 @@ def plan(
       continue
     # The prompt's pass is the first: a host cache holds nothing yet.
     prefill, _ = predict(
-      policy, meta, sizes, measurement, steps[0], regime=regime, on_cpu=on_cpu, first=True
+      policy,
+      meta,
+      sizes,
+      measurement,
+      steps[0],
+      regime=regime,
+      on_cpu=on_cpu,
+      first=True,
+      signature=workload.prefill_signature,
     )
     decode, moved = predict(
-      policy, meta, sizes, measurement, steps[1], regime=regime, on_cpu=on_cpu
+      policy,
+      meta,
+      sizes,
+      measurement,
+      steps[1],
+      regime=regime,
+      on_cpu=on_cpu,
+      signature=workload.decode_signature,
     )
     found.append(
       Candidate(
@@ -253,6 +268,7 @@ def predict(
   regime: str,
   on_cpu: bool,
   first: bool = False,
+  signature: str = "",
 ) -> tuple[float, int]:
   """A pass's predicted seconds and the bytes it moves (module docstring); ``first``: the
   placement's first pass, before a host cache holds anything."""
@@ -266,21 +282,23 @@ def predict(
   if dense is not None and dense.host_budget_bytes != 0 and not first:
     streamed = sum(b for i, b in enumerate(sizes.unit_bytes()) if i not in kept_device | kept_host)
     cached_all = meta.item_bytes("host cache") >= streamed
+  how = f"{'cached' if dense is not None and dense.host_budget_bytes else 'direct'}, {regime}"
+  engine = measurement.streamed_seconds.get(how, {}).get(signature, {})
+  serial = isinstance(policy, LayerwiseHost) and policy.options.offload.prefetch_depth == 1
   seconds, moved, unit = 0.0, 0, 0
   for path, count, nbytes in sizes.stacks:
     c = step_seconds.get(path, max(step_seconds.values()))
     for _ in range(count):
       if isinstance(policy, FullyResident) or unit in kept_device:
-        t, m = 0.0, 0
+        cost, m = c, 0
       elif isinstance(policy, LayerwiseHost) or unit in kept_host or cached_all:
-        t, m = nbytes * h2d, nbytes
+        cost, m = (c + nbytes * h2d) if serial else max(c, nbytes * h2d), nbytes
+      elif path in engine:  # a streamed unit as the engine streamed it when measured
+        cost, m = engine[path], nbytes
       else:
-        t, m = (
-          nbytes / read_rate + (nbytes * h2d if dense and dense.host_budget_bytes else 0),
-          nbytes,
-        )
-      serial = isinstance(policy, LayerwiseHost) and policy.options.offload.prefetch_depth == 1
-      seconds += c + t if serial else max(c, t)
+        extra = nbytes * h2d if dense is not None and dense.host_budget_bytes else 0.0
+        cost, m = max(c, nbytes / read_rate + extra), nbytes
+      seconds += cost
       moved += m
       unit += 1
   return seconds, moved

@@ -350,7 +350,10 @@ def _engine_seconds(
 
   with UnitStore.open(path, require_unit_chunks=False) as store:
     counts = [s.count for s in store.info.stacks]
-  kept = min(STEP_UNITS, min(counts) - 3)  # three or more units of each stack stream
+  shortest = min(counts)
+  # Three or more units of each stack stream where the stacks are long enough to time a
+  # streamed unit too; else every unit is kept, to time a kept one.
+  kept = min(STEP_UNITS, shortest - 3) if shortest >= 6 else min(STEP_UNITS, shortest)
   if kept < 3:  # the first step's time is not a steady one: two more are needed
     return {}, {}
   local = locate(path).local

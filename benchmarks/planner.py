@@ -23,7 +23,7 @@ Exits 1 when the gate fails or (unless ``--quick``) a target is missed; a full r
 writes ``benchmarks/results/planner.json`` (``benchmarks/_result.py``).
 
   python benchmarks/planner.py                 # GPT 12 x 2048/8192, vocab 16000: 201 MB units
-  python benchmarks/planner.py --quick         # 4 x 256/1024, vocab 1000; top 2; one run each
+  python benchmarks/planner.py --quick         # 4 x 256/1024, vocab 1000; top 1; one run each
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ QUICK = {
   "d_ff": 1024,
   "heads": 4,
   "vocab": 1000,
-  "prompt_len": 16,
-  "steps": 4,
+  "prompt_len": 8,
+  "steps": 3,
   "repeat": 1,
-  "top": 2,
+  "top": 1,
 }
 SIZES = ("layers", "d_model", "d_ff", "heads", "vocab", "prompt_len", "steps")
 

@@ -71,6 +71,20 @@ def test_every_candidate_fits_its_budgets_and_places(model, tokens, store):
   for c in ranked[:3] + ranked[-2:]:  # the best and the worst place, as predicted to fit
     with jr.place(model, c.policy, store=store) as placed:
       np.testing.assert_allclose(np.asarray(placed(tokens)), want, rtol=1e-5, atol=1e-5)
+    assert placed.metadata.prediction is None
+
+
+def test_the_first_choice_places_and_records_its_prediction(model, tokens, store):
+  best = jr.plan(
+    store, _measurement(store), device_budget_bytes=None, host_budget_bytes=0, workload=WORK
+  )[0]
+  with best.place(model, store=store) as placed:
+    np.testing.assert_array_equal(np.asarray(placed(tokens)), np.asarray(model(tokens)))
+    prediction = placed.metadata.prediction
+    assert placed.policy == best.policy
+  assert prediction["decode_seconds"] == best.decode_seconds
+  assert prediction["regime"] == "disk" and prediction["workload"]["decode_steps"] == 3
+  assert prediction["measured"] == "2026-12-05T00:00:00+00:00"
 
 
 def test_a_prediction_is_the_sum_of_each_units_max_of_compute_and_transfer(store):

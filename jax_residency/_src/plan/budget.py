@@ -9,7 +9,7 @@ budgets (docs/design.md, section 2.3). The result is also what ``placed.metadata
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -97,6 +97,10 @@ class ModelMetadata:
       read each stored array whole, once.
     resident: the units a dense stream keeps on the device or in host memory
       from placement on (``device_resident_units``, ``host_resident_units``).
+    prediction: for a placement made by ``Candidate.place`` (`jax_residency.plan`'s
+      choice), what the planner predicted for it: ``prefill_seconds``,
+      ``decode_seconds``, ``bytes_per_token``, ``regime``, the workload and the
+      measurement's date; None for any other placement.
 
   Example:
     >>> from flax import nnx
@@ -127,6 +131,7 @@ class ModelMetadata:
   unplaced_stacks: tuple[str, ...] = ()
   bytes_read_per_byte_used: float = 1.0
   resident: ResidentUnits = NO_RESIDENT_UNITS
+  prediction: Mapping[str, Any] | None = None
 
   @property
   def total_unit_bytes(self) -> int:

@@ -92,6 +92,13 @@ class Candidate:
     bytes_per_token: bytes a decode step moves (store reads and host-to-device
       moves), per sequence of the batch.
     metadata: the plan `place` would make (`ModelMetadata`, its memory items).
+    regime: where the prediction took streamed units from (``"disk"`` or
+      ``"page cache"``).
+    workload: the `Workload` predicted for.
+    measured: the date of the measurement the prediction comes from.
+
+  ``candidate.place(model, store=...)`` places the model with this policy and records
+  the prediction in ``placed.metadata.prediction``.
 
   Example:
     >>> import jax_residency as jr
@@ -105,6 +112,29 @@ class Candidate:
   total_seconds: float
   bytes_per_token: float
   metadata: ModelMetadata
+  regime: str = "disk"
+  workload: Workload = Workload()  # noqa: RUF009 - frozen
+  measured: str = ""
+
+  def place(self, model: Any, *, store: str, **kwargs: Any) -> Any:
+    """``jax_residency.place(model, self.policy, store=store, **kwargs)``, with this
+    candidate's prediction in ``placed.metadata.prediction``."""
+    from jax_residency._src.run.place import place  # noqa: PLC0415 - place imports run
+
+    placed = place(model, self.policy, store=store, **kwargs)
+    executor = placed._placed()  # noqa: SLF001 - the executor owns the metadata
+    executor.metadata = dataclasses.replace(
+      executor.metadata,
+      prediction={
+        "prefill_seconds": self.prefill_seconds,
+        "decode_seconds": self.decode_seconds,
+        "bytes_per_token": self.bytes_per_token,
+        "regime": self.regime,
+        "workload": dataclasses.asdict(self.workload),
+        "measured": self.measured,
+      },
+    )
+    return placed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +228,9 @@ def plan(
         total_seconds=prefill + workload.decode_steps * decode,
         bytes_per_token=moved / workload.batch,
         metadata=meta,
+        regime=regime,
+        workload=workload,
+        measured=measurement.date,
       )
     )
   if not found:

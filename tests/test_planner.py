@@ -133,6 +133,23 @@ def test_a_streamed_unit_costs_what_the_engine_took_when_measured(store):
   assert direct.decode_seconds == pytest.approx(2 * step + 4 * streamed)
 
 
+def test_a_linen_stores_stacks_match_the_measurements(seeded_linen, saved_store, tokens):
+  """A Linen model's store records its stack under ``params``; the measurement keys it
+  by the model's path, as the placement names it: the engine's time is still used."""
+  from jax_residency.toy import LinenToyTransformer  # noqa: PLC0415
+
+  lm = LinenToyTransformer(CFG)
+  path = saved_store("test_planner-linen", lm, params=seeded_linen(lm, tokens)).path
+  step, streamed = 1e-4, 3e-3
+  m = dataclasses.replace(
+    _measurement(path, step=step),
+    streamed_seconds={"direct, disk": {DECODE: {"layers": streamed}}},
+  )
+  ranked = jr.plan(path, m, device_budget_bytes=None, host_budget_bytes=0, workload=WORK)
+  direct = next(c for c in ranked if c.policy.dense and c.policy.dense.device_resident_units == 2)
+  assert direct.decode_seconds == pytest.approx(2 * step + 4 * streamed)
+
+
 def test_plan_errors_name_the_fix(store, tmp_path):
   with pytest.raises(jr.PlacementError, match=r"smallest device budget .*DenseDiskStream"):
     jr.plan(

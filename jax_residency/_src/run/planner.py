@@ -189,7 +189,7 @@ def plan(
   with UnitStore.open(store, require_unit_chunks=False) as opened:
     info = opened.info
   sizes = _Sizes(
-    info.static_nbytes, tuple((path_str(s.prefix), s.count, s.unit_nbytes) for s in info.stacks)
+    info.static_nbytes, tuple((_stack_name(s.prefix), s.count, s.unit_nbytes) for s in info.stacks)
   )
   on_cpu = measurement.backend.startswith("cpu:")
   found = []
@@ -236,6 +236,12 @@ def plan(
   if not found:
     raise PlacementError(_nothing_fits(sizes, device_budget_bytes, host_budget_bytes))
   return sorted(found, key=lambda c: (c.total_seconds, c.decode_seconds))
+
+
+def _stack_name(prefix: tuple[str, ...]) -> str:
+  """A stored stack's name as a placement names it (and a measurement keys it): its
+  path in the model, without the ``params`` collection a Linen model's store adds."""
+  return path_str(prefix[1:] if prefix[:1] == ("params",) and len(prefix) > 1 else prefix)
 
 
 def _steps(measurement: Measurement, signature: str) -> dict[str, float]:

@@ -18,9 +18,7 @@ temporaries (``step_temp_bytes``, from XLA's memory analysis); the planned windo
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +32,7 @@ from jax_residency._src.loop.unit_loop import LoopContext, StackLoop, run_in_loo
 from jax_residency._src.plan import shardings as pl
 from jax_residency._src.plan.budget import ModelMetadata, metadata_for
 from jax_residency._src.plan.memory import OVERHEAD, MemoryItem
+from jax_residency._src.plan.shardings import held_units
 from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResidency
 from jax_residency._src.quant.fused import fenced
@@ -259,40 +258,6 @@ class JittedExecutor:
       )
       self.metadata = dataclasses.replace(self.metadata, memory=(*self.metadata.memory, loading))
       return values, opened.own_read_bytes
-
-
-def held_units(
-  units: Sequence[Any], stacks: Sequence[tuple[slice, int]]
-) -> dict[str, tuple[int, int]]:
-  """``{memory kind: (units, bytes)}`` of the unit arrays in ``units`` that are alive:
-  for each kind, the most bytes any one device holds in it, and the units of the
-  stacks (``(leaf slice, unit count)``) with a live leaf there. A kind holding nothing
-  answers ``(0, 0)``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> a, b = jnp.zeros((3, 4)), jnp.zeros((3, 2), jnp.int8)  # one stack of 3 units
-    >>> held_units([a, b], [(slice(0, 2), 3)])["device"], held_units([a], [])["pinned_host"]
-    ((3, 54), (0, 0))
-    >>> b.delete()
-    >>> held_units([a, b], [(slice(0, 2), 3)])["device"]
-    (3, 48)
-  """
-  per_device: dict[tuple[str, Any], int] = collections.defaultdict(int)
-  kinds_of: list[set[str]] = [set() for _ in units]
-  for i, a in enumerate(units):
-    if not isinstance(a, jax.Array) or a.is_deleted():
-      continue
-    kind = a.sharding.memory_kind or pl.DEVICE
-    shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-    for device in a.sharding.addressable_devices:
-      per_device[(kind, device)] += shard
-    kinds_of[i].add(kind)
-  out: dict[str, tuple[int, int]] = collections.defaultdict(lambda: (0, 0))
-  for kind in {k for k, _ in per_device}:
-    count = sum(n for leaves, n in stacks if any(kind in ks for ks in kinds_of[leaves]))
-    out[kind] = (count, max(v for (k, _), v in per_device.items() if k == kind))
-  return out
 
 
 def _own_weights(split: SplitModel) -> list[Any]:

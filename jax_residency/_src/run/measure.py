@@ -234,7 +234,8 @@ def measure(
     >>> del os.environ["JAX_RESIDENCY_CACHE_DIR"]
   """
   path = os.fspath(store)
-  key = f"{store_key(path)} on {backend_key()}"
+  identity, backend = store_key(path), backend_key()
+  key = f"{identity} on {backend}"
   wanted = {signature(args) for args in inputs} if model is not None else set()
   cached = _load(key)
   if cached is not None and not refresh and wanted <= set(cached.step_seconds):
@@ -246,8 +247,8 @@ def measure(
     steps, streamed = _engine_seconds(path, model, inputs)
   result = Measurement(
     store=path,
-    store_key=store_key(path),
-    backend=backend_key(),
+    store_key=identity,
+    backend=backend,
     step_seconds=steps,
     streamed_seconds=streamed,
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -10,13 +10,13 @@ ones, so a pass's reads begin with its first streamed unit.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from jax_residency._src.plan.resident import ResidentUnits
+from jax_residency._src.plan.shardings import DEVICE, held_units
 from jax_residency._src.stream.stack_units import StackUnits
 from jax_residency._src.typing import ParamPath
 
@@ -67,19 +67,14 @@ class KeptUnits:
     return out
 
   def held(self) -> tuple[int, int, int, int]:
-    """What the kept units hold now, measured from their live arrays: device units and
-    the most bytes of them on one device, host units and their bytes."""
-    per_device: dict[object, int] = {}
-    units = 0
-    for arrays in self._device.values():
-      live = [a for a in arrays if not a.is_deleted()]
-      units += bool(live)
-      for a in live:
-        shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-        for d in a.sharding.addressable_devices:
-          per_device[d] = per_device.get(d, 0) + shard
+    """What the kept units hold now, measured from their live arrays (`held_units`):
+    device units and the most bytes of them on one device, host units and their bytes."""
+    arrays = [a for unit in self._device.values() for a in unit]
+    width = len(arrays) // len(self._device) if self._device else 0
+    units = [(slice(k * width, (k + 1) * width), 1) for k in range(len(self._device))]
+    device_units, device_bytes = held_units(arrays, units)[DEVICE]
     host = sum(a.nbytes for unit in self._host.values() for a in unit.values())
-    return units, max(per_device.values(), default=0), len(self._host), host
+    return device_units, device_bytes, len(self._host), host
 
   def close(self) -> None:
     self._device.clear()

@@ -5,9 +5,7 @@ command line, which reports each of them on one line with exit code 2."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import os
 import re
@@ -15,13 +13,13 @@ import shutil
 
 import pytest
 import tensorstore as ts
+from cli_call import call
 from flax import nnx
 from store_files import store_digest
 
 import jax_residency as jr
 from jax_residency._src import errors
 from jax_residency._src.cli import demo as demo_mod
-from jax_residency._src.cli import main as cli
 from jax_residency._src.cli import stored_models as records
 from jax_residency._src.plan.arguments import check_place_arguments
 from jax_residency._src.store.discovery import SIDECAR_KEY
@@ -53,13 +51,6 @@ def store(template, tmp_path) -> str:
   path = str(tmp_path / "store")
   shutil.copytree(template, path)
   return path
-
-
-def _call(*argv: str) -> tuple[int, str, str]:
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    code = cli.main(list(argv))
-  return code, out.getvalue(), err.getvalue()
 
 
 def _assert_one_line_error(code: int, err: str, *fragments: str) -> None:
@@ -347,7 +338,7 @@ def test_malformed_array_metadata_names_the_array_file_and_field(store, meta, fr
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_inspect_reports_malformed_metadata_on_one_line(store, case):
   file, fragments = _break(store, case)
-  code, out, err = _call("inspect", store)
+  code, out, err = call("inspect", store)
   _assert_one_line_error(code, err, "jax-residency inspect: error:", file, fragments[0])
   assert out == ""
 
@@ -363,7 +354,7 @@ def test_inspect_reports_malformed_metadata_on_one_line(store, case):
 @pytest.mark.parametrize("case", ["metadata-entry-string", "sidecar-unit-count-string"])
 def test_every_command_reports_malformed_metadata_on_one_line(store, argv, case):
   file, fragments = _break(store, case)
-  code, _, err = _call(*(a.format(store=store) for a in argv))
+  code, _, err = call(*(a.format(store=store) for a in argv))
   _assert_one_line_error(code, err, f"jax-residency {argv[0]}: error:", file, fragments[0])
 
 
@@ -385,7 +376,7 @@ def test_every_command_reports_malformed_metadata_on_one_line(store, argv, case)
 def test_run_reports_a_malformed_model_record_on_one_line(store, record, fragment):
   with open(os.path.join(store, records.MODEL_FILE), "wb") as f:
     f.write(record)
-  code, _, err = _call("run", store, "--policy", "fully_resident", "--shape", "1,2")
+  code, _, err = call("run", store, "--policy", "fully_resident", "--shape", "1,2")
   _assert_one_line_error(code, err, "jax-residency run: error:", fragment)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -13,6 +11,7 @@ import textwrap
 from importlib import metadata
 
 import pytest
+from cli_call import call
 
 from jax_residency._src.cli import console
 from jax_residency._src.cli import demo as demo_mod
@@ -24,14 +23,6 @@ from jax_residency._src.models.toy import ToyConfig
 TINY = ["--layers", "2", "--d-model", "32", "--d-ff", "64", "--vocab", "64", "--heads", "4"]
 TINY_CONFIG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=2)
 SUBCOMMANDS = ("demo", "inspect", "plan", "run", "rechunk")
-
-
-def call(*argv: str) -> tuple[int, str, str]:
-  """Runs ``main(argv)`` in-process; returns (exit code, stdout, stderr)."""
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    code = cli.main(list(argv))
-  return code, out.getvalue(), err.getvalue()
 
 
 def assert_one_line_error(code: int, err: str, *fragments: str) -> None:

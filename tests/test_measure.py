@@ -4,18 +4,16 @@ and backend, refused for another store or backend."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 
 import jax
 import numpy as np
 import pytest
+from cli_call import call
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
-from jax_residency._src.cli import main as cli
 from jax_residency._src.cli.stored_models import write_model_record
 from jax_residency._src.run import measure as measure_module
 from jax_residency._src.store.unit_store import UnitStore
@@ -104,21 +102,14 @@ def test_a_measurement_of_another_store_or_backend_is_refused(own_store, store):
       found.check(own_store, devices=jax.devices()[:1])
 
 
-def _cli(*argv: str) -> tuple[int, str, str]:
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    code = cli.main(list(argv))
-  return code, out.getvalue(), err.getvalue()
-
-
 def test_the_measure_command_prints_the_figures(own_store):
-  code, out, err = _cli("measure", own_store)
+  code, out, err = call("measure", own_store)
   assert code == 0, err
   assert "disk, raw, 1 thread" in out and "no unit step time" in out
   write_model_record(own_store, CFG, 0)
-  code, out, err = _cli("measure", own_store, "--prompt-len", "4", "--json")
+  code, out, err = call("measure", own_store, "--prompt-len", "4", "--json")
   assert code == 0, err
   data = json.loads(out)
   assert set(data["step_seconds"]) == {"int32[1,1]", "int32[1,4]"}
-  code, _, err = _cli("measure", os.path.join(own_store, "absent"))
+  code, _, err = call("measure", os.path.join(own_store, "absent"))
   assert code == 2 and "no such file" in err

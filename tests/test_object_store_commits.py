@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import uuid
 
-import numpy as np
 import pytest
 import tensorstore as ts
-from test_store_safety import N, _save, _static, _units
+from test_store_safety import N, _save, _version
 
 from jax_residency._src import errors
 from jax_residency._src.store import pointers
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store import writer as wr
+from jax_residency._src.store.discovery import locate
 from jax_residency._src.store.handles import store_context
 
 
@@ -25,29 +25,14 @@ def _url() -> str:
 
 
 def _kv(url: str) -> ts.KvStore:
-  return ts.KvStore.open(url + "/", context=store_context()).result()
+  """The kvstore at ``url`` as the library opens it (``s3://`` at the environment's
+  endpoint, `discovery.locate`)."""
+  return ts.KvStore.open(locate(url).base, context=store_context()).result()
 
 
 def _top_keys(url: str) -> set[str]:
-  """The first path component of every key under ``url``."""
+  """The first path component of every key under ``url`` (also used by test_s3.py)."""
   return {k.decode().split("/")[0] for k in _kv(url).list().result()}
-
-
-def _version(url: str) -> int | None:
-  """Which seed's store ``url`` holds, complete (None when no store is there)."""
-  try:
-    store = st.UnitStore.open(url)
-  except errors.StoreNotFoundError:
-    return None
-  with store:
-    units = [store.read_unit(i) for i in range(N)]
-    static = store.read_static()
-  for seed in range(4):
-    if all(np.array_equal(static[k], v) for k, v in _static(seed).items()) and all(
-      np.array_equal(units[i][k], v[i]) for k, v in _units(seed).items() for i in range(N)
-    ):
-      return seed
-  raise AssertionError(f"{url} holds none of the saved versions")
 
 
 def _one_generation(url: str) -> None:

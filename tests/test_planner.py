@@ -3,18 +3,16 @@ every placement the budgets admit, ranked by the cost model's prediction."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import shutil
 
 import jax
 import numpy as np
 import pytest
+from cli_call import call
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
-from jax_residency._src.cli import main as cli
 from jax_residency._src.cli.stored_models import write_model_record
 from jax_residency._src.run.measure import backend_key, store_key
 from jax_residency.toy import ToyConfig
@@ -120,17 +118,23 @@ def test_a_prediction_is_the_sum_of_each_units_max_of_compute_and_transfer(store
   assert fast.decode_seconds == pytest.approx(2 * step + 4 * max(step, UNIT / (10 * read)))
 
 
+def _assert_streamed_units_cost_the_engines_time(path: str) -> None:
+  """A direct stream of ``path`` keeping 2 units on the device costs 2 steps and 4 times
+  the measurement's engine-timed streamed unit (keyed by the stack's model path)."""
+  step, streamed = 1e-4, 3e-3
+  m = dataclasses.replace(
+    _measurement(path, step=step),
+    streamed_seconds={"direct, disk": {DECODE: {"layers": streamed}}},
+  )
+  ranked = jr.plan(path, m, device_budget_bytes=None, host_budget_bytes=0, workload=WORK)
+  direct = next(c for c in ranked if c.policy.dense and c.policy.dense.device_resident_units == 2)
+  assert direct.decode_seconds == pytest.approx(2 * step + 4 * streamed)
+
+
 def test_a_streamed_unit_costs_what_the_engine_took_when_measured(store):
   """Where the measurement timed streamed units in the engine, a streamed unit costs that
   (read-ahead and overlap included) instead of the bandwidth model's estimate."""
-  step, streamed = 1e-4, 3e-3
-  m = dataclasses.replace(
-    _measurement(store, step=step),
-    streamed_seconds={"direct, disk": {DECODE: {"layers": streamed}}},
-  )
-  ranked = jr.plan(store, m, device_budget_bytes=None, host_budget_bytes=0, workload=WORK)
-  direct = next(c for c in ranked if c.policy.dense and c.policy.dense.device_resident_units == 2)
-  assert direct.decode_seconds == pytest.approx(2 * step + 4 * streamed)
+  _assert_streamed_units_cost_the_engines_time(store)
 
 
 def test_a_linen_stores_stacks_match_the_measurements(seeded_linen, saved_store, tokens):
@@ -140,14 +144,7 @@ def test_a_linen_stores_stacks_match_the_measurements(seeded_linen, saved_store,
 
   lm = LinenToyTransformer(CFG)
   path = saved_store("test_planner-linen", lm, params=seeded_linen(lm, tokens)).path
-  step, streamed = 1e-4, 3e-3
-  m = dataclasses.replace(
-    _measurement(path, step=step),
-    streamed_seconds={"direct, disk": {DECODE: {"layers": streamed}}},
-  )
-  ranked = jr.plan(path, m, device_budget_bytes=None, host_budget_bytes=0, workload=WORK)
-  direct = next(c for c in ranked if c.policy.dense and c.policy.dense.device_resident_units == 2)
-  assert direct.decode_seconds == pytest.approx(2 * step + 4 * streamed)
+  _assert_streamed_units_cost_the_engines_time(path)
 
 
 def test_plan_errors_name_the_fix(store, tmp_path):
@@ -170,23 +167,16 @@ def test_plan_errors_name_the_fix(store, tmp_path):
     )
 
 
-def _cli(*argv: str) -> tuple[int, str, str]:
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    code = cli.main(list(argv))
-  return code, out.getvalue(), err.getvalue()
-
-
 def test_plan_auto_prints_the_ranking(store, tmp_path):
   path = str(tmp_path / "store")
   shutil.copytree(store, path)
-  code, _, err = _cli("plan", path, "--auto")
+  code, _, err = call("plan", path, "--auto")
   assert code == 2 and "records no model" in err
   write_model_record(path, CFG, 0)
-  code, out, err = _cli("plan", path, "--auto", "--prompt-len", "4", "--steps", "2")
+  code, out, err = call("plan", path, "--auto", "--prompt-len", "4", "--steps", "2")
   assert code == 0, err
   assert "placements fit; predicted for a 4-token prompt and 2 decode steps" in out
   assert out.splitlines()[2].split()[1] == "FullyResident()"  # unbounded: nothing moves
-  code, out, _ = _cli("plan", path, "--auto", "--prompt-len", "4", "--device-budget", "1KiB")
+  code, out, _ = call("plan", path, "--auto", "--prompt-len", "4", "--device-budget", "1KiB")
   assert code == 1 and "smallest device budget" in out
   assert jax.devices()  # the CPU backend the measurement was taken on

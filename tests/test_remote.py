@@ -5,8 +5,6 @@ and stops), ``memory://`` and ``file://`` URLs; retries, time-outs and their typ
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
 import json
 import os
 import pathlib
@@ -16,13 +14,13 @@ import time
 import jax
 import numpy as np
 import pytest
+from cli_call import call
 from flax import nnx
 from policies import REMOTE_POLICIES
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
 from jax_residency._src import store_server
-from jax_residency._src.cli import main as cli
 from jax_residency._src.store.mapped import ocdbt_extents
 from jax_residency.testing import serve_store
 from jax_residency.toy import ToyConfig, ToyTransformer
@@ -118,14 +116,6 @@ def server(module_server, traffic):
   module_server.latency_s, module_server.fail = 0.0, None
   if troubled:
     traffic.settle()
-
-
-def call_cli(*argv: str) -> tuple[int, str, str]:
-  """Runs the ``jax-residency`` command in-process; returns (exit code, stdout, stderr)."""
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    code = cli.main(list(argv))
-  return code, out.getvalue(), err.getvalue()
 
 
 # --- parity and bytes ----------------------------------------------------------
@@ -347,16 +337,16 @@ def test_save_to_http_says_read_only(model, server, where):
 
 def test_cli_inspect_plan_and_verify_over_http(store, server, traffic):
   urls = (server.url, store)
-  code, out, err = call_cli("inspect", server.url, "--json")
+  code, out, err = call("inspect", server.url, "--json")
   assert code == 0, err
   remote = json.loads(out)
-  code, out, _ = call_cli("inspect", store, "--json")
+  code, out, _ = call("inspect", store, "--json")
   local = json.loads(out)
   assert remote["unit_count"] == CFG.n_layers and remote["streamable"] is True
   assert {k: v for k, v in remote.items() if v != server.url} == {
     k: v for k, v in local.items() if v != store
   }
-  plans = [call_cli("plan", where, "--device-budget", "1MiB", "--json") for where in urls]
+  plans = [call("plan", where, "--device-budget", "1MiB", "--json") for where in urls]
   assert [code for code, _, _ in plans] == [0, 0], plans
   remote, local = (json.loads(out) for _, out, _ in plans)
   assert remote["path"] == server.url and remote["units"] == CFG.n_layers
@@ -364,7 +354,7 @@ def test_cli_inspect_plan_and_verify_over_http(store, server, traffic):
     k: v for k, v in local.items() if k != "path"
   }
   server.reset_counts()
-  code, out, err = call_cli("verify", server.url, "--json")
+  code, out, err = call("verify", server.url, "--json")
   assert code == 0, err
   result = json.loads(out)
   assert result["ok"] is True and result["damaged"] == []
@@ -375,5 +365,5 @@ def test_cli_inspect_plan_and_verify_over_http(store, server, traffic):
   data = sum(f.stat().st_size for f in pathlib.Path(store).rglob("d/*"))
   traffic.drain()  # every chunk sent is counted
   assert values <= server.bytes_served <= data
-  code, out, err = call_cli("verify", server.url)
+  code, out, err = call("verify", server.url)
   assert code == 0 and "no damage found" in out, err

@@ -8,8 +8,6 @@ rechunks; a save killed (SIGKILL) at several moments leaves the old store or the
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import signal
 import socket
@@ -22,15 +20,14 @@ import urllib.request
 import jax
 import numpy as np
 import pytest
-import tensorstore as ts
+from cli_call import call
 from flax import nnx
 from policies import REMOTE_POLICIES
+from test_object_store_commits import _top_keys
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
-from jax_residency._src.cli import main as cli
-from jax_residency._src.store import discovery, pointers
-from jax_residency._src.store.handles import store_context
+from jax_residency._src.store import pointers
 from jax_residency._src.store.rechunk import rechunk_store
 from jax_residency._src.store.verify import verify_store
 from jax_residency.toy import ToyConfig, ToyTransformer
@@ -92,12 +89,6 @@ def s3_store(s3, model):
   return url
 
 
-def _top_keys(url: str) -> set[str]:
-  """The first path component of every object under ``url``."""
-  kv = ts.KvStore.open(discovery.s3_spec(url), context=store_context()).result()
-  return {k.decode().split("/")[0] for k in kv.list().result()}
-
-
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_a_store_on_s3_places_bit_for_bit_as_the_local_one(s3_store, store, model, tokens, policy):
   with jr.place(model, POLICIES[policy], store=store, mesh=MESH1) as local:
@@ -113,10 +104,8 @@ def test_verify_and_inspect_read_a_store_on_s3(s3_store):
   keys = _top_keys(s3_store)  # the overwritten store's generation is gone
   assert len(keys) == 2 and pointers.POINTER_KEY in keys, keys
   assert verify_store(s3_store).damaged == ()
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    code = cli.main(["inspect", s3_store])
-  assert code == 0 and s3_store in out.getvalue(), err.getvalue()
+  code, out, err = call("inspect", s3_store)
+  assert code == 0 and s3_store in out, err
 
 
 def test_a_store_on_s3_is_overwritten_with_the_new_weights(s3, seeded_nnx, tokens):
@@ -139,10 +128,8 @@ def test_an_s3_url_without_a_bucket_is_a_store_error(s3, model):
 
 def test_a_store_rechunks_to_and_from_s3(s3, store, model, tokens, tmp_path):
   there, back = f"s3://{BUCKET}/rechunked", str(tmp_path / "from-s3")
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-    assert cli.main(["rechunk", store, there]) == 0
-  assert there in out.getvalue()
+  code, out, err = call("rechunk", store, there)
+  assert code == 0 and there in out, err
   rechunk_store(there, back, progress=False)
   want = np.asarray(model(tokens))
   for path in (there, back):

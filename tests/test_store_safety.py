@@ -55,10 +55,17 @@ def _save(path: str, seed: int, **kwargs) -> st.StoreInfo:
 
 
 def _version(path: str) -> int | None:
-  """Which seed's store `path` holds, complete (None when nothing is there)."""
-  if not os.path.lexists(path):
+  """Which seed's store `path` (a directory or a kvstore URL) holds, complete (None when
+  nothing is there)."""
+  if "://" not in path and not os.path.lexists(path):
     return None
-  with st.UnitStore.open(path) as store:
+  try:
+    store = st.UnitStore.open(path)
+  except errors.StoreNotFoundError:
+    if "://" not in path:  # a local directory there that is not a store: not nothing
+      raise
+    return None
+  with store:
     units = [store.read_unit(i) for i in range(N)]
     static = store.read_static()
   for seed in range(4):

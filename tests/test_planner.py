@@ -85,6 +85,34 @@ def test_the_first_choice_places_and_records_its_prediction(model, tokens, store
   assert prediction["measured"] == "2026-12-05T00:00:00+00:00"
 
 
+def test_a_quantized_stores_candidates_count_its_decoded_tensors(model, tokens):
+  """A quantized store's decoded floats are planned in the device budget, as `place` plans
+  them: the smallest placement fits a budget of exactly its plan, and one byte less is
+  refused with that figure."""
+  path = jr.save(model, "memory://planner/int8", progress=False, quantize="int8").path
+  found = _measurement(path)
+
+  def direct_stream(c: jr.Candidate) -> bool:  # host budget 0, nothing kept resident
+    d = c.policy.dense
+    return d is not None and d.host_budget_bytes == 0 and d.device_resident_units == 0
+
+  roomy = jr.plan(path, found, device_budget_bytes=None, host_budget_bytes=0, workload=WORK)
+  direct = next(c for c in roomy if direct_stream(c))
+  meta = direct.metadata
+  assert meta.item_bytes("decoded unit") + meta.item_bytes("decoded static") > 0
+  need = meta.planned_device_bytes
+  with pytest.raises(
+    jr.PlacementError, match=f"smallest device budget any placement fits is {need} "
+  ):
+    jr.plan(path, found, device_budget_bytes=need - 1, host_budget_bytes=0, workload=WORK)
+  fitting = jr.plan(path, found, device_budget_bytes=need, host_budget_bytes=0, workload=WORK)
+  assert [direct_stream(c) for c in fitting] == [True]
+  with jr.place(model, jr.DenseDiskStream(host_budget_bytes=0), store=path) as default:
+    want = np.asarray(default(tokens))
+  with jr.place(model, fitting[0].policy, store=path) as placed:  # at exactly its budget
+    np.testing.assert_array_equal(np.asarray(placed(tokens)), want)
+
+
 def test_a_prediction_is_the_sum_of_each_units_max_of_compute_and_transfer(store):
   read, step = 1e8, 1e-4  # reading a unit (UNIT / read) takes longer than its step
   ranked = jr.plan(

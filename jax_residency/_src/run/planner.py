@@ -36,6 +36,7 @@ from typing import Any
 
 from jax_residency._src.errors import BudgetTooSmallError, PlacementError
 from jax_residency._src.plan.budget import ModelMetadata, check_budgets
+from jax_residency._src.plan.quantized import plan_decoded_bytes
 from jax_residency._src.policy.options import format_budget
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import (
@@ -141,6 +142,7 @@ class Candidate:
 class _Sizes:
   static: int
   stacks: tuple[tuple[str, int, int], ...]  # (path, units, bytes per unit)
+  decoded: tuple[int, int] = (0, 0)  # a quantized store's float tensors while used
 
   def unit_bytes(self) -> list[int]:
     return [b for _, n, b in self.stacks for _ in range(n)]
@@ -188,8 +190,11 @@ def plan(
   ]
   with UnitStore.open(store, require_unit_chunks=False) as opened:
     info = opened.info
+  quant = info.quantization
   sizes = _Sizes(
-    info.static_nbytes, tuple((_stack_name(s.prefix), s.count, s.unit_nbytes) for s in info.stacks)
+    info.static_nbytes,
+    tuple((_stack_name(s.prefix), s.count, s.unit_nbytes) for s in info.stacks),
+    (0, 0) if quant is None else plan_decoded_bytes(quant, [s.prefix for s in info.stacks]),
   )
   on_cpu = measurement.backend.startswith("cpu:")
   found = []
@@ -266,6 +271,7 @@ def _check(policy: LayerWeightResidency, sizes: _Sizes, *, device_is_host: bool)
     host_unit_bytes=units if not isinstance(policy, FullyResident) else [0] * len(units),
     device_is_host=device_is_host,
     stacks=[(path, n) for path, n, _ in sizes.stacks],
+    decoded_bytes=sizes.decoded,
   )
 
 
@@ -345,11 +351,13 @@ def predict(
 
 def _nothing_fits(sizes: _Sizes, device: int | None, host: int | None) -> str:
   largest = max(b for _, _, b in sizes.stacks)
-  need = sizes.static + 2 * largest
+  decoded = sum(sizes.decoded)
+  need = sizes.static + 2 * largest + decoded
+  floats = f" + decoded floats {format_bytes(decoded)}" if decoded else ""
   return (
     f"no placement fits device_budget_bytes={device} and host_budget_bytes={host}: the "
     f"smallest device budget any placement fits is {need} ({format_bytes(need)}: static "
-    f"{format_bytes(sizes.static)} + a window of 2 units of {format_bytes(largest)}, "
+    f"{format_bytes(sizes.static)} + a window of 2 units of {format_bytes(largest)}{floats}, "
     "DenseDiskStream(host_budget_bytes=0)), with no host budget."
   )
 

@@ -11,8 +11,9 @@ The public surface (``__all__``):
   ``placed.metadata``), `scan_units`, `linen` (``jr.linen.scan``), `save`;
 * choosing a placement: `measure` and the `Measurement` it returns (a store's read
   bandwidths, host-to-device bandwidth and a unit step's time on this backend), and
-  `plan`, every placement a store's budgets admit as a `Candidate` with its predicted
-  times for a `Workload`, fastest first;
+  `plan`, every placement a store's (or a config.json's) budgets admit as a
+  `Candidate` with its predicted times for a `Workload`, fastest first; `Accelerator`,
+  an accelerator's figures given as numbers, to plan for a machine this is not;
 * policies and their options: `FullyResident`, `LayerwiseHost`,
   `DenseDiskStream`, `LayerWeightResidency`, `OrdinaryWeightResidency`,
   `ExecutionResidency`, `LayerwiseLoadOptions`, `DenseDiskStreamLoadOptions`,
@@ -63,6 +64,7 @@ from ._src.report.records import TimelinePoint as TimelinePoint
 from ._src.report.records import Totals as Totals
 from ._src.report.stream_metrics import TierMetrics as TierMetrics
 from ._src.report.stream_metrics import WorkerMetrics as WorkerMetrics
+from ._src.run.accelerator import Accelerator as Accelerator
 from ._src.run.measure import Measurement as Measurement
 from ._src.run.measure import measure as measure
 from ._src.run.place import PlacedModel as PlacedModel
@@ -119,6 +121,7 @@ __all__ = [
   "save",
   "scan_units",
   # choosing a placement
+  "Accelerator",
   "Candidate",
   "Measurement",
   "Workload",

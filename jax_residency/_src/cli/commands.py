@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 from typing import Any
@@ -21,6 +20,7 @@ from jax_residency._src.cli.console import (
   emit_json,
   fmt_bytes,
   plural,
+  quantize_flags,
 )
 from jax_residency._src.cli.inspection import quantization_info
 from jax_residency._src.cli.plan_table import plan_budgets
@@ -87,62 +87,25 @@ def _default_platform() -> str:
   return jax.default_backend()
 
 
-def _hf_config_path(path: str) -> str | None:
-  """``path`` as a Hugging Face config.json to plan from (a directory with one and no
-  store sidecar), else None."""
-  if path.endswith(".json") and os.path.isfile(path):
-    return path
-  config = os.path.join(path, "config.json")
-  if os.path.isfile(config) and not os.path.exists(os.path.join(path, "jax_residency.json")):
-    return config
-  return None
-
-
-def _sizes_from_hf_config(
-  path: str, dtype: str | None, quantize: dict[str, Any] | None
-) -> tuple[int, int, list[Any], Any]:
-  """(static bytes, largest unit bytes, stacks, quantization plan or None) of the model a
-  config.json describes, stored as ``quantize`` asks."""
-  from jax_residency._src.models.hf_convert import abstract_model  # noqa: PLC0415
-  from jax_residency._src.plan.quantized import plan_quantization, quantized_split  # noqa: PLC0415
-  from jax_residency._src.plan.split import split_model  # noqa: PLC0415
-
-  with open(path) as f:
-    hf = json.load(f)
-  model = abstract_model(hf, dtype=dtype or hf.get("torch_dtype") or None, where=path)
-  split, plan = split_model(model), None
-  if quantize is not None:
-    plan = plan_quantization(split, quantize)
-    split = quantized_split(split, plan, values_from="none")
-  static = sum(leaf.nbytes for leaf in split.static_leaves())
-  stacks = [
-    (s.name, s.count, sum(leaf.nbytes for leaf in split.stack_leaves(s)) // s.count)
-    for s in split.stacks
-  ]
-  return static, max(b for _, _, b in stacks), stacks, plan
-
-
-def _quantize_flags(args: argparse.Namespace) -> dict[str, Any] | None:
-  """``--quantize`` / ``--group-size`` as a ``quantize=`` value (None without them)."""
-  if args.group_size is not None and args.quantize != "int4":
-    raise CommandError(f"--group-size {args.group_size} is for --quantize int4; leave it out")
-  if args.quantize is None:
-    return None
-  return {"scheme": args.quantize, "group_size": args.group_size}
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
   from jax_residency._src.cli.measuring import cmd_plan_auto  # noqa: PLC0415
   from jax_residency._src.plan.quantized import plan_decoded_bytes  # noqa: PLC0415
 
   if args.auto:
     return cmd_plan_auto(args)
-  config = _hf_config_path(args.path)
-  quantize = _quantize_flags(args)
+  from jax_residency._src.run.model_sizes import config_path, sizes_of  # noqa: PLC0415
+
+  config = config_path(args.path)
+  quantize = quantize_flags(args)
   if config is not None:
-    static, unit, stacks, quant = _sizes_from_hf_config(config, args.dtype, quantize)
-    n, streamable = sum(c for _, c, _ in stacks), True
-    prefixes = [tuple(name.split(".")) for name, _, _ in stacks]
+    sizes = sizes_of(config, dtype=args.dtype, quantize=quantize)
+    static, stacks, quant, decoded = (
+      sizes.static,
+      list(sizes.stacks),
+      sizes.quantization,
+      sizes.decoded,
+    )
+    n, unit, streamable = sum(c for _, c, _ in stacks), max(b for _, _, b in stacks), True
   else:
     if quantize is not None:
       raise CommandError(
@@ -153,7 +116,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
       n, unit, static = store.unit_count, store.unit_nbytes, store.static_nbytes
       streamable = bool(store.chunked_per_unit)
       stacks = [(path_str(st.prefix), st.count, st.unit_nbytes) for st in store.stacks]
-      quant, prefixes = store.quantization, [st.prefix for st in store.stacks]
+      quant = store.quantization
+      decoded = (
+        (0, 0) if quant is None else plan_decoded_bytes(quant, [st.prefix for st in store.stacks])
+      )
   plan = plan_budgets(
     args.path,
     units=n,
@@ -165,7 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     streamable=streamable,
     device_is_host=(args.platform or _default_platform()) == "cpu",
     stacks=stacks if len(stacks) > 1 else (),
-    decoded_bytes=(0, 0) if quant is None else plan_decoded_bytes(quant, prefixes),
+    decoded_bytes=decoded,
     quantization=quantization_info(quant),
   )
   if args.json:
@@ -345,7 +311,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
       raise CommandError(f"{args.src}: not a file (a llama.cpp .gguf file)")
   elif not os.path.isdir(args.src):
     raise CommandError(f"{args.src}: not a directory (a Hugging Face checkpoint directory)")
-  quantize = _quantize_flags(args)
+  quantize = quantize_flags(args)
   common = {"dtype": args.dtype, "progress": None, "overwrite": args.overwrite}
   try:
     if gguf:

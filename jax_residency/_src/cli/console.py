@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -69,3 +70,12 @@ def fmt_bytes(n: int | None) -> str:
   from jax_residency._src.policy.sizes import format_bytes  # noqa: PLC0415
 
   return format_bytes(n)
+
+
+def quantize_flags(args: argparse.Namespace) -> dict[str, Any] | None:
+  """``--quantize`` / ``--group-size`` as a ``quantize=`` value (None without them)."""
+  if args.group_size is not None and args.quantize != "int4":
+    raise CommandError(f"--group-size {args.group_size} is for --quantize int4; leave it out")
+  if args.quantize is None:
+    return None
+  return {"scheme": args.quantize, "group_size": args.group_size}

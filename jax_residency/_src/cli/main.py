@@ -266,7 +266,9 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
       "          jax-residency plan ./Llama-3.1-8B/config.json --device-budget 16GiB "
       "--platform gpu\n"
       "          jax-residency plan ./Llama-3.1-8B/config.json --quantize int4 "
-      "--device-budget 8GiB --platform gpu"
+      "--device-budget 8GiB --platform gpu\n"
+      "          jax-residency plan ./Llama-3.1-8B/config.json --auto --accelerator t4.json "
+      "--device-budget 14GiB --host-budget 24GiB"
     ),
   )
   plan.add_argument(
@@ -306,6 +308,12 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
   )
   plan.add_argument(
     "--model", metavar="MODULE:FACTORY", help="--auto: the model, to time its unit step"
+  )
+  plan.add_argument(
+    "--accelerator",
+    metavar="FILE",
+    help="--auto: predict from an accelerator's figures given as numbers (a JSON file of\n"
+    "jr.Accelerator's fields) instead of measuring here; needed for a config.json",
   )
   plan.add_argument(
     "--platform",

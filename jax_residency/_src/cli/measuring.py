@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from jax_residency._src.cli.console import CommandError, emit, emit_json
+from jax_residency._src.cli.console import CommandError, emit, emit_json, quantize_flags
 from jax_residency._src.cli.stored_models import (
   abstract_from_factory,
   abstract_toy,
@@ -48,18 +48,56 @@ def cmd_measure(args: argparse.Namespace) -> int:
   return 0
 
 
+def _given(args: argparse.Namespace, workload: Any, quantize: Any) -> tuple[Any, str]:
+  """The measurement ``--accelerator FILE``'s figures make for ``args.path``, and where
+  they come from, in words."""
+  import json  # noqa: PLC0415
+
+  from jax_residency._src.run.accelerator import Accelerator  # noqa: PLC0415
+
+  try:
+    with open(args.accelerator, encoding="utf-8") as f:
+      data = json.load(f)
+  except OSError as e:
+    raise CommandError(f"--accelerator {args.accelerator}: {e.strerror}") from None
+  except ValueError as e:
+    raise CommandError(f"--accelerator {args.accelerator} is not JSON: {e}") from None
+  if not isinstance(data, dict):
+    raise CommandError(
+      f"--accelerator {args.accelerator}: expected a JSON object of jr.Accelerator's fields"
+    )
+  try:
+    accelerator = Accelerator.from_dict(data)
+  except ValueError as e:
+    raise CommandError(f"--accelerator {args.accelerator}: {e}") from None
+  found = accelerator.measurement(args.path, workload, dtype=args.dtype, quantize=quantize)
+  source = f"; {accelerator.source}" if accelerator.source else ""
+  return found, f"from figures given for {accelerator.name} ({args.accelerator}{source})"
+
+
 def cmd_plan_auto(args: argparse.Namespace) -> int:
   """``plan --auto``: every placement that fits, ranked by predicted time (`jr.plan`)."""
   from jax_residency._src.errors import PlacementError  # noqa: PLC0415
+  from jax_residency._src.run.model_sizes import config_path  # noqa: PLC0415
   from jax_residency._src.run.planner import Workload, plan, ranking_table  # noqa: PLC0415
 
-  found, model = _measured(args, refresh=False)
-  if model is None:
-    raise CommandError(
-      f"{args.path} records no model, so its unit step cannot be timed; pass --model "
-      "module:factory for --auto"
-    )
   workload = Workload(prompt_len=args.prompt_len, decode_steps=args.steps, batch=args.batch)
+  quantize = quantize_flags(args)
+  if args.accelerator is not None:
+    found, source = _given(args, workload, quantize)
+  elif config_path(args.path) is not None:
+    raise CommandError(
+      f"{args.path} is a config.json: there is no store to measure, so --auto needs an "
+      "accelerator's figures: --accelerator FILE (a JSON object of jr.Accelerator's fields)"
+    )
+  else:
+    found, model = _measured(args, refresh=False)
+    if model is None:
+      raise CommandError(
+        f"{args.path} records no model, so its unit step cannot be timed; pass --model "
+        "module:factory for --auto"
+      )
+    source = f"from the measurement of {found.date}"
   try:
     ranked = plan(
       args.path,
@@ -68,6 +106,8 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
       host_budget_bytes=args.host_budget,
       workload=workload,
       regime=args.regime,
+      dtype=args.dtype if config_path(args.path) is not None else None,
+      quantize=quantize,
     )
   except PlacementError as e:
     if "no placement fits" not in str(e):
@@ -91,7 +131,7 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
   emit(
     f"{len(ranked)} placements fit; predicted for a {workload.prompt_len}-token prompt and "
     f"{workload.decode_steps} decode steps (batch {workload.batch}), streamed units from "
-    f"the {args.regime}, from the measurement of {found.date}:"
+    f"the {args.regime}, {source}:"
   )
   emit(ranking_table(ranked))
   return 0

@@ -54,6 +54,9 @@ READ_BYTES = 512 << 20
 STEP_UNITS = 5
 #: Passes timed for each input (after one that compiles).
 STEP_PASSES = 2
+#: The store key of figures given as numbers (`Accelerator.measurement`), and the start
+#: of their backend's name.
+GIVEN = "given"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,10 @@ class Measurement:
       read ahead and moved as the engine does, by regime (``"direct, page cache"``,
       ``"direct, disk"``), then by signature and stack; empty without a model.
     date: when it was measured (UTC, ISO 8601).
+
+  A measurement made from numbers (`Accelerator.measurement`) is not of this process:
+  its store key is ``"given"``, its backend ``"given: <name>"``, and `check` takes it
+  for any store and backend (`given`).
 
   Example:
     >>> m = Measurement(store="s", store_key="/s#1", backend="cpu:cpu x1", unit_bytes=1 << 20,
@@ -110,13 +117,21 @@ class Measurement:
   )
 
   @property
+  def given(self) -> bool:
+    """Whether the figures were given as numbers (`Accelerator`), not measured here."""
+    return self.store_key == GIVEN
+
+  @property
   def key(self) -> str:
     """What the figures hold for: ``"<store_key> on <backend>"``."""
     return f"{self.store_key} on {self.backend}"
 
   def check(self, store: str, devices: Sequence[jax.Device] | None = None) -> None:
     """Raises `MeasurementMismatchError` unless this measurement is of ``store`` (as it
-    is now) on this process's backend (or ``devices``)."""
+    is now) on this process's backend (or ``devices``); figures `given` as numbers
+    are taken for any."""
+    if self.given:
+      return
     want = f"{store_key(store)} on {backend_key(devices)}"
     if want != self.key:
       raise MeasurementMismatchError(

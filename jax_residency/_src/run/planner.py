@@ -36,7 +36,6 @@ from typing import Any
 
 from jax_residency._src.errors import BudgetTooSmallError, PlacementError
 from jax_residency._src.plan.budget import ModelMetadata, check_budgets
-from jax_residency._src.plan.quantized import plan_decoded_bytes
 from jax_residency._src.policy.options import format_budget
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import (
@@ -46,8 +45,7 @@ from jax_residency._src.policy.types import (
   LayerwiseHost,
 )
 from jax_residency._src.run.measure import Measurement
-from jax_residency._src.store.unit_store import UnitStore
-from jax_residency._src.typing import path_str
+from jax_residency._src.run.model_sizes import ModelSizes, config_path, sizes_of
 
 #: Where a dense stream's streamed units come from, each pass.
 REGIMES = ("disk", "page cache")
@@ -117,6 +115,11 @@ class Candidate:
   workload: Workload = Workload()  # noqa: RUF009 - frozen
   measured: str = ""
 
+  @property
+  def placement(self) -> str:
+    """The policy in short: its type and the fields the planner chose."""
+    return describe(self.policy)
+
   def place(self, model: Any, *, store: str, **kwargs: Any) -> Any:
     """``jax_residency.place(model, self.policy, store=store, **kwargs)``, with this
     candidate's prediction in ``placed.metadata.prediction``."""
@@ -138,16 +141,6 @@ class Candidate:
     return placed
 
 
-@dataclasses.dataclass(frozen=True)
-class _Sizes:
-  static: int
-  stacks: tuple[tuple[str, int, int], ...]  # (path, units, bytes per unit)
-  decoded: tuple[int, int] = (0, 0)  # a quantized store's float tensors while used
-
-  def unit_bytes(self) -> list[int]:
-    return [b for _, n, b in self.stacks for _ in range(n)]
-
-
 def plan(
   store: str,
   measurement: Measurement,
@@ -156,14 +149,22 @@ def plan(
   host_budget_bytes: int | None,
   workload: Workload = Workload(),  # noqa: B008 - frozen
   regime: str = "disk",
+  dtype: Any = None,
+  quantize: Any = None,
 ) -> list[Candidate]:
   """Every placement of ``store`` the budgets admit, fastest first (module docstring).
+
+  ``store`` is a store, or a Hugging Face ``config.json`` (or a directory with one)
+  planned as ``convert hf`` would store it, in ``dtype`` (default: its ``torch_dtype``)
+  and quantized as ``quantize`` asks; a config.json is planned with figures given as
+  numbers (``jr.Accelerator(...).measurement(config, workload)``), not measured ones.
 
   Raises:
     MeasurementMismatchError: ``measurement`` is of another store or backend.
     PlacementError: the measurement has no step time for the workload's inputs (the
-      message says how to measure them), or no placement fits (the message gives the
-      smallest budgets one fits).
+      message says how to measure them), no placement fits (the message gives the
+      smallest budgets one fits), or ``store`` is a config.json and ``measurement`` was
+      measured, not given.
 
   Example:
     >>> import os, tempfile, jax.numpy as jnp
@@ -184,18 +185,17 @@ def plan(
   """
   if regime not in REGIMES:
     raise PlacementError(f"regime={regime!r}: pass one of {', '.join(map(repr, REGIMES))}")
+  if config_path(store) is not None and not measurement.given:
+    raise PlacementError(
+      f"{store} is a config.json: its model has no store to measure, so plan it with an "
+      "accelerator's figures given as numbers: jr.plan(config, jr.Accelerator(...)"
+      ".measurement(config, workload), ...)"
+    )
   measurement.check(store)
   steps = [
     _steps(measurement, sig) for sig in (workload.prefill_signature, workload.decode_signature)
   ]
-  with UnitStore.open(store, require_unit_chunks=False) as opened:
-    info = opened.info
-  quant = info.quantization
-  sizes = _Sizes(
-    info.static_nbytes,
-    tuple((_stack_name(s.prefix), s.count, s.unit_nbytes) for s in info.stacks),
-    (0, 0) if quant is None else plan_decoded_bytes(quant, [s.prefix for s in info.stacks]),
-  )
+  sizes = sizes_of(store, dtype=dtype, quantize=quantize)
   on_cpu = measurement.backend.startswith("cpu:")
   found = []
   for policy in _policies(sizes, device_budget_bytes, host_budget_bytes):
@@ -243,12 +243,6 @@ def plan(
   return sorted(found, key=lambda c: (c.total_seconds, c.decode_seconds))
 
 
-def _stack_name(prefix: tuple[str, ...]) -> str:
-  """A stored stack's name as a placement names it (and a measurement keys it): its
-  path in the model, without the ``params`` collection a Linen model's store adds."""
-  return path_str(prefix[1:] if prefix[:1] == ("params",) and len(prefix) > 1 else prefix)
-
-
 def _steps(measurement: Measurement, signature: str) -> dict[str, float]:
   found = measurement.step_seconds.get(signature)
   if not found:
@@ -261,7 +255,9 @@ def _steps(measurement: Measurement, signature: str) -> dict[str, float]:
   return dict(found)
 
 
-def _check(policy: LayerWeightResidency, sizes: _Sizes, *, device_is_host: bool) -> ModelMetadata:
+def _check(
+  policy: LayerWeightResidency, sizes: ModelSizes, *, device_is_host: bool
+) -> ModelMetadata:
   units = sizes.unit_bytes()
   return check_budgets(
     policy,
@@ -276,7 +272,7 @@ def _check(policy: LayerWeightResidency, sizes: _Sizes, *, device_is_host: bool)
 
 
 def _policies(
-  sizes: _Sizes, device: int | None, host: int | None
+  sizes: ModelSizes, device: int | None, host: int | None
 ) -> Iterator[LayerWeightResidency]:
   """Every candidate policy with these budgets (the budgets check each one)."""
   shortest = min(n for _, n, _ in sizes.stacks)
@@ -306,7 +302,7 @@ def _policies(
 def predict(
   policy: LayerWeightResidency,
   meta: ModelMetadata,
-  sizes: _Sizes,
+  sizes: ModelSizes,
   measurement: Measurement,
   step_seconds: dict[str, float],
   *,
@@ -349,7 +345,7 @@ def predict(
   return seconds, moved
 
 
-def _nothing_fits(sizes: _Sizes, device: int | None, host: int | None) -> str:
+def _nothing_fits(sizes: ModelSizes, device: int | None, host: int | None) -> str:
   largest = max(b for _, _, b in sizes.stacks)
   decoded = sum(sizes.decoded)
   need = sizes.static + 2 * largest + decoded

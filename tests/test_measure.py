@@ -55,12 +55,17 @@ def test_a_measurement_has_every_figure_and_a_step_time_per_input(model, own_sto
   assert set(found.step_seconds) == {"int32[1,1]", "int32[2,8]"}
   for per_stack in found.step_seconds.values():
     assert set(per_stack) == {"layers"} and 0 < per_stack["layers"] < 1.0
-  # Streamed units timed too, in the page cache and with the pages dropped (direct; a
-  # 6-layer stack streams too few units to time them through a host cache).
-  assert set(found.streamed_seconds) == {"direct, page cache", "direct, disk"}
+  # Streamed units timed too, direct and through a two-unit host cache, in the page
+  # cache and with the pages dropped; and the passes' time beyond their units.
+  hows = {f"{mode}, {regime}" for mode in ("direct", "cached") for regime in ("page cache", "disk")}
+  assert set(found.streamed_seconds) == set(found.overhead_seconds) == hows
   for per in found.streamed_seconds.values():
     assert set(per) == {"int32[1,1]", "int32[2,8]"}
     assert all(0 < s["layers"] < 1.0 for s in per.values())
+  for per in found.overhead_seconds.values():
+    assert set(per) == {"int32[1,1]", "int32[2,8]"} and all(0 <= s < 1.0 for s in per.values())
+  assert set(found.static_seconds) == {"int32[1,1]", "int32[2,8]"}
+  assert all(0 <= s < 1.0 for s in found.static_seconds.values())
   assert found.backend == f"cpu:cpu x{len(jax.devices())}"
   assert jr.Measurement.from_dict(json.loads(json.dumps(found.to_dict()))) == found
   assert "unit step, int32[2,8], layers" in str(found)

@@ -165,6 +165,39 @@ def test_a_streamed_unit_costs_what_the_engine_took_when_measured(store):
   _assert_streamed_units_cost_the_engines_time(store)
 
 
+def test_a_pass_adds_what_the_measured_passes_took_beyond_their_units(store):
+  """A placement that reads units from the store adds the measured pass's time beyond its
+  units for its way of streaming (direct or cached); one that reads none adds the
+  static layers' time."""
+  step, direct, cached = 1e-4, 3e-3, 2e-3
+  m = dataclasses.replace(
+    _measurement(store, step=step),
+    streamed_seconds={
+      "direct, disk": {DECODE: {"layers": direct}},
+      "cached, disk": {DECODE: {"layers": cached}},
+    },
+    overhead_seconds={"direct, disk": {DECODE: 0.5}, "cached, disk": {DECODE: 0.25}},
+    static_seconds={DECODE: 0.125},
+  )
+  ranked = jr.plan(store, m, device_budget_bytes=None, host_budget_bytes=UNIT * 3, workload=WORK)
+
+  def find(host: int, kept: int, held: int = 0) -> jr.Candidate:
+    return next(
+      c
+      for c in ranked
+      if c.policy.dense
+      and c.policy.dense.host_budget_bytes == host
+      and (c.policy.dense.device_resident_units, c.policy.dense.host_resident_units) == (kept, held)
+    )
+
+  assert find(0, 2).decode_seconds == pytest.approx(2 * step + 4 * direct + 0.5)
+  assert find(3 * UNIT, 2).decode_seconds == pytest.approx(2 * step + 4 * cached + 0.25)
+  # Everything kept, on the device or in host memory: nothing read, the static layers.
+  assert find(3 * UNIT, 4, 2).decode_seconds == pytest.approx(6 * step + 0.125)
+  resident = next(c for c in ranked if isinstance(c.policy, jr.FullyResident))
+  assert resident.decode_seconds == pytest.approx(6 * step + 0.125)
+
+
 def test_a_linen_stores_stacks_match_the_measurements(seeded_linen, saved_store, tokens):
   """A Linen model's store records its stack under ``params``; the measurement keys it
   by the model's path, as the placement names it: the engine's time is still used."""

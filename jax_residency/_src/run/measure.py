@@ -9,10 +9,13 @@
 * host-to-device bandwidth: one unit's bytes moved from ``pinned_host`` memory (where
   the backend has it) to device memory;
 * with a model and its inputs, one unit step's time for each input: a dense stream
-  whose first units of each stack are kept on the device runs three passes, and the
-  step time is the median time between the forward's asks for two kept units (the
-  engine waits for each step before it asks for the one after next, so in steady state
-  that is one step).
+  whose first units of each stack are kept on the device runs passes (after one that
+  compiles and `WARM_PASSES` more), and the step time is the median time between the
+  forward's asks for two kept units (the engine waits for each step before it asks for
+  the one after next, so in steady state that is one step); the same passes time a
+  streamed unit (the mean per unit over the streamed ones), the pass's time beyond its
+  units, and its static layers', direct and through a two-unit host cache, from the
+  page cache and with the pages dropped before each pass.
 
 A measurement is cached next to the compilation cache, under the library's cache
 directory, keyed by the store (its path and its newest version) and the backend;
@@ -52,8 +55,12 @@ READ_BYTES = 512 << 20
 #: Units of each stack kept on the device to time a unit step (at most; three or more of
 #: each stack stream, to time a streamed unit after the first).
 STEP_UNITS = 5
-#: Passes timed for each input (after one that compiles).
-STEP_PASSES = 2
+#: Passes timed for each input and regime, after `WARM_PASSES` untimed ones (and one
+#: that compiles): the first passes after compiling run slower (measured on the planner
+#: benchmark's 192 MiB units: a kept unit's step 13.5 ms over two passes right after
+#: compiling, 8.2 ms in steady state).
+STEP_PASSES = 4
+WARM_PASSES = 2
 #: The store key of figures given as numbers (`Accelerator.measurement`), and the start
 #: of their backend's name.
 GIVEN = "given"
@@ -80,9 +87,16 @@ class Measurement:
     step_seconds: one unit step's time per input signature (``"int32[1,1]"``), per
       stack (``{signature: {stack: seconds}}``), for a unit on the device; empty
       without a model.
-    streamed_seconds: one streamed unit's time in the same passes (host budget 0),
-      read ahead and moved as the engine does, by regime (``"direct, page cache"``,
-      ``"direct, disk"``), then by signature and stack; empty without a model.
+    streamed_seconds: one streamed unit's time, read ahead and moved as the engine
+      does, by how it streamed (``"direct, page cache"``, ``"direct, disk"``: host budget
+      0; ``"cached, page cache"``, ``"cached, disk"``: through a host cache of two
+      units), then by signature and stack: the mean time per unit from the first
+      streamed unit's ask to the stack's last; empty without a model.
+    overhead_seconds: what such a pass took beyond its units' steps, by how it streamed
+      and signature: the static layers, the first streamed unit's read (it waits
+      while the kept units run) and the pass's own work.
+    static_seconds: a pass's time outside its units, by signature (the direct page
+      cache passes: before the first unit's ask, and after the last unit's step).
     date: when it was measured (UTC, ISO 8601).
 
   A measurement made from numbers (`Accelerator.measurement`) is not of this process:
@@ -115,6 +129,8 @@ class Measurement:
   streamed_seconds: Mapping[str, Mapping[str, Mapping[str, float]]] = dataclasses.field(
     default_factory=dict
   )
+  overhead_seconds: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+  static_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def given(self) -> bool:
@@ -146,6 +162,8 @@ class Measurement:
     out["streamed_seconds"] = {
       how: {sig: dict(v) for sig, v in per.items()} for how, per in self.streamed_seconds.items()
     }
+    out["overhead_seconds"] = {how: dict(v) for how, v in self.overhead_seconds.items()}
+    out["static_seconds"] = dict(self.static_seconds)
     return out
 
   @classmethod
@@ -177,6 +195,15 @@ class Measurement:
         for how, per in self.streamed_seconds.items()
         for sig, per_stack in per.items()
         for stack, seconds in per_stack.items()
+      ),
+      *(
+        (f"pass beyond its units ({how}), {sig}", f"{seconds * 1e3:.3f} ms")
+        for how, per in self.overhead_seconds.items()
+        for sig, seconds in per.items()
+      ),
+      *(
+        (f"static layers, {sig}", f"{seconds * 1e3:.3f} ms")
+        for sig, seconds in self.static_seconds.items()
       ),
       ("measured", self.date),
     ]
@@ -256,17 +283,15 @@ def measure(
   if cached is not None and not refresh and wanted <= set(cached.step_seconds):
     return cached
   found = _bandwidths(path)
-  steps: dict[str, dict[str, float]] = {}
-  streamed: dict[str, dict[str, dict[str, float]]] = {}
+  engine: dict[str, Any] = {"step_seconds": {}}
   if model is not None and inputs:
-    steps, streamed = _engine_seconds(path, model, inputs)
+    engine = _engine_seconds(path, model, inputs)
   result = Measurement(
     store=path,
     store_key=identity,
     backend=backend,
-    step_seconds=steps,
-    streamed_seconds=streamed,
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    **engine,
     **found,
   )
   _save(key, result)
@@ -357,56 +382,90 @@ def _host_to_device(nbytes: int) -> tuple[float, bool]:
   return nbytes / statistics.median(times), pinned
 
 
-def _engine_seconds(
-  path: str, model: Any, inputs: Sequence[Sequence[Any]]
-) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, dict[str, float]]]]:
-  """One kept unit's step, and one streamed unit's, per input and stack, in the engine
-  (see the module docstring): ``(step_seconds, streamed_seconds)``."""
+def _engine_seconds(path: str, model: Any, inputs: Sequence[Sequence[Any]]) -> dict[str, Any]:
+  """One kept unit's step, one streamed unit's, the pass's time beyond them and the
+  static layers' time, per input (and stack), in the engine (see the module
+  docstring): `Measurement`'s ``step_seconds``, ``streamed_seconds``,
+  ``overhead_seconds`` and ``static_seconds``."""
   from jax_residency._src.run.place import place  # noqa: PLC0415 - place imports this package
 
   with UnitStore.open(path, require_unit_chunks=False) as store:
     counts = [s.count for s in store.info.stacks]
+    largest = max(s.unit_nbytes for s in store.info.stacks)
   shortest = min(counts)
   # Three or more units of each stack stream where the stacks are long enough to time a
   # streamed unit too; else every unit is kept, to time a kept one.
   kept = min(STEP_UNITS, shortest - 3) if shortest >= 6 else min(STEP_UNITS, shortest)
+  found: dict[str, Any] = {"step_seconds": {}, "streamed_seconds": {}, "overhead_seconds": {}}
+  found["static_seconds"] = {}
   if kept < 3:  # the first step's time is not a steady one: two more are needed
-    return {}, {}
+    return found
   local = locate(path).local
-  # Direct loading only: timed through a host cache too small to keep the streamed units,
-  # the gaps came out 2x to 7x below what such placements take (benchmarks/planner.py),
-  # so the planner prices the cached path from the read bandwidth instead.
-  modes = {"direct": DenseDiskStream(host_budget_bytes=0)}
-  steps: dict[str, dict[str, float]] = {}
-  streamed: dict[str, dict[str, dict[str, float]]] = {}
-  for mode, base in modes.items():
-    policy = dataclasses.replace(
-      base,
-      options=dataclasses.replace(
-        base.options, device_budget_bytes=None, device_resident_units=kept
-      ),
+  # Through a host cache of two units: fewer than a pass streams, so (least recently
+  # used, read in order) it keeps none for the next pass, as in a cached placement
+  # whose cache cannot hold every streamed unit.
+  modes = {"direct": 0, "cached": 2 * largest}
+  for mode, host in modes.items():
+    policy = DenseDiskStream(
+      host_budget_bytes=host, device_budget_bytes=None, device_resident_units=kept
     )
     with place(model, policy, store=path) as placed:
       firsts = placed.metadata.resident.device[::kept]  # each stack's first unit
+      stacks = list(zip(placed.stacks, firsts, counts, strict=True))
       for args in inputs:
         sig = signature(args)
         jax.block_until_ready(placed(*args))  # compiles
         for regime in ("page cache", "disk"):
           if regime == "disk" and (local is None or not files.drop_cached(local)):
             continue
-          for _ in range(STEP_PASSES):
+          for _ in range(WARM_PASSES + STEP_PASSES):
             if regime == "disk" and local is not None:
               files.drop_cached(local)
             jax.block_until_ready(placed(*args))
           passes = placed.report().passes[-STEP_PASSES:]
-          for name, first, count in zip(placed.stacks, firsts, counts, strict=True):
-            kept_gaps = _gaps(passes, range(first + 1, first + kept - 1))
-            if mode == "direct" and regime == "page cache" and kept_gaps:
-              steps.setdefault(sig, {})[name] = kept_gaps
-            moving = _gaps(passes, range(first + kept + 1, first + count - 1))
-            if moving:
-              streamed.setdefault(f"{mode}, {regime}", {}).setdefault(sig, {})[name] = moving
-  return steps, streamed
+          _timed_passes(found, passes, f"{mode}, {regime}", sig, stacks)
+  return found
+
+
+def _timed_passes(
+  found: dict[str, Any],
+  passes: Sequence[Any],
+  how: str,
+  sig: str,
+  stacks: Sequence[tuple[str, int, int]],
+) -> None:
+  """Adds what ``passes`` (of the measuring placement: ``STEP_UNITS`` kept units at the
+  start of each stack) show to ``found``: for ``how``'s streamed units the mean time
+  per unit from the first streamed unit's ask to the stack's last (reads that land in
+  pairs make single gaps bimodal), and what the pass took beyond its units."""
+  kept = min(STEP_UNITS, min(n for _, _, n in stacks) - 3)
+  steps = found["step_seconds"].setdefault(sig, {})
+  units, c = 0.0, None
+  for name, first, count in stacks:
+    c = steps.get(name) or _gaps(passes, range(first + 1, first + kept - 1))
+    if how == "direct, page cache" and c is not None:
+      steps[name] = c
+    spans = [
+      (at[first + count - 1] - at[first + kept]) / (count - kept - 1)
+      for at in ({t.unit: t.seconds for t in p.timeline} for p in passes)
+      if first + kept in at and first + count - 1 in at
+    ]
+    if c is None or not spans:
+      return
+    streamed = statistics.median(spans)
+    found["streamed_seconds"].setdefault(how, {}).setdefault(sig, {})[name] = streamed
+    units += kept * c + (count - kept) * streamed
+  overhead = statistics.median(p.seconds for p in passes) - units
+  found["overhead_seconds"].setdefault(how, {})[sig] = max(0.0, overhead)
+  if how == "direct, page cache" and c is not None:  # the last stack's last unit's step
+    outside = statistics.median(_outside_units(p) for p in passes) - c
+    found["static_seconds"][sig] = max(0.0, outside)
+
+
+def _outside_units(p: Any) -> float:
+  """A pass's time before its first unit's ask and after its last one's."""
+  asks = [t.seconds for t in p.timeline]
+  return min(asks) + p.seconds - max(asks)
 
 
 def _gaps(passes: Sequence[Any], units: range) -> float | None:

@@ -22,7 +22,12 @@ rest kept in host memory. For each it predicts a prefill pass and a decode step 
   prompt's pass, the placement's first, finds the cache empty);
 * the engine overlaps a unit's move with the step before it, so a unit costs
   ``max(c, t)``; `LayerwiseHost` with a prefetch depth of 1 moves a unit and then runs
-  it: ``c + t``. A pass is the sum over its units.
+  it: ``c + t``. Where the measurement timed streamed units in the engine (direct or
+  through a host cache, in the regime), a streamed unit costs that instead;
+* a pass is the sum over its units, plus what the measured passes took beyond their
+  units: for a placement that reads units from the store, the measured pass's time
+  beyond them (static layers, the first streamed unit's read); else the static
+  layers' time.
 
 Ranked by the workload's time: one prefill pass and ``decode_steps`` decode steps.
 """
@@ -326,7 +331,7 @@ def predict(
   how = f"{'cached' if dense is not None and dense.host_budget_bytes else 'direct'}, {regime}"
   engine = measurement.streamed_seconds.get(how, {}).get(signature, {})
   serial = isinstance(policy, LayerwiseHost) and policy.options.offload.prefetch_depth == 1
-  seconds, moved, unit = 0.0, 0, 0
+  seconds, moved, unit, streams = 0.0, 0, 0, False
   for path, count, nbytes in sizes.stacks:
     c = step_seconds.get(path, max(step_seconds.values()))
     for _ in range(count):
@@ -335,13 +340,20 @@ def predict(
       elif isinstance(policy, LayerwiseHost) or unit in kept_host or cached_all:
         cost, m = (c + nbytes * h2d) if serial else max(c, nbytes * h2d), nbytes
       elif path in engine:  # a streamed unit as the engine streamed it when measured
-        cost, m = engine[path], nbytes
+        cost, m, streams = engine[path], nbytes, True
       else:
         extra = nbytes * h2d if dense is not None and dense.host_budget_bytes else 0.0
-        cost, m = max(c, nbytes / read_rate + extra), nbytes
+        cost, m, streams = max(c, nbytes / read_rate + extra), nbytes, True
       seconds += cost
       moved += m
       unit += 1
+  # The pass beyond its units: with units read from the store, what the measured pass
+  # took beyond them (the static layers, the first streamed unit's read); else the
+  # static layers' time.
+  if streams:
+    seconds += measurement.overhead_seconds.get(how, {}).get(signature, 0.0)
+  else:
+    seconds += measurement.static_seconds.get(signature, 0.0)
   return seconds, moved
 
 

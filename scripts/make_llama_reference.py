@@ -32,7 +32,7 @@ beside the checkpoint:
 * the versions, the family, the config in brief and its ``config_json_form``,
   ``seed``, ``embed_scale`` and ``logit_scale`` (see below).
 
-The four configs (``tests/fixtures/<name>``), all with grouped-query attention
+The six configs (``tests/fixtures/<name>``), all with grouped-query attention
 (4 query heads sharing 2 key/value heads), SwiGLU MLP (intermediate 64), 3
 layers, vocab 96, hidden 32, token ids pad 0, bos 1, eos 2:
 
@@ -72,6 +72,22 @@ layers, vocab 96, hidden 32, token ids pad 0, bos 1, eos 2:
   ``"sliding_window": 32768`` and ``"max_window_layers": 2`` (transformers
   ignores the window when ``use_sliding_window`` is false: every layer is full
   attention; the script checks that), no ``layer_types``, ``torch_dtype``.
+* ``mixtral_tiny``: ``MixtralForCausalLM``, untied, 4 experts of width 64 per
+  layer, 2 picked per token (renormalized), ``"sliding_window": null``, rope_theta
+  1e6, rms_norm_eps 1e-5; experts saved as the Hub has them
+  (``block_sparse_moe.experts.<j>.w1/w2/w3``). ``config.json`` as transformers 5
+  writes it.
+* ``qwen2_moe_tiny``: ``Qwen2MoeForCausalLM``, untied, q/k/v biases, 4 experts of
+  width 48, 2 picked per token, ``norm_topk_prob: false`` (not renormalized), a
+  shared expert of width 64 with its sigmoid gate, no sliding window.
+  ``config.json`` as transformers 5 writes it.
+
+For the two mixtures of experts the reloaded model runs its experts one by one
+(``experts_implementation="eager"``), and the script records
+``router_min_topk_gap``, the smallest gap between a router's k-th and (k+1)-th
+probabilities over the reference tokens, and ``router_picks_layer0``; it refuses a
+fixture whose gap is under ``MIN_ROUTER_GAP`` (a pick float32 could flip) or whose
+first layer leaves an expert unused. ``--only NAME ...`` writes those fixtures alone.
 
 The random init is changed so that a wrong implementation shows: RMSNorm
 weights are drawn from U(0.5, 1.5) (not ones) and Qwen2's biases from N(0, 0.5)
@@ -130,8 +146,12 @@ from transformers import (
   LlamaForCausalLM,
   MistralConfig,
   MistralForCausalLM,
+  MixtralConfig,
+  MixtralForCausalLM,
   Qwen2Config,
   Qwen2ForCausalLM,
+  Qwen2MoeConfig,
+  Qwen2MoeForCausalLM,
 )
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
@@ -223,11 +243,51 @@ CONFIGS = {
     embed_scale=0.5,
     logit_scale=0.5,
   ),
+  "mixtral_tiny": dict(
+    family="mixtral",
+    classes=(MixtralConfig, MixtralForCausalLM),
+    config=dict(
+      initializer_range=0.3,
+      tie_word_embeddings=False,
+      num_local_experts=4,
+      num_experts_per_tok=2,
+      sliding_window=None,
+      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+      rms_norm_eps=1e-5,
+      max_position_embeddings=64,
+    ),
+    config_json_form="transformers5",
+    seed=4,
+    embed_scale=0.5,
+    logit_scale=0.25,
+  ),
+  "qwen2_moe_tiny": dict(
+    family="qwen2_moe",
+    classes=(Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    config=dict(
+      initializer_range=0.3,
+      tie_word_embeddings=False,
+      num_experts=4,
+      num_experts_per_tok=2,
+      moe_intermediate_size=48,
+      shared_expert_intermediate_size=64,
+      norm_topk_prob=False,
+      use_sliding_window=False,
+      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+      rms_norm_eps=1e-6,
+      max_position_embeddings=64,
+    ),
+    config_json_form="transformers5",
+    seed=5,
+    embed_scale=0.5,
+    logit_scale=0.25,
+  ),
 }
 MAX_NEW_TOKENS = 8
 SEQ_LEN = 12
 BIAS_STD = 0.5
 MIN_GAP = 1e-3  # greedy steps closer than this to a tie would make the argmax fragile
+MIN_ROUTER_GAP = 1e-4  # a router's k-th and (k+1)-th probabilities closer: a fragile pick
 WORDS = (
   "the a an and or but of to in on at by for with from up down over under again then once here"
   " there when where why how all any both each few more most other some such no not only own"
@@ -317,7 +377,12 @@ def build(name: str, directory: Path):
     to_hub_form(directory, spec)
   if not (directory / "model.safetensors.index.json").exists():
     raise SystemExit(f"{name}: the checkpoint is not sharded")
-  loaded = model_cls.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32)
+  # A mixture of experts runs its experts one by one, in expert order (the eager loop;
+  # the grouped kernel takes no float64, which the conditioning check needs).
+  moe = {"experts_implementation": "eager"} if spec["family"] in ("mixtral", "qwen2_moe") else {}
+  loaded = model_cls.from_pretrained(
+    directory, attn_implementation="eager", dtype=torch.float32, **moe
+  )
   loaded.eval()
   if (loaded.lm_head.weight is loaded.model.embed_tokens.weight) != tied:
     raise SystemExit(f"{name}: the reloaded LM head is {'not ' if tied else ''}tied")
@@ -327,12 +392,38 @@ def build(name: str, directory: Path):
     raise SystemExit(f"{name}: the reloaded rotary frequencies differ")
   window = getattr(loaded.config, "sliding_window", None)
   layer_types = set(getattr(loaded.config, "layer_types", None) or ["full_attention"])
-  if window is not None or layer_types != {"full_attention"}:
+  if window not in (None, 0) or layer_types != {"full_attention"}:
     raise SystemExit(f"{name}: the reloaded model has a sliding window")
   for key, value in model.state_dict().items():
     if not torch.equal(loaded.state_dict()[key], value):
       raise SystemExit(f"{name}: {key} differs after reloading")
   return loaded
+
+
+def router_gap(model, inputs: dict) -> tuple[float | None, list[int]]:
+  """For a mixture of experts: the smallest gap between a router's k-th and (k+1)-th
+  probabilities over the real tokens of ``inputs`` (how safe the picks are), and how
+  many tokens picked each expert of layer 0. ``(None, [])`` for a dense model."""
+  routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+  if not routers:
+    return None, []
+  seen: list[torch.Tensor] = []
+  hooks = [r.register_forward_hook(lambda _m, _i, out: seen.append(out[0])) for r in routers]
+  with torch.no_grad():
+    model(**inputs)
+  for h in hooks:
+    h.remove()
+  real = inputs["attention_mask"].reshape(-1) == 1
+  k = routers[0].top_k
+  gap, counts = float("inf"), []
+  for n, logits in enumerate(seen):
+    probs = torch.softmax(logits.float(), dim=-1)[real]
+    top = torch.sort(probs, dim=-1, descending=True).values
+    gap = min(gap, float((top[:, k - 1] - top[:, k]).min()))
+    if n == 0:
+      picked = torch.topk(probs, k, dim=-1).indices.reshape(-1)
+      counts = torch.bincount(picked, minlength=probs.shape[-1]).tolist()
+  return gap, counts
 
 
 def greedy(model, ids: np.ndarray, mask: np.ndarray, eos) -> tuple[list, np.ndarray]:
@@ -461,6 +552,9 @@ def reference(name: str, directory: Path) -> dict:
   stop = next(t for i, t in enumerate(tokens[0]) if i >= 2 and t not in tokens[0][:i])
   stopped, stopped_logits = greedy(model, gen_ids, gen_mask, stop)
   gap = min(gap, top2_gap(stopped_logits, steps_taken(stopped, stop)))
+  routed, picks = router_gap(model, inputs)
+  if routed is not None and (routed < MIN_ROUTER_GAP or 0 in picks):
+    raise SystemExit(f"{name}: routing is fragile (gap {routed:.2g}) or skips an expert: {picks}")
   scaled, plain = inv_freqs(model)
   if spec["config"]["rope_parameters"]["rope_type"] == "llama3":
     check_llama3_bands(scaled, plain)
@@ -480,7 +574,11 @@ def reference(name: str, directory: Path) -> dict:
     "config_json_form": spec["config_json_form"],
     "tied_lm_head": bool(cfg.tie_word_embeddings),
     "head_dim": head_dim_of(cfg),
-    "attention_bias": spec["family"] == "qwen2",
+    "attention_bias": spec["family"] in ("qwen2", "qwen2_moe"),
+    # mixtures of experts: the smallest gap between a router's k-th and (k+1)-th
+    # probabilities over the logits' real tokens, and layer 0's picks per expert
+    "router_min_topk_gap": routed,
+    "router_picks_layer0": picks,
     "rope_parameters": cfg.rope_parameters,
     "sliding_window": None,
     "eos_token_id": cfg.eos_token_id,
@@ -513,9 +611,10 @@ def reference(name: str, directory: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="fixtures directory")
+  parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="these fixtures only")
   args = parser.parse_args(argv)
   torch.use_deterministic_algorithms(True)
-  for name in CONFIGS:
+  for name in args.only or CONFIGS:
     directory = args.out / name
     fixture = reference(name, directory)
     (directory / "reference.json").write_text(to_json(fixture))

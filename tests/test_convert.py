@@ -23,7 +23,14 @@ from jax_residency._src.store import writer as wr
 from jax_residency._src.store.unit_store import UnitStore
 
 FIXTURES = Path(__file__).parent / "fixtures"
-LLAMA = ("llama_tiny_tied", "llama_tiny_untied", "mistral_tiny", "qwen2_tiny")
+LLAMA = (
+  "llama_tiny_tied",
+  "llama_tiny_untied",
+  "mistral_tiny",
+  "qwen2_tiny",
+  "mixtral_tiny",
+  "qwen2_moe_tiny",
+)
 
 pytestmark = pytest.mark.skipif(
   importlib.util.find_spec("safetensors") is None, reason="needs safetensors"

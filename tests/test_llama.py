@@ -1,15 +1,18 @@
 """The Llama-family decoder against Hugging Face transformers, and under every policy.
 
 The references (``tests/fixtures/llama_tiny_tied``, ``llama_tiny_untied``,
-``mistral_tiny``, ``qwen2_tiny``: a tiny random sharded checkpoint each, with
-``reference.json``) were written by ``scripts/make_llama_reference.py`` with
-torch and transformers; these tests need neither, only ``safetensors`` to read
-the checkpoints. The four differ on purpose: a tied head with the
-transformers 5 ``config.json`` form; Llama 3 rope scaling, an own head and two
-EOS ids in the Hub's form; Mistral's head_dim (12) apart from
-hidden/heads; Qwen2's q/k/v biases and its ignored sliding window. All use
-grouped-query attention (4 query heads over 2 key/value heads) and left-padded
-prompts.
+``mistral_tiny``, ``qwen2_tiny``, ``mixtral_tiny``, ``qwen2_moe_tiny``: a tiny
+random sharded checkpoint each, with ``reference.json``) were written by
+``scripts/make_llama_reference.py`` with torch and transformers; these tests need
+neither, only ``safetensors`` to read the checkpoints. They differ on purpose: a
+tied head with the transformers 5 ``config.json`` form; Llama 3 rope scaling, an
+own head and two EOS ids in the Hub's form; Mistral's head_dim (12) apart from
+hidden/heads; Qwen2's q/k/v biases and its ignored sliding window; Mixtral's top-2
+of 4 experts, renormalized; Qwen2-MoE's top-2 of 4 not renormalized, with a gated
+shared expert (measured |logits - reference|, eager: 7.0e-6 and 1.8e-6; their
+routers' 2nd and 3rd probabilities are at least 3.2e-4 apart on every token, so
+float32 differences do not change a pick). All use grouped-query attention (4
+query heads over 2 key/value heads) and left-padded prompts.
 
 Placement: every policy on an 8-device mesh for every fixture, and on one
 device for one fixture; FullyResident and LayerwiseHost
@@ -41,7 +44,14 @@ from jax_residency._src.plan.split import normalise_path
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
-NAMES = ("llama_tiny_tied", "llama_tiny_untied", "mistral_tiny", "qwen2_tiny")
+NAMES = (
+  "llama_tiny_tied",
+  "llama_tiny_untied",
+  "mistral_tiny",
+  "qwen2_tiny",
+  "mixtral_tiny",
+  "qwen2_moe_tiny",
+)
 #: Bound on |logits - reference| at real (unpadded) positions, for every fixture, jitted
 #: and eager. The fixtures' final norm scales every logit by a power of two
 #: (``logit_scale``, 0.5 or 0.25; max |logit| 1.4 to 2.0), so transformers' own float32
@@ -182,6 +192,34 @@ def test_unsupported_config_fields_are_refused_by_name(field, value):
       models.LlamaConfig.from_hf({"rope_parameters": {"rope_type": value}})
 
 
+@pytest.mark.parametrize(
+  ("field", "value"),
+  [("mlp_only_layers", [1]), ("decoder_sparse_step", 2), ("use_sliding_window", True)],
+)
+def test_unsupported_mixture_of_experts_fields_are_refused_by_name(field, value):
+  """Qwen2-MoE layers that are dense, or that slide, are not implemented: named, refused."""
+  config = {"architectures": ["Qwen2MoeForCausalLM"], field: value}
+  with pytest.raises(jr.errors.ModelConfigError, match=re.escape(f"{field}={value!r}")):
+    models.LlamaConfig.from_hf(config)
+  with pytest.raises(jr.errors.ModelConfigError, match=r"num_experts_per_tok=5"):
+    models.LlamaConfig.from_hf(
+      {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 5}
+    )
+
+
+def test_configs_of_the_mixture_of_experts_fixtures():
+  mixtral = models.read_llama_config(FIXTURES / "mixtral_tiny")
+  assert (mixtral.model_type, mixtral.num_experts, mixtral.num_experts_per_tok) == ("mixtral", 4, 2)
+  assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 64
+  assert not (mixtral.qkv_bias or mixtral.shared_expert_intermediate_size)
+  qwen = models.read_llama_config(FIXTURES / "qwen2_moe_tiny")
+  assert (qwen.model_type, qwen.num_experts, qwen.moe_intermediate_size) == ("qwen2_moe", 4, 48)
+  assert not qwen.norm_topk_prob and qwen.shared_expert_intermediate_size == 64 and qwen.qkv_bias
+  for name in ("mixtral_tiny", "qwen2_moe_tiny"):  # a router pick is no float32 coin toss
+    ref = reference(name)
+    assert ref["router_min_topk_gap"] > 1e-4 and 0 not in ref["router_picks_layer0"]
+
+
 # --- the checkpoint -------------------------------------------------------------
 
 
@@ -196,17 +234,19 @@ def test_every_checkpoint_tensor_is_one_parameter(name):
   index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
   assert set(index) == set(tensors)
   static, unit = models.hf_tensor_map(cfg)
-  named: dict[str, tuple[tuple[str, ...], models.HFTensor, int | None]] = {
-    t.name: (p, t, None) for p, t in static.items()
+  named: dict[str, tuple[tuple[str, ...], models.HFTensor, tuple[int, ...]]] = {
+    t.name: (p, t, ()) for p, t in static.items()
   }
   for sub, t in unit.items():
-    named |= {t.name.format(i=i): (("layers", *sub), t, i) for i in range(cfg.num_hidden_layers)}
+    for i in range(cfg.num_hidden_layers):  # a mixture's experts: one tensor each, {j}
+      at = [(i, j) for j in range(t.experts)] if t.experts else [(i,)]
+      named |= {name: (("layers", *sub), t, k) for name, k in zip(t.names(i), at, strict=True)}
   assert set(named) == set(tensors)
   flat = jax.tree_util.tree_flatten_with_path(nnx.state(models.load_llama(path)))[0]
   state = {normalise_path(p): np.asarray(v) for p, v in flat}
   assert {p for p, _, _ in named.values()} == set(state)
-  for tensor, (param_path, t, layer) in named.items():
-    param = state[param_path] if layer is None else state[param_path][layer]
+  for tensor, (param_path, t, at) in named.items():
+    param = state[param_path][at]
     value = tensors[tensor].T if t.transpose else tensors[tensor]
     np.testing.assert_array_equal(value.reshape(param.shape), param)
 

@@ -425,8 +425,8 @@ def _add_convert(sub: argparse._SubParsersAction[_Parser]) -> None:
     summary="convert a Hugging Face checkpoint or a GGUF file into a unit store",
     description=(
       "convert hf SRC DST: reads a Hugging Face checkpoint directory (config.json and\n"
-      "safetensors, sharded or not; Llama, Mistral or Qwen2) one tensor at a time and\n"
-      "writes a unit store every policy can place (host memory: about one tensor).\n"
+      "safetensors, sharded or not; Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) one tensor at\n"
+      "a time and writes a unit store every policy can place (host memory: about one tensor).\n"
       "convert gguf FILE DST: reads a llama.cpp GGUF file of the Llama architecture and\n"
       "writes a store whose matrices keep their GGML types (F32, F16, BF16, Q8_0, Q4_0,\n"
       "Q4_1, Q4_K, Q6_K; one type per tensor name across layers), decoded where each\n"

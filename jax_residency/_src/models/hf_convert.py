@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from jax_residency._src.errors import ModelConfigError, StoreError
-from jax_residency._src.models.hf_loader import abstract_of
+from jax_residency._src.models.hf_loader import HFTensor, abstract_of
 from jax_residency._src.models.safetensors_files import SafetensorsFiles
 from jax_residency._src.plan.quantized import quantize_arrays
 from jax_residency._src.plan.split import split_model
@@ -89,6 +89,8 @@ FAMILIES: dict[str, Family] = {
   "LlamaForCausalLM": _LLAMA,
   "MistralForCausalLM": _LLAMA,
   "Qwen2ForCausalLM": _LLAMA,
+  "MixtralForCausalLM": _LLAMA,
+  "Qwen2MoeForCausalLM": _LLAMA,
 }
 
 
@@ -129,10 +131,12 @@ class _Tensor:
     shape: tuple[int, ...],
     dtype: np.dtype,
     layers: int | None = None,
+    source: HFTensor | None = None,
   ) -> None:
     self._files, self._name, self._transpose = files, name, transpose
-    self._layers = layers
-    self._one = shape[1:] if layers is not None else shape
+    self._layers, self._source = layers, source
+    experts = source is not None and source.experts
+    self._one = shape[2:] if experts else shape[1:] if layers is not None else shape
     self.shape, self.dtype, self.ndim = shape, dtype, len(shape)
     #: For a large 2-D static tensor: chunks of whole source rows, at most
     #: `STATIC_CHUNK_BYTES` (along axis 1 of a transposed one, axis 0 otherwise).
@@ -155,6 +159,8 @@ class _Tensor:
 
   def __getitem__(self, i: Any) -> np.ndarray:
     if self._layers is not None:  # one unit of a stack
+      if self._source is not None and self._source.experts:  # its experts, stacked
+        return np.stack([self._read(n) for n in self._source.names(int(i))])
       return self._read(self._name.format(i=int(i)))
     # A chunk of a static tensor: a range of the source's rows.
     rows = i[1] if self._transpose else i[0]
@@ -193,9 +199,11 @@ def _lazy_tensor(
   if layers is None:
     _check_tensor(files, source.name, source.transpose, shape, problems)
   else:
+    one = shape[2:] if source.experts else shape[1:]
     for i in range(layers):
-      _check_tensor(files, source.name.format(i=i), source.transpose, shape[1:], problems)
-  return _Tensor(files, source.name, source.transpose, shape, dtype, layers=layers)
+      for name in source.names(i):
+        _check_tensor(files, name, source.transpose, one, problems)
+  return _Tensor(files, source.name, source.transpose, shape, dtype, layers=layers, source=source)
 
 
 def _lazy_arrays(

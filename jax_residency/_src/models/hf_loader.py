@@ -39,15 +39,26 @@ M = TypeVar("M", bound=nnx.Module)
 class HFTensor:
   """One Hugging Face tensor: its name (``{i}`` for the layer index in a per-layer name),
   and whether it is transposed before it is reshaped (row-major) to the parameter's shape.
+  With ``experts``, a per-layer parameter stacks that many tensors, expert ``j``'s named
+  with ``{j}`` (a mixture of experts' stacked kernels).
 
   Example:
     >>> t = HFTensor("model.layers.{i}.mlp.up_proj.weight", transpose=True)
     >>> t.name.format(i=3)
     'model.layers.3.mlp.up_proj.weight'
+    >>> HFTensor("model.layers.{i}.mlp.experts.{j}.up_proj.weight", True, experts=2).names(1)
+    ['model.layers.1.mlp.experts.0.up_proj.weight', 'model.layers.1.mlp.experts.1.up_proj.weight']
   """
 
   name: str
   transpose: bool
+  experts: int = 0
+
+  def names(self, i: int) -> list[str]:
+    """Layer ``i``'s tensor names: one, or one per expert."""
+    if not self.experts:
+      return [self.name.format(i=i)]
+    return [self.name.format(i=i, j=j) for j in range(self.experts)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,7 +107,7 @@ class CheckpointMap:
     """Every tensor name the map reads."""
     names = {t.name for t in self.static.values()}
     for count, unit in self.stacks.values():
-      names |= {t.name.format(i=i) for t in unit.values() for i in range(count)}
+      names |= {n for t in unit.values() for i in range(count) for n in t.names(i)}
     return names
 
 
@@ -259,9 +270,10 @@ def params_from_hf(
   for stack, (count, unit) in cmap.stacks.items():
     for sub, t in unit.items():
       path = (stack, *sub)
-      rows = [taker.take(t.name.format(i=i), t, path, expected[path][1:]) for i in range(count)]
-      if all(r is not None for r in rows):
-        out[path] = np.stack(rows)  # type: ignore[arg-type]
+      want = expected[path][2:] if t.experts else expected[path][1:]
+      rows: list[Any] = [[taker.take(n, t, path, want) for n in t.names(i)] for i in range(count)]
+      if all(r is not None for row in rows for r in row):
+        out[path] = np.stack([np.stack(row) if t.experts else row[0] for row in rows])
       del rows
   raise_checkpoint_problems(
     unexpected=unexpected,

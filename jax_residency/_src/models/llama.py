@@ -1,4 +1,5 @@
-"""A Llama-family decoder in NNX (Llama, Mistral, Qwen2): one layer stack and a KV cache.
+"""A Llama-family decoder in NNX (Llama, Mistral, Qwen2; Mixtral and Qwen2-MoE, whose MLP
+is a mixture of experts): one layer stack and a KV cache.
 
 The math is Hugging Face's eager float32 forward of ``LlamaForCausalLM``
 (``MistralForCausalLM``, ``Qwen2ForCausalLM``): token embedding; per layer an
@@ -170,14 +171,69 @@ class LlamaAttention(nnx.Module):
 class LlamaMLP(nnx.Module):
   """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
 
-  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
-    d, f = cfg.hidden_size, cfg.intermediate_size
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, width: int | None = None) -> None:
+    d, f = cfg.hidden_size, cfg.intermediate_size if width is None else width
     self.gate_proj = _linear(cfg, d, f, False, rngs)
     self.up_proj = _linear(cfg, d, f, False, rngs)
     self.down_proj = _linear(cfg, f, d, False, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nnx.Module):
+  """``num_experts`` SwiGLU experts as stacked kernels: ``gate_proj`` and ``up_proj``
+  ``(experts, hidden, width)``, ``down_proj`` ``(experts, width, hidden)``."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    dt = jnp.dtype(cfg.dtype)
+    init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    self.gate_proj = nnx.Param(init(rngs.params(), (e, d, f), dt))
+    self.up_proj = nnx.Param(init(rngs.params(), (e, d, f), dt))
+    self.down_proj = nnx.Param(init(rngs.params(), (e, f, d), dt))
+
+  def __call__(self, x: jax.Array, weights: jax.Array) -> jax.Array:
+    """Each token's experts' outputs, weighted by ``weights`` ``(batch, t, experts)`` (0
+    for an expert not picked) and summed. Every expert runs on every token: adding the
+    unpicked experts' exact zeros leaves each sum as the picked ones' alone."""
+    gate = jnp.einsum("btd,edf->btef", x, self.gate_proj[...])
+    up = jnp.einsum("btd,edf->btef", x, self.up_proj[...])
+    out = jnp.einsum("btef,efd->bted", jax.nn.silu(gate) * up, self.down_proj[...])
+    return jnp.sum(out * weights[..., None].astype(out.dtype), axis=2)
+
+
+class SparseMoE(nnx.Module):
+  """A mixture of experts: a router (``gate``, no bias) scores the experts, softmax in
+  float32; the top ``num_experts_per_tok`` run, weighted by their probabilities
+  (renormalized to sum to 1 if ``norm_topk_prob``); a shared expert, if any, is added,
+  scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE)."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+    self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+    self.gate = _linear(cfg, cfg.hidden_size, cfg.num_experts, False, rngs)
+    self.experts = Experts(cfg, rngs=rngs)
+    if cfg.shared_expert_intermediate_size:
+      self.shared_expert = LlamaMLP(cfg, rngs=rngs, width=cfg.shared_expert_intermediate_size)
+      self.shared_expert_gate = _linear(cfg, cfg.hidden_size, 1, False, rngs)
+
+  def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(weights (batch, t, experts), picked (batch, t, top_k))``: the router's weight of
+    each expert for each token, 0 for those not picked, and the picked experts' ids."""
+    probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+    top, picked = lax.top_k(probs, self.top_k)
+    if self.normalize:
+      top = top / jnp.sum(top, axis=-1, keepdims=True)
+    experts = probs.shape[-1]
+    weights = jnp.sum(jax.nn.one_hot(picked, experts, dtype=top.dtype) * top[..., None], axis=-2)
+    return weights, picked
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    weights, _ = self.route(x)
+    out = self.experts(x, weights.astype(x.dtype))
+    if hasattr(self, "shared_expert"):
+      out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+    return out
 
 
 KV = tuple[jax.Array, jax.Array]
@@ -191,7 +247,7 @@ class LlamaLayer(nnx.Module):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
     self.self_attn = LlamaAttention(cfg, rngs=rngs)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-    self.mlp = LlamaMLP(cfg, rngs=rngs)
+    self.mlp = SparseMoE(cfg, rngs=rngs) if cfg.num_experts else LlamaMLP(cfg, rngs=rngs)
 
   def __call__(
     self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: KV, index: jax.Array, bias: Any
@@ -210,7 +266,7 @@ def _stack(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaLayer:
 
 
 class Llama(nnx.Module):
-  """Token ids ``(batch, t)`` → logits ``(batch, t, vocab)``; a Llama, Mistral or Qwen2.
+  """Token ids ``(batch, t)`` → logits ``(batch, t, vocab)``; a Llama-family decoder.
 
   Two ways to call it (a :class:`jax_residency.PlacedModel` of it takes the same):
 

@@ -6,9 +6,14 @@ grouped-query attention, SwiGLU MLP) that differs in which projections have a
 bias (Llama: all four with ``attention_bias``; Qwen2: q/k/v, never o; Mistral:
 none), in the rotary frequencies (Llama 3's scaled ones) and in a sliding
 attention window (Mistral on every layer; Qwen2 from ``max_window_layers`` on,
-with ``use_sliding_window``). A field that asks for math the model does not
-implement raises :class:`~jax_residency.errors.ModelConfigError` naming the
-field, its value and what is supported.
+with ``use_sliding_window``). It also covers two mixtures of experts, whose MLP
+is ``num_experts`` SwiGLU experts of which a router picks ``num_experts_per_tok``
+per token: ``MixtralForCausalLM`` (Mistral's attention, top-k weights
+renormalized) and ``Qwen2MoeForCausalLM`` (Qwen2's attention, renormalized if
+``norm_topk_prob``, plus a shared expert scaled by a sigmoid gate). A field that
+asks for math the model does not implement raises
+:class:`~jax_residency.errors.ModelConfigError` naming the field, its value and what
+is supported.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ ARCHITECTURES = {
   "LlamaForCausalLM": "llama",
   "MistralForCausalLM": "mistral",
   "Qwen2ForCausalLM": "qwen2",
+  "MixtralForCausalLM": "mixtral",
+  "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 #: Rotary frequency schemes implemented (``rope_scaling`` / ``rope_parameters`` ``rope_type``).
 ROPE_TYPES = ("default", "llama3")
@@ -61,6 +68,11 @@ class LlamaConfig:
     sliding_layers: the layers that use ``sliding_window`` (``None``: all of them).
     bos_token_id, pad_token_id: special tokens (``None`` if the config has none).
     eos_token_ids: the tokens that end a sequence (``eos_token_id``, one or a list).
+    num_experts: experts per MLP (0: a dense SwiGLU MLP of ``intermediate_size``).
+    num_experts_per_tok: experts the router picks for each token.
+    moe_intermediate_size: one expert's SwiGLU width.
+    shared_expert_intermediate_size: the shared expert's width (0: none).
+    norm_topk_prob: the picked experts' router probabilities are renormalized to sum to 1.
     dtype: parameter, compute and cache dtype.
 
   Raises:
@@ -92,6 +104,11 @@ class LlamaConfig:
   bos_token_id: int | None = 1
   pad_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = (2,)
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  moe_intermediate_size: int = 0
+  shared_expert_intermediate_size: int = 0
+  norm_topk_prob: bool = True
   dtype: str = "float32"
 
   def __post_init__(self) -> None:
@@ -105,6 +122,12 @@ class LlamaConfig:
         self.num_key_value_heads,
         f"it must divide num_attention_heads={self.num_attention_heads}",
       )
+    if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+      raise _unsupported(
+        "num_experts_per_tok",
+        self.num_experts_per_tok,
+        f"between 1 and num_experts={self.num_experts}",
+      )
     if self.rope_type == "llama3" and self.high_freq_factor == self.low_freq_factor:
       raise _unsupported(
         "high_freq_factor", self.high_freq_factor, "llama3 needs it to differ from low_freq_factor"
@@ -112,7 +135,7 @@ class LlamaConfig:
 
   @property
   def model_type(self) -> str:
-    """``"llama"``, ``"mistral"`` or ``"qwen2"``."""
+    """``"llama"``, ``"mistral"``, ``"qwen2"``, ``"mixtral"`` or ``"qwen2_moe"``."""
     return ARCHITECTURES[self.architecture]
 
   @property
@@ -132,7 +155,8 @@ class LlamaConfig:
 
   @classmethod
   def from_hf(cls, config: Mapping[str, Any], *, dtype: str = "float32") -> LlamaConfig:
-    """Reads a Hugging Face ``config.json`` of a Llama, Mistral or Qwen2 causal LM.
+    """Reads a Hugging Face ``config.json`` of a Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE
+    causal LM.
 
     The rotary settings are read from ``rope_scaling`` (transformers 4) or
     ``rope_parameters`` (transformers 5), ``rope_theta`` from the top level or
@@ -178,6 +202,7 @@ class LlamaConfig:
       () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
     )
     window, sliding_layers = _sliding(config, model_type)
+    experts = _experts(config, model_type)
     max_pos = int(config.get("max_position_embeddings", 2048))
     bos, pad = config.get("bos_token_id", 1), config.get("pad_token_id")
     return cls(
@@ -198,7 +223,9 @@ class LlamaConfig:
       original_max_position_embeddings=int(rope.get("original_max_position_embeddings", max_pos)),
       max_position_embeddings=max_pos,
       tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-      qkv_bias=model_type == "qwen2" or (model_type == "llama" and attention_bias),
+      qkv_bias=(model_type == "qwen2")
+      or (model_type == "qwen2_moe" and bool(config.get("qkv_bias", True)))
+      or (model_type == "llama" and attention_bias),
       o_bias=model_type == "llama" and attention_bias,
       sliding_window=window,
       sliding_layers=sliding_layers,
@@ -206,7 +233,34 @@ class LlamaConfig:
       pad_token_id=None if pad is None else int(pad),
       eos_token_ids=eos_ids,
       dtype=dtype,
+      **experts,
     )
+
+
+def _experts(config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+  """The mixture-of-experts fields of a Mixtral or Qwen2-MoE config (none for the others)."""
+  if model_type == "mixtral":
+    return {
+      "num_experts": int(config.get("num_local_experts", 8)),
+      "num_experts_per_tok": int(config.get("num_experts_per_tok", 2)),
+      "moe_intermediate_size": int(config.get("intermediate_size", 14336)),
+      "norm_topk_prob": True,
+    }
+  if model_type != "qwen2_moe":
+    return {}
+  only = config.get("mlp_only_layers") or []
+  if only:
+    raise _unsupported("mlp_only_layers", only, "every layer a mixture of experts ([])")
+  step = config.get("decoder_sparse_step", 1)
+  if step != 1:
+    raise _unsupported("decoder_sparse_step", step, "every layer a mixture of experts (1)")
+  return {
+    "num_experts": int(config.get("num_experts", 60)),
+    "num_experts_per_tok": int(config.get("num_experts_per_tok", 4)),
+    "moe_intermediate_size": int(config.get("moe_intermediate_size", 1408)),
+    "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size", 5632)),
+    "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+  }
 
 
 def _architecture(config: Mapping[str, Any]) -> str:
@@ -230,6 +284,10 @@ def _sliding(
   window = config.get("sliding_window")
   layers: tuple[int, ...] | None = None
   if model_type == "llama":
+    window = None
+  elif model_type == "qwen2_moe":
+    if config.get("use_sliding_window", False):
+      raise _unsupported("use_sliding_window", True, "full attention on every layer (false)")
     window = None
   elif model_type == "qwen2":
     if not config.get("use_sliding_window", False):

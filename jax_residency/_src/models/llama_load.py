@@ -53,7 +53,7 @@ def hf_tensor_map(
     >>> sorted(static)
     [('embed_tokens', 'embedding'), ('norm', 'scale')]
     >>> unit[("self_attn", "q_proj", "bias")]
-    HFTensor(name='model.layers.{i}.self_attn.q_proj.bias', transpose=False)
+    HFTensor(name='model.layers.{i}.self_attn.q_proj.bias', transpose=False, experts=0)
   """
   static: dict[ParamPath, HFTensor] = {
     ("embed_tokens", "embedding"): HFTensor("model.embed_tokens.weight", False),
@@ -72,9 +72,39 @@ def hf_tensor_map(
     unit[("self_attn", proj, "kernel")] = HFTensor(f"{layer}.self_attn.{proj}.weight", True)
     if config.o_bias if proj == "o_proj" else config.qkv_bias:
       unit[("self_attn", proj, "bias")] = HFTensor(f"{layer}.self_attn.{proj}.bias", False)
+  if config.num_experts:
+    unit.update(_experts_map(config, layer))
+    return static, unit
   for proj in ("gate_proj", "up_proj", "down_proj"):
     unit[("mlp", proj, "kernel")] = HFTensor(f"{layer}.mlp.{proj}.weight", True)
   return static, unit
+
+
+def _experts_map(config: LlamaConfig, layer: str) -> dict[ParamPath, HFTensor]:
+  """A mixture of experts' tensors: Mixtral's ``block_sparse_moe`` (experts ``w1`` gate,
+  ``w3`` up, ``w2`` down), Qwen2-MoE's ``mlp`` (experts and a shared expert by their
+  projections' names, and the shared expert's gate)."""
+  e = config.num_experts
+  if config.model_type == "mixtral":
+    block = f"{layer}.block_sparse_moe"
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+  else:
+    block = f"{layer}.mlp"
+    names = {p: p for p in ("gate_proj", "up_proj", "down_proj")}
+  unit: dict[ParamPath, HFTensor] = {
+    ("mlp", "gate", "kernel"): HFTensor(f"{block}.gate.weight", True)
+  }
+  for proj, name in names.items():
+    unit[("mlp", "experts", proj)] = HFTensor(f"{block}.experts.{{j}}.{name}.weight", True, e)
+  if config.shared_expert_intermediate_size:
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+      unit[("mlp", "shared_expert", proj, "kernel")] = HFTensor(
+        f"{block}.shared_expert.{proj}.weight", True
+      )
+    unit[("mlp", "shared_expert_gate", "kernel")] = HFTensor(
+      f"{block}.shared_expert_gate.weight", True
+    )
+  return unit
 
 
 def read_llama_config(path: str | Path, *, dtype: str = "float32") -> LlamaConfig:
@@ -158,7 +188,8 @@ def load_llama(
   strict: bool = True,
   dtype: str = "float32",
 ) -> Llama:
-  """Builds a :class:`Llama` holding a Hugging Face Llama, Mistral or Qwen2 checkpoint.
+  """Builds a :class:`Llama` holding a Hugging Face Llama-family checkpoint (Llama, Mistral,
+  Qwen2, Mixtral or Qwen2-MoE).
 
   Args:
     path: the checkpoint, as transformers' ``save_pretrained`` writes it: a

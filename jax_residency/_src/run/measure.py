@@ -405,6 +405,9 @@ def _engine_seconds(path: str, model: Any, inputs: Sequence[Sequence[Any]]) -> d
   # used, read in order) it keeps none for the next pass, as in a cached placement
   # whose cache cannot hold every streamed unit.
   modes = {"direct": 0, "cached": 2 * largest}
+  streams = kept < shortest
+  if not streams:  # every unit kept: nothing is read, so one way and one regime tell all
+    modes = {"direct": 0}
   for mode, host in modes.items():
     policy = DenseDiskStream(
       host_budget_bytes=host, device_budget_bytes=None, device_resident_units=kept
@@ -416,7 +419,7 @@ def _engine_seconds(path: str, model: Any, inputs: Sequence[Sequence[Any]]) -> d
         sig = signature(args)
         jax.block_until_ready(placed(*args))  # compiles
         for regime in ("page cache", "disk"):
-          if regime == "disk" and (local is None or not files.drop_cached(local)):
+          if regime == "disk" and (not streams or local is None or not files.drop_cached(local)):
             continue
           for _ in range(WARM_PASSES + STEP_PASSES):
             if regime == "disk" and local is not None:

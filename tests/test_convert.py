@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_llama import NAMES as LLAMA  # every Llama-family fixture, mixtures of experts too
 
 import jax_residency as jr
 from jax_residency._src.models import hf_convert as conv
@@ -23,14 +24,6 @@ from jax_residency._src.store import writer as wr
 from jax_residency._src.store.unit_store import UnitStore
 
 FIXTURES = Path(__file__).parent / "fixtures"
-LLAMA = (
-  "llama_tiny_tied",
-  "llama_tiny_untied",
-  "mistral_tiny",
-  "qwen2_tiny",
-  "mixtral_tiny",
-  "qwen2_moe_tiny",
-)
 
 pytestmark = pytest.mark.skipif(
   importlib.util.find_spec("safetensors") is None, reason="needs safetensors"

@@ -136,14 +136,27 @@ def test_cpu_lowering_keeps_units_in_pinned_host(nnx_toy, mesh1, tokens, mlir):
 # --- the jaxpr ---------------------------------------------------------------
 
 
-def _device_puts(eqns: list[Any]) -> list[Any]:
-  """device_put equations, looking through nested jit calls (not through scans)."""
+def _branch(eqn: Any, platform: str | None) -> list[Any]:
+  """The equations of a `lax.platform_dependent` cond's branch for ``platform`` (None:
+  the default, every platform not named)."""
+  branches = zip(eqn.params["branches_platforms"], eqn.params["branches"], strict=True)
+  for platforms, branch in branches:
+    if (platforms is None and platform is None) or (platforms and platform in platforms):
+      return branch.jaxpr.eqns
+  raise AssertionError(f"no branch for {platform}")
+
+
+def _device_puts(eqns: list[Any], platform: str | None = None) -> list[Any]:
+  """device_put equations, looking through nested jit calls and into the ``platform``
+  branch of a platform-dependent cond (not through scans)."""
   out = []
   for e in eqns:
     if e.primitive.name == "device_put":
       out.append(e)
     elif e.primitive.name in ("jit", "pjit"):
-      out.extend(_device_puts(e.params["jaxpr"].jaxpr.eqns))
+      out.extend(_device_puts(e.params["jaxpr"].jaxpr.eqns, platform))
+    elif e.primitive.name == "cond" and "branches_platforms" in e.params:
+      out.extend(_device_puts(_branch(e, platform), platform))
   return out
 
 
@@ -151,13 +164,15 @@ def _to_device(eqn: Any) -> bool:
   return all(getattr(d, "memory_kind", None) == "device" for d in eqn.params["devices"])
 
 
-def _scans(eqns: list[Any]) -> list[Any]:
+def _scans(eqns: list[Any], platform: str | None = None) -> list[Any]:
   out = []
   for e in eqns:
     if e.primitive.name == "scan":
       out.append(e)
     elif e.primitive.name in ("jit", "pjit"):
-      out.extend(_scans(e.params["jaxpr"].jaxpr.eqns))
+      out.extend(_scans(e.params["jaxpr"].jaxpr.eqns, platform))
+    elif e.primitive.name == "cond" and "branches_platforms" in e.params:
+      out.extend(_scans(_branch(e, platform), platform))
   return out
 
 
@@ -174,6 +189,11 @@ def test_jaxpr_moves_units_inside_the_scan(nnx_toy, mesh1, tokens, depth):
   assert len(body_puts) == n_leaves and all(map(_to_device, body_puts))
   assert len(prologue_puts) == (depth - 1) * n_leaves and all(map(_to_device, prologue_puts))
   assert scan.params["num_carry"] == 1 + (depth - 1) * n_leaves  # hidden state + k-1 units
+  # Lowered for CPU (device memory is host memory, the moves are dropped) the loop
+  # carries no window at any depth: each unit is taken where it lies, as at depth 1.
+  (cpu_scan,) = _scans(eqns, "cpu")
+  assert cpu_scan.params["num_carry"] == 1 and _device_puts(eqns, "cpu") == []
+  assert len(_device_puts(cpu_scan.params["jaxpr"].jaxpr.eqns)) == n_leaves
 
 
 def test_fully_resident_jaxpr_moves_nothing(nnx_toy, mesh1, tokens):

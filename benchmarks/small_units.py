@@ -1,0 +1,264 @@
+"""Many small layers: what streaming costs per unit beyond the resident compute (issue 27's
+shape; docs/design.md, 4.4).
+
+A Llama-family decoder of a common small shape (30 layers, hidden 576, intermediate 1536,
+9 query / 3 key-value heads, vocabulary 49152, float32, random weights: 14 MB a unit), and
+one with layers 4x the bytes (hidden 1152, intermediate 3072, 18 / 6 heads: 56 MB a unit),
+each written as a store once, then decoded under four placements, each in a fresh process
+(``--repeat`` times): ``FullyResident``, ``LayerwiseHost(prefetch_depth=2)``,
+``DenseDiskStream`` with a host cache holding every unit ("cached": every unit cached after
+the first pass), and ``DenseDiskStream`` with host budget 0 from the page cache ("direct").
+A run is a ``--prompt-len``-token prefill, then ``--steps`` one-token decode steps, each
+timed to its logits; its decode step is the median after the first two (which compile).
+
+Reported, per shape and placement: decode tokens/s, the ratio to ``FullyResident``, and the
+per-unit cost beyond the resident compute, ``(step - resident step) / layers`` in ms.
+
+Parity gate: every placement's logits (the prefill's and each step's) equal
+``FullyResident``'s within 1e-4 (absolute and relative). Targets, on the small shape:
+
+* cached: >= 0.8x ``FullyResident``'s tokens/s;
+* direct, page cache: >= 0.6x;
+* ``LayerwiseHost`` (on CPU): >= 0.9x;
+* cached: per-unit cost <= 0.3 ms.
+
+Exits 1 when the gate fails or (unless ``--quick``) a target is missed; a full run writes
+``benchmarks/results/small_units.json``.
+
+  python benchmarks/small_units.py            # the two shapes above, 3 fresh processes each
+  python benchmarks/small_units.py --quick    # 4 x 64/128, vocab 256; one process for all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import _result
+
+POLICIES = ("resident", "layerwise", "cached", "direct")
+LABELS = {
+  "resident": "FullyResident",
+  "layerwise": "LayerwiseHost(prefetch_depth=2)",
+  "cached": "DenseDiskStream, every unit cached",
+  "direct": "DenseDiskStream, host 0, page cache",
+}
+#: Shapes: (layers, hidden, intermediate, heads, kv heads, vocab).
+SHAPES = {
+  "small": (30, 576, 1536, 9, 3, 49152),
+  "wide": (30, 1152, 3072, 18, 6, 49152),
+}
+QUICK_SHAPES = {"small": (4, 64, 128, 4, 2, 256)}
+#: Targets on the small shape: placement -> least ratio to FullyResident's tokens/s.
+RATIO_TARGETS = {"cached": 0.8, "direct": 0.6, "layerwise": 0.9}
+PER_UNIT_TARGET_MS = 0.3  # cached: per-unit cost beyond the resident compute
+
+
+def _config(shape: tuple[int, ...]):
+  from jax_residency import models
+
+  layers, hidden, inter, heads, kv, vocab = shape
+  return models.LlamaConfig(
+    vocab_size=vocab,
+    hidden_size=hidden,
+    intermediate_size=inter,
+    num_hidden_layers=layers,
+    num_attention_heads=heads,
+    num_key_value_heads=kv,
+  )
+
+
+def _policy(name: str):
+  import jax_residency as jr
+
+  return {
+    "resident": jr.FullyResident(),
+    "layerwise": jr.LayerwiseHost(prefetch_depth=2),
+    "cached": jr.DenseDiskStream(host_budget_bytes=None),
+    "direct": jr.DenseDiskStream(host_budget_bytes=0),
+  }[name]
+
+
+def child_build(args: argparse.Namespace) -> dict:
+  import jax_residency as jr
+  from jax_residency import models
+
+  cfg = _config(json.loads(args.shape))
+  if not os.path.exists(args.store):
+    jr.save(models.init_llama(cfg, seed=0), args.store, progress=False)
+  return {"store": args.store}
+
+
+def child_run(args: argparse.Namespace) -> dict:
+  """Each placement of ``--policies`` in turn: its decode step and its logits."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  import jax_residency as jr
+  from jax_residency import models
+
+  cfg = _config(json.loads(args.shape))
+  abstract = nnx.eval_shape(lambda: models.Llama(cfg, rngs=nnx.Rngs(0)))
+  out = {}
+  for name in args.policies.split(","):
+    with jr.place(abstract, _policy(name), store=args.store) as placed:
+      prompt = jnp.asarray(np.arange(1, args.prompt_len + 1)[None] % cfg.vocab_size, jnp.int32)
+      cache = models.LlamaCache.zeros(cfg, 1, args.prompt_len + args.steps)
+      logits, cache = placed(prompt, None, cache, 0)
+      rows = [np.asarray(logits[0, -1])]
+      steps = []
+      for i in range(args.steps):
+        token = jnp.asarray([[int(np.argmax(rows[-1]))]], jnp.int32)
+        start = time.perf_counter()
+        logits, cache = placed(token, None, cache, jnp.int32(args.prompt_len + i))
+        jax.block_until_ready(logits)
+        steps.append(time.perf_counter() - start)
+        rows.append(np.asarray(logits[0, -1]))
+    out[name] = {"step_s": statistics.median(steps[2:]), "logits": np.stack(rows).tolist()}
+  return out
+
+
+def _child(args: argparse.Namespace, kind: str, shape: tuple[int, ...], store: str, *extra: str):
+  cmd = [sys.executable, __file__, "--child", kind, "--shape", json.dumps(shape)]
+  cmd += ["--store", store, "--prompt-len", str(args.prompt_len), "--steps", str(args.steps)]
+  done = subprocess.run([*cmd, *extra], capture_output=True, text=True)
+  if done.returncode != 0:
+    raise SystemExit(f"child {kind} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _measure(args: argparse.Namespace, shapes: dict) -> dict:
+  """``{shape: {policy: [run, ...]}}``: one fresh process per placement and repeat (with
+  ``--quick``, one process runs all four)."""
+  runs: dict = {}
+  for tag, shape in shapes.items():
+    store = os.path.join(args.dir, "llama-" + "x".join(map(str, shape)))
+    _child(args, "build", shape, store)
+    per = runs.setdefault(tag, {name: [] for name in POLICIES})
+    for _ in range(args.repeat):
+      if args.quick:
+        found = _child(args, "run", shape, store, "--policies", ",".join(POLICIES))
+        for name in POLICIES:
+          per[name].append(found[name])
+      else:
+        for name in POLICIES:
+          per[name].append(_child(args, "run", shape, store, "--policies", name)[name])
+  return runs
+
+
+def _parity(runs: dict) -> float:
+  import numpy as np
+
+  worst = 0.0
+  for per in runs.values():
+    ref = np.asarray(per["resident"][0]["logits"])
+    for rs in per.values():
+      for r in rs:
+        got = np.asarray(r["logits"])
+        worst = max(worst, float(np.max(np.abs(got - ref) / (1 + np.abs(ref)))))
+  return worst
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--dir", help="keep the stores here and reuse them")
+  parser.add_argument("--prompt-len", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=24)
+  parser.add_argument("--repeat", type=int, default=3, help="fresh processes per placement")
+  _result.add_args(parser)
+  parser.add_argument("--child", choices=("build", "run"), help=argparse.SUPPRESS)
+  parser.add_argument("--shape", help=argparse.SUPPRESS)
+  parser.add_argument("--store", help=argparse.SUPPRESS)
+  parser.add_argument("--policies", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    print(json.dumps(child_build(args) if args.child == "build" else child_run(args)))
+    return 0
+  _result.quick_sizes(args, parser, {"steps": 5, "repeat": 1})
+  if args.steps < 3:
+    parser.error("--steps must be at least 3 (the first two steps compile)")
+  shapes = QUICK_SHAPES if args.quick else SHAPES
+  with _result.work_dir(args, "jr_small_units"):
+    os.makedirs(args.dir, exist_ok=True)
+    runs = _measure(args, shapes)
+  result = _result.stamp("small_units", None, args.quick)
+  result.update(prompt_len=args.prompt_len, steps=args.steps, repeat=args.repeat)
+  checks: list[dict] = []
+  worst = _parity(runs)
+  _result.check(
+    checks,
+    "every placement's logits == FullyResident's within 1e-4",
+    worst <= 1e-4,
+    worst,
+    _result.PARITY,
+  )
+  table = []
+  for tag, per in runs.items():
+    layers = shapes[tag][0]
+    step = {name: statistics.median(r["step_s"] for r in rs) for name, rs in per.items()}
+    for name in POLICIES:
+      ratio = step["resident"] / step[name]
+      per_unit = (step[name] - step["resident"]) / layers * 1e3
+      table.append([tag, name, step[name], 1 / step[name], ratio, per_unit])
+      if tag != "small":
+        continue
+      if name in RATIO_TARGETS:
+        _result.check(
+          checks,
+          f"small: {LABELS[name]} >= {RATIO_TARGETS[name]:g}x FullyResident's tok/s",
+          ratio >= RATIO_TARGETS[name],
+          f"{ratio:.2f}x",
+        )
+      if name == "cached":
+        _result.check(
+          checks,
+          f"small: {LABELS[name]}: per-unit cost <= {PER_UNIT_TARGET_MS:g} ms",
+          per_unit <= PER_UNIT_TARGET_MS,
+          f"{per_unit:.3f} ms",
+        )
+  result["shapes"] = {tag: list(shapes[tag]) for tag in runs}
+  result["table"] = table
+  result["checks"] = checks
+  return _result.finish(result, args, render)
+
+
+def render(result: dict) -> str:
+  rows = ["shape  placement  step  tok/s  x FullyResident  per-unit ms"]
+  for tag, name, step, tps, ratio, per_unit in result["table"]:
+    rows.append(f"{tag}  {LABELS[name]}  {step:.4f} s  {tps:.1f}  {ratio:.2f}  {per_unit:.3f}")
+  return "\n".join(rows)
+
+
+def markdown(result: dict) -> str:
+  """The result's figures as a Markdown table (``benchmarks/report.py``)."""
+  shapes = ", ".join(
+    f"{tag}: {s[0]} layers, hidden {s[1]}, intermediate {s[2]}, {s[3]}/{s[4]} heads"
+    for tag, s in result["shapes"].items()
+  )
+  rows = [
+    f"Llama-family decoders, float32, vocabulary 49152 ({shapes}); a "
+    f"{result['prompt_len']}-token prompt, then {result['steps']} decode steps; medians of "
+    f"{result['repeat']} fresh process(es).",
+    "",
+    "| shape | placement | decode step | tok/s | x FullyResident | per-unit cost |",
+    "|---|---|---|---|---|---|",
+  ]
+  for tag, name, step, tps, ratio, per_unit in result["table"]:
+    rows.append(
+      f"| {tag} | {LABELS[name]} | {step * 1e3:.1f} ms | {tps:.1f} | {ratio:.2f} | "
+      f"{per_unit:.3f} ms |"
+    )
+  return "\n".join(rows)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,5 +1,5 @@
-"""Many small layers: what streaming costs per unit beyond the resident compute (issue 27's
-shape; docs/design.md, 4.4).
+"""Many small layers: what streaming costs per unit beyond the resident compute
+(docs/design.md, sections 3.1 and 4).
 
 A Llama-family decoder of a common small shape (30 layers, hidden 576, intermediate 1536,
 9 query / 3 key-value heads, vocabulary 49152, float32, random weights: 14 MB a unit), and

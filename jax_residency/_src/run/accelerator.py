@@ -64,6 +64,8 @@ class Accelerator:
   def __post_init__(self) -> None:
     if not isinstance(self.name, str) or not self.name:
       raise PlacementError(f"Accelerator(name={self.name!r}): pass a non-empty string")
+    if not isinstance(self.source, str):
+      raise PlacementError(f"Accelerator(source={self.source!r}): pass a string (or leave it out)")
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
       if f.type == "float" and (

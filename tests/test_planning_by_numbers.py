@@ -127,9 +127,9 @@ def test_a_config_needs_given_figures_and_checks_its_arguments(converted, tmp_pa
     jr.Accelerator(**{**FIGURES, "matmul_flops_per_s": -1})
   with pytest.raises(jr.PlacementError, match=r"disk_bytes_per_s=True"):
     jr.Accelerator(**{**FIGURES, "disk_bytes_per_s": True})
-  with pytest.raises(jr.PlacementError, match=r"source=3: pass a string"):
+  with pytest.raises(jr.PlacementError, match=r"source=3\): pass a string"):
     jr.Accelerator(**{**FIGURES, "source": 3})
-  with pytest.raises(jr.PlacementError, match=r"name='': pass a non-empty string"):
+  with pytest.raises(jr.PlacementError, match=r"name=''\): pass a non-empty string"):
     jr.Accelerator(**{**FIGURES, "name": ""})
   with pytest.raises(jr.PlacementError, match=r"unknown fields \['hbm'\]"):
     jr.Accelerator.from_dict({**FIGURES, "hbm": 1})

@@ -295,17 +295,7 @@ class BufferPool:
       self.peak_bytes = max(self.peak_bytes, self._held_locked() + self._idle_locked())
     if slab is not None:
       return slab
-    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
-      # Private, not the default shared mapping: ordinary anonymous memory
-      # (transparent huge pages apply, RSS counts it as anonymous, not shmem).
-      slab = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    else:
-      slab = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-      try:
-        slab.madvise(mmap.MADV_HUGEPAGE)
-      except OSError:
-        pass
+    slab = anonymous_slab(nbytes)
     self.slabs_created += 1
     return slab
 
@@ -314,6 +304,22 @@ class BufferPool:
     # collection on a thread that holds `_lock`: never lock or close the slab
     # here (its buffer export is still held). Dropping it later unmaps it.
     self._returned.append(slab)
+
+
+def anonymous_slab(nbytes: int) -> mmap.mmap:
+  """``nbytes`` of page-aligned anonymous memory, huge pages asked for. Private, not the
+  default shared mapping: ordinary anonymous memory (transparent huge pages apply, RSS
+  counts it as anonymous, not shmem)."""
+  if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+    slab = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+  else:
+    slab = mmap.mmap(-1, nbytes)
+  if hasattr(mmap, "MADV_HUGEPAGE"):
+    try:
+      slab.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+      pass
+  return slab
 
 
 def buffer_layout(

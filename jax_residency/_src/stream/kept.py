@@ -10,9 +10,7 @@ ones, so a pass's reads begin with its first streamed unit.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import mmap
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -20,7 +18,7 @@ import numpy as np
 
 from jax_residency._src.plan.resident import ResidentUnits
 from jax_residency._src.plan.shardings import DEVICE, held_units
-from jax_residency._src.store.buffers import buffer_layout
+from jax_residency._src.store.buffers import anonymous_slab, buffer_layout
 from jax_residency._src.stream.stack_units import StackUnits
 from jax_residency._src.typing import ParamPath, path_str
 
@@ -92,13 +90,7 @@ def _copied(unit: Mapping[ParamPath, np.ndarray]) -> dict[ParamPath, np.ndarray]
   every move. Measured on the planner benchmark's 192 MiB units: a host-resident unit
   in a numpy copy added 80 ms to each pass, the fresh pages each move faulted in."""
   layout, total = buffer_layout([(path_str(p), a.shape, a.dtype) for p, a in unit.items()])
-  if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
-    slab = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-  else:
-    slab = mmap.mmap(-1, max(total, 1))
-  if hasattr(mmap, "MADV_HUGEPAGE"):
-    with contextlib.suppress(OSError):
-      slab.madvise(mmap.MADV_HUGEPAGE)
+  slab = anonymous_slab(max(total, 1))
   out = {}
   for (path, a), (_, shape, dtype, offset) in zip(unit.items(), layout, strict=True):
     view = np.frombuffer(slab, dtype, count=math.prod(shape), offset=offset).reshape(shape)

@@ -83,9 +83,10 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
 
   workload = Workload(prompt_len=args.prompt_len, decode_steps=args.steps, batch=args.batch)
   quantize = quantize_flags(args)
+  is_config = config_path(args.path) is not None
   if args.accelerator is not None:
     found, source = _given(args, workload, quantize)
-  elif config_path(args.path) is not None:
+  elif is_config:
     raise CommandError(
       f"{args.path} is a config.json: there is no store to measure, so --auto needs an "
       "accelerator's figures: --accelerator FILE (a JSON object of jr.Accelerator's fields)"
@@ -106,7 +107,7 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
       host_budget_bytes=args.host_budget,
       workload=workload,
       regime=args.regime,
-      dtype=args.dtype if config_path(args.path) is not None else None,
+      dtype=args.dtype if is_config else None,
       quantize=quantize,
     )
   except PlacementError as e:

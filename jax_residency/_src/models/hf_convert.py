@@ -120,53 +120,51 @@ class _Tensor:
   """A checkpoint tensor as a lazy array: read, transposed and cast when written.
 
   With ``layers`` it is a stacked unit array: indexing by unit ``i`` reads the
-  tensor named with ``{i}`` replaced by ``i``.
+  tensor named with ``{i}`` replaced by ``i`` (a mixture's experts: one tensor per
+  expert, stacked; `HFTensor.names`).
   """
 
   def __init__(
     self,
     files: SafetensorsFiles,
-    name: str,
-    transpose: bool,
+    source: HFTensor,
     shape: tuple[int, ...],
     dtype: np.dtype,
     layers: int | None = None,
-    source: HFTensor | None = None,
   ) -> None:
-    self._files, self._name, self._transpose = files, name, transpose
-    self._layers, self._source = layers, source
-    experts = source is not None and source.experts
-    self._one = shape[2:] if experts else shape[1:] if layers is not None else shape
+    self._files, self._source, self._layers = files, source, layers
+    self._transpose = source.transpose
+    #: The shape one checkpoint tensor has (a unit's, an expert's, or the whole array).
+    self.one = shape[2:] if source.experts else shape[1:] if layers is not None else shape
     self.shape, self.dtype, self.ndim = shape, dtype, len(shape)
     #: For a large 2-D static tensor: chunks of whole source rows, at most
     #: `STATIC_CHUNK_BYTES` (along axis 1 of a transposed one, axis 0 otherwise).
     self.chunk_shape: tuple[int, ...] | None = None
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if layers is None and len(shape) == 2 and nbytes > STATIC_CHUNK_BYTES:
-      axis = 1 if transpose else 0
+      axis = 1 if self._transpose else 0
       rows = max(1, STATIC_CHUNK_BYTES // (nbytes // shape[axis]))
-      self.chunk_shape = (shape[0], rows) if transpose else (rows, shape[1])
+      self.chunk_shape = (shape[0], rows) if self._transpose else (rows, shape[1])
 
   def _read(self, name: str, rows: slice | None = None, shape: Any = None) -> np.ndarray:
     raw = self._files.read(name, rows)
     if self._transpose:
       raw = raw.T
-    return np.ascontiguousarray(raw.reshape(shape or self._one), dtype=self.dtype)
+    return np.ascontiguousarray(raw.reshape(shape or self.one), dtype=self.dtype)
 
   def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-    out = self._read(self._name)
+    out = self._read(self._source.name)
     return out if dtype is None else out.astype(dtype)
 
   def __getitem__(self, i: Any) -> np.ndarray:
-    if self._layers is not None:  # one unit of a stack
-      if self._source is not None and self._source.experts:  # its experts, stacked
-        return np.stack([self._read(n) for n in self._source.names(int(i))])
-      return self._read(self._name.format(i=int(i)))
+    if self._layers is not None:  # one unit of a stack (its experts, stacked)
+      read = [self._read(name) for name in self._source.names(int(i))]
+      return np.stack(read) if self._source.experts else read[0]
     # A chunk of a static tensor: a range of the source's rows.
     rows = i[1] if self._transpose else i[0]
     a, b, _ = rows.indices(self.shape[1 if self._transpose else 0])
     shape = (self.shape[0], b - a) if self._transpose else (b - a, self.shape[1])
-    return self._read(self._name, slice(a, b), shape)
+    return self._read(self._source.name, slice(a, b), shape)
 
 
 def _check_tensor(
@@ -196,14 +194,11 @@ def _lazy_tensor(
   if source is None:
     problems.append(f"{path_str(path)}: no checkpoint tensor maps to it")
     return None
-  if layers is None:
-    _check_tensor(files, source.name, source.transpose, shape, problems)
-  else:
-    one = shape[2:] if source.experts else shape[1:]
-    for i in range(layers):
-      for name in source.names(i):
-        _check_tensor(files, name, source.transpose, one, problems)
-  return _Tensor(files, source.name, source.transpose, shape, dtype, layers=layers, source=source)
+  tensor = _Tensor(files, source, shape, dtype, layers=layers)
+  names = [source.name] if layers is None else [n for i in range(layers) for n in source.names(i)]
+  for name in names:  # each checkpoint tensor of the array, of the shape it reads
+    _check_tensor(files, name, source.transpose, tensor.one, problems)
+  return tensor
 
 
 def _lazy_arrays(

@@ -29,12 +29,12 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import _measure
 import _result
+import _zygote
 
 STEP_RATIO_TARGET = 1.1  # target: page-cache step with checksums <= 1.1x without
 #: ``--quick``'s sizes, where the flags are left at their defaults.
@@ -162,7 +162,7 @@ def main() -> int:
       flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for _ in range(args.repeat):
       for kind in KINDS:
-        done = subprocess.run(
+        done = _zygote.run(
           [sys.executable, __file__, *flags, "--child", kind], capture_output=True, text=True
         )
         if done.returncode != 0:

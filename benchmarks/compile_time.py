@@ -28,13 +28,13 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import _measure
 import _result
+import _zygote
 
 FIRST_PASS_RATIO_TARGET = 0.5  # target: warm first pass <= 0.5x the cold one
 PROMPT = 8
@@ -118,7 +118,7 @@ def run_pair(args: argparse.Namespace, policy: str) -> dict[str, dict]:
     env.pop("JAX_RESIDENCY_COMPILATION_CACHE", None)  # the suite opts its processes out
     env["JAX_RESIDENCY_CACHE_DIR"] = cache
     for kind in ("cold", "warm"):
-      done = subprocess.run(
+      done = _zygote.run(
         [sys.executable, __file__, *flags], capture_output=True, text=True, env=env
       )
       if done.returncode != 0:

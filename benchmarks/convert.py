@@ -35,11 +35,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 import _result
+import _zygote
 import numpy as np
 from _measure import MiB, drop_page_cache, files_under
 
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
   raw = raw_read_seconds(src)
   drop_page_cache(src)
   here = os.path.dirname(os.path.abspath(__file__))
-  done = subprocess.run(
+  done = _zygote.run(
     [sys.executable, "-c", CHILD, src, dst, here], capture_output=True, text=True, check=False
   )
   if done.returncode != 0:

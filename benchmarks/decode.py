@@ -163,7 +163,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -171,6 +170,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling mo
 
 import _measure  # noqa: E402
 import _result  # noqa: E402
+import _zygote  # noqa: E402
 from _measure import (  # noqa: E402
   AnonPeak,
   drop_page_cache,
@@ -875,7 +875,7 @@ def run_child(
   cmd += ["--tie-head"] if args.tie_head else []
   cmd += ["--no-checksums"] if args.no_checksums else []
   # stderr (Accelerate's progress bars, warnings) is shown only if the child fails.
-  done = subprocess.run(cmd, capture_output=True, text=True)
+  done = _zygote.run(cmd, capture_output=True, text=True)
   if done.returncode:
     sys.stderr.write(done.stderr)
     if may_fail:

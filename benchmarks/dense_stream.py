@@ -55,6 +55,7 @@ import threading
 import time
 
 import _result
+import _zygote
 from _measure import (  # benchmarks/ is on sys.path when a script here runs
   BUDGET,
   MiB,
@@ -354,7 +355,7 @@ def run_child(args: argparse.Namespace, which: str, *extra: str) -> dict:
   cmd = [sys.executable, __file__, "--child", which, "--store", args.store]
   cmd += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--d-ff", str(args.d_ff)]
   cmd += ["--tokens", str(args.tokens), *extra]
-  out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+  out = _zygote.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
   return json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
 
 

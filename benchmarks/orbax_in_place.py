@@ -53,12 +53,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import _result
+import _zygote
 from _measure import (
   MiB,
   files_under,
@@ -236,7 +236,7 @@ def child_rechunk(args: argparse.Namespace) -> dict:
     "layers",
   ]
   start = time.perf_counter()
-  done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  done = _zygote.run(cmd, capture_output=True, text=True, check=False)
   seconds = time.perf_counter() - start
   if done.returncode:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout}{done.stderr}")
@@ -274,7 +274,7 @@ def run_child(args: argparse.Namespace, which: str, store: str, **extra: str) ->
   cmd += [str(args.host_units)]
   for k, v in extra.items():
     cmd += [f"--{k}", v]
-  done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  done = _zygote.run(cmd, capture_output=True, text=True, check=False)
   if done.returncode:
     sys.stderr.write(done.stderr)
     raise SystemExit(f"child {which!r} failed (exit {done.returncode})")

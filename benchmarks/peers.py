@@ -94,13 +94,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules
 
 import _result  # noqa: E402
+import _zygote  # noqa: E402
 from _measure import (  # noqa: E402
   BUDGET,
   MiB,
@@ -477,7 +477,7 @@ def run_child(args: argparse.Namespace, which: str, extra: tuple[str, ...] = ())
   cmd += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--d-ff", str(args.d_ff)]
   cmd += ["--tokens", str(args.tokens)]
   # stderr (Accelerate's per-tensor progress bar, warnings) is shown only if the child fails.
-  done = subprocess.run(cmd, capture_output=True, text=True)
+  done = _zygote.run(cmd, capture_output=True, text=True)
   if done.returncode:
     sys.stderr.write(done.stderr)
     raise SystemExit(f"{which} failed (exit {done.returncode})")

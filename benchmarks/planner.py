@@ -32,12 +32,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import _measure
 import _result
+import _zygote
 
 DEVICE_UNITS, HOST_UNITS = 6, 3  # the budgets: static + 6 units on the device, 3 in host memory
 PREDICTION_TOLERANCE = 0.25  # target: |predicted / measured - 1| <= 25%
@@ -135,7 +135,7 @@ def _child(args: argparse.Namespace, kind: str, *extra: str) -> dict:
   flags = ["--dir", args.dir]
   for name in SIZES:
     flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-  done = subprocess.run(
+  done = _zygote.run(
     [sys.executable, __file__, *flags, "--child", kind, *extra], capture_output=True, text=True
   )
   if done.returncode != 0:

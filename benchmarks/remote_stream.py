@@ -49,6 +49,7 @@ import time
 import urllib.parse
 
 import _result
+import _zygote
 
 MiB = 1 << 20
 HEADS = 12
@@ -95,7 +96,7 @@ def build_store(args: argparse.Namespace) -> str:
     else:
       cmd = [sys.executable, __file__, "--save", path, "--units", str(args.units)]
       cmd += ["--unit-mib", str(args.unit_mib), "--tokens", str(args.tokens)]
-      subprocess.run(cmd, check=True)
+      _zygote.run(cmd, check=True)
   return path
 
 

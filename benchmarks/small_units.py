@@ -35,11 +35,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import _result
+import _zygote
 
 POLICIES = ("resident", "layerwise", "cached", "direct")
 LABELS = {
@@ -128,7 +128,7 @@ def child_run(args: argparse.Namespace) -> dict:
 def _child(args: argparse.Namespace, kind: str, shape: tuple[int, ...], store: str, *extra: str):
   cmd = [sys.executable, __file__, "--child", kind, "--shape", json.dumps(shape)]
   cmd += ["--store", store, "--prompt-len", str(args.prompt_len), "--steps", str(args.steps)]
-  done = subprocess.run([*cmd, *extra], capture_output=True, text=True)
+  done = _zygote.run([*cmd, *extra], capture_output=True, text=True)
   if done.returncode != 0:
     raise SystemExit(f"child {kind} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])

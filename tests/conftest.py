@@ -264,7 +264,7 @@ def build_linen(model: nn.Module, *args: Any, seed: int = 0) -> Any:
 # keep pytest's order. Seconds: the file alone (pytest tests/FILE) on a quiet two-core
 # machine; about twice that beside the other worker.
 SLOWEST_FIRST = (
-  "tests/test_benchmarks.py",  # 150 s: every benchmark's --quick, one subprocess each
+  "tests/test_benchmarks.py",  # 75 s: every benchmark's --quick, forks of one zygote
   "tests/test_llama.py",  # 75 s
   "tests/test_notebooks.py",  # 60 s: five notebook kernels
   "tests/test_quantized_stores.py",  # 45 s: every policy, scheme and mesh

@@ -25,6 +25,7 @@ BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import _result  # noqa: E402 - benchmarks/ is not a package
+import _zygote  # noqa: E402
 
 #: The benchmark scripts (helpers start with ``_``; ``report.py`` renders, measures nothing).
 NAMES = sorted(
@@ -43,7 +44,16 @@ _QUICK: dict[str, tuple[subprocess.CompletedProcess, dict]] = {}
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def zygote(tmp_path_factory):
+  """A process with the library imported that forks each quick run and its children
+  (`_zygote`: a fork skips the 2 s of imports that each fresh ``python`` pays)."""
+  tmp = tmp_path_factory.mktemp("zygote")
+  with _zygote.started(user_env(tmp), str(tmp)) as env:
+    yield env
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory, zygote):
   """Runs a benchmark's ``--quick --json`` once per module (``--dist loadfile`` keeps a
   module on one worker); returns the process and the result file's object."""
 
@@ -51,13 +61,13 @@ def quick(tmp_path_factory):
     if name not in _QUICK:
       tmp = tmp_path_factory.mktemp(f"quick-{name}")
       out = tmp / "result.json"
-      proc = subprocess.run(
+      proc = _zygote.run(
         [sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--json", "--result", str(out)],
         capture_output=True,
         text=True,
         timeout=QUICK_TIMEOUT,
         cwd=tmp,
-        env=user_env(tmp),
+        env=user_env(tmp) | {_zygote.ZYGOTE_ENV: zygote[_zygote.ZYGOTE_ENV]},
       )
       tail = (proc.stdout[-3000:], proc.stderr[-3000:])
       assert proc.returncode == 0, tail
@@ -79,6 +89,34 @@ def test_quick_run_passes_its_parity_gates_and_reports_its_targets(name, quick):
   parity = [c for c in checks if c["kind"] == _result.PARITY]
   assert parity, f"{name} --quick checked no parity gate"
   assert all(c["ok"] for c in parity), parity
+
+
+_PROBE = """
+import os, sys
+print(repr(sys.argv), os.getcwd(), os.environ.get("PROBE"), "jax_residency" in sys.modules)
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_zygote_fork_runs_a_command_as_a_fresh_process_would(zygote, tmp_path):
+  """Arguments, working directory, environment, both streams, the exit status; a fresh
+  process where JAX's import-time environment differs; a time-out kills the fork."""
+  script = tmp_path / "probe.py"
+  script.write_text(_PROBE)
+  env = zygote | {"PROBE": "x"}
+  for args, argv in (([str(script), "3"], [str(script), "3"]), (["-c", _PROBE, "4"], ["-c", "4"])):
+    done = _zygote.run([sys.executable, *args], capture_output=True, env=env, cwd=tmp_path)
+    assert done.stdout == f"{argv!r} {tmp_path} x True\n" and done.stderr == "to stderr\n"
+    assert done.returncode == int(argv[1])
+  fresh = _zygote.run(
+    [sys.executable, str(script), "0"], capture_output=True, env=env | {"JAX_ENABLE_X64": "1"}
+  )
+  assert fresh.returncode == 0 and fresh.stdout.endswith(" x False\n"), fresh
+  with pytest.raises(subprocess.TimeoutExpired):
+    _zygote.run([sys.executable, "-c", "import time; time.sleep(30)"], env=env, timeout=0.5)
+  with pytest.raises(subprocess.CalledProcessError):
+    _zygote.run([sys.executable, str(script), "2"], stdout=subprocess.PIPE, env=env, check=True)
 
 
 def test_quant_error_reports_every_figure_its_documentation_shows(quick):

@@ -49,3 +49,11 @@ REMOTE_POLICIES = {
   "dense_disk_stream": jr.DenseDiskStream(host_budget_bytes="64MiB"),
   "dense_direct": jr.DenseDiskStream(host_budget_bytes=0),
 }
+
+
+def one_program(placed: jr.PlacedModel) -> jr.PlacedModel:
+  """``placed`` (FullyResident or LayerwiseHost, already placed) running its passes as the
+  one jitted program accelerators run, instead of the per-unit steps it runs on CPU
+  (docs/design.md, 3.1): how the suite checks that program's outputs on CPU."""
+  placed._placed()._steps = None  # noqa: SLF001 - the suite's switch, not an option
+  return placed

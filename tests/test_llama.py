@@ -409,12 +409,11 @@ def test_placed_generate_the_same_tokens(name, kind, devices, checkpoints, store
   store = stores[name]
   prompt, n, mask = greedy_args(ref)
   dense = kind == "dense"
-  # The prefill exactly as generate_llm runs it (the same compiled program); the policies
-  # that run a step per layer on CPU against the eager model (docs/parity.md).
+  # The prefill as generate_llm runs it; every policy runs a step per layer on CPU: against
+  # the eager model (docs/parity.md).
   cache = models.LlamaCache.zeros(model.config, len(prompt), prompt.shape[1] + n - 1)
   prefill = (prompt, mask, cache, 0)
-  stepped = dense or kind == "fully-resident"
-  want = model(*prefill) if stepped else _jitted_plain(model, *prefill)
+  want = model(*prefill)
   with jr.place(
     model,
     policy(kind, store.unit_nbytes),

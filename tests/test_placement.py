@@ -25,6 +25,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
+from policies import one_program
 
 import jax_residency as jr
 from jax_residency import testing
@@ -112,16 +113,20 @@ def case(request: pytest.FixtureRequest, tokens: jax.Array) -> Callable[[str], d
 
 
 @pytest.fixture(scope="module")
-def placed_output(case: Callable[[str], dict[str, Any]]) -> Callable[[str, str], jax.Array]:
-  """``placed_output(variant, policy)``: the placed model's output (compiled once per pair)."""
-  cache: dict[tuple[str, str], jax.Array] = {}
+def placed_output(case: Callable[[str], dict[str, Any]]) -> Callable[..., jax.Array]:
+  """``placed_output(variant, policy, program="steps")``: the placed model's output
+  (compiled once per case), from the passes it runs on CPU, or (``"one program"``) from
+  the one jitted program accelerators run (`policies.one_program`)."""
+  cache: dict[tuple[str, str, str], jax.Array] = {}
 
-  def get(variant: str, policy: str) -> jax.Array:
-    if (variant, policy) not in cache:
+  def get(variant: str, policy: str, program: str = "steps") -> jax.Array:
+    if (variant, policy, program) not in cache:
       c = case(variant)
       with jr.place(c["model"], POLICIES[policy], **c["kwargs"]) as placed:
-        cache[variant, policy] = placed(c["x"])
-    return cache[variant, policy]
+        if program == "one program":
+          one_program(placed)
+        cache[variant, policy, program] = placed(c["x"])
+    return cache[variant, policy, program]
 
   return get
 
@@ -134,20 +139,15 @@ VARIANTS = [
 ]
 
 
-#: Policies whose passes on CPU run per-unit steps, the ops outside the layer loops one by
-#: one as the eager model runs them (docs/design.md, section 3.1): bit for bit the eager
-#: model's, which exists here for the unsharded variants only (the sharded ones are held
-#: to float32 rounding by test_parity_close).
-STEPPED_ON_CPU = ("fully_resident",)
-
-
 def _exact_params() -> list[Any]:
-  return [
-    pytest.param(v, p, id=f"{v}-{p}")
-    for v in VARIANTS
-    for p in POLICIES
-    if p not in STEPPED_ON_CPU or v in ("nnx", "linen")
-  ]
+  """On CPU every policy here runs per-unit steps, the ops outside the layer loops one by
+  one as the eager model runs them (docs/design.md, section 3.1): bit for bit the eager
+  model's, which exists here for the unsharded variants only (the sharded ones are held
+  to float32 rounding by test_parity_close). LayerwiseHost's one program (its depth's
+  pipeline on accelerators) is held to the jitted model's bits on every variant."""
+  steps = [(v, p, "steps") for v in ("nnx", "linen") for p in POLICIES]
+  one = [(v, p, "one program") for v in VARIANTS for p in POLICIES if p != "fully_resident"]
+  return [pytest.param(*c, id="-".join(c).replace(" ", "_")) for c in steps + one]
 
 
 def test_eight_cpu_devices():
@@ -167,13 +167,13 @@ def test_parity_close(case, placed_output, variant: str, policy: str):
     np.testing.assert_allclose(out, c["eager"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant, policy", _exact_params())
-def test_parity_bit_identical(case, placed_output, variant: str, policy: str):
+@pytest.mark.parametrize("variant, policy, program", _exact_params())
+def test_parity_bit_identical(case, placed_output, variant: str, policy: str, program: str):
   """Same compiled math → the same bits as the jitted plain model (and eager, where they
   agree); per-unit steps → the same bits as the eager plain model."""
   c = case(variant)
-  out = placed_output(variant, policy)
-  if policy in STEPPED_ON_CPU:
+  out = placed_output(variant, policy, program)
+  if program == "steps":
     np.testing.assert_array_equal(out, c["eager"])
     return
   np.testing.assert_array_equal(out, c["jit"])
@@ -270,7 +270,7 @@ def _nbytes(arrays: list[Any]) -> int:
 
 
 class NewArrays:
-  """Live arrays created inside the ``with`` block, by memory kind."""
+  """Live arrays created inside the ``with`` block, by memory kind (views excluded)."""
 
   def __enter__(self) -> NewArrays:
     gc.collect()
@@ -284,22 +284,31 @@ class NewArrays:
     self._old, self._before = self._before, []
 
   def kind(self, kind: str) -> list[jax.Array]:
-    return [a for a in self.arrays if a.sharding.memory_kind == kind]
+    """The new arrays of a memory kind with a buffer of their own (`copies`)."""
+    return [a for a in self.copies(self.arrays) if a.sharding.memory_kind == kind]
 
-  def copies(self) -> list[jax.Array]:
+  def copies(self, within: list[jax.Array] | None = None) -> list[jax.Array]:
     """The new arrays with a buffer of their own: not a view inside an array that was
-    live before (a resident placement's per-unit views on CPU, docs/design.md, 3.1)."""
+    live before, or (with ``within``) inside another of those (a placement's per-unit
+    views on CPU, docs/design.md, 3.1). Of arrays on exactly the same buffers (a stack
+    and its shards' own arrays) the one with the most shards, then the oldest, counts."""
+    pool = [*self._old, *(within or [])]
+    rank = {id(a): (-len(a.addressable_shards), i) for i, a in enumerate(pool)}
     spans = [
-      (s.data.unsafe_buffer_pointer(), s.data.unsafe_buffer_pointer() + s.data.nbytes)
-      for a in self._old
+      (rank[id(a)], s.data.unsafe_buffer_pointer(), s.data.unsafe_buffer_pointer() + s.data.nbytes)
+      for a in pool
       for s in a.addressable_shards
     ]
 
-    def inside(shard: Any) -> bool:
+    def inside(x: jax.Array, shard: Any) -> bool:
       at = shard.data.unsafe_buffer_pointer()
-      return any(lo <= at and at + shard.data.nbytes <= hi for lo, hi in spans)
+      end = at + shard.data.nbytes
+      mine = rank.get(id(x), (-len(x.addressable_shards), len(pool)))
+      return any(
+        lo <= at and end <= hi and ((lo, hi) != (at, end) or r < mine) for r, lo, hi in spans
+      )
 
-    return [a for a in self.arrays if not all(inside(s) for s in a.addressable_shards)]
+    return [x for x in self.arrays if not all(inside(x, s) for s in x.addressable_shards)]
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -404,7 +413,7 @@ def test_default_mesh_is_where_the_plain_model_runs(nnx_toy, tokens):
     placed = jr.place(on_3, layerwise(2))
   with placed:
     assert list(placed.mesh.devices.flat) == [jax.devices()[3]]
-    np.testing.assert_array_equal(placed(tokens), nnx.jit(lambda m, t: m(t))(nnx_toy, tokens))
+    np.testing.assert_array_equal(placed(tokens), on_3(tokens))  # per-layer steps on CPU
     assert {d for a in new.arrays for d in a.sharding.device_set} == {jax.devices()[3]}
     assert _nbytes(new.kind("pinned_host")) == sum(placed.metadata.unit_bytes)  # one copy
 
@@ -442,7 +451,7 @@ def test_default_mesh_keeps_a_one_device_mesh_the_model_is_sharded_over(cfg, tok
   model = toy_model(cfg, mesh=mesh, seeded=True)  # built under jax.set_mesh(mesh)
   with jr.place(model, layerwise(2)) as placed:
     assert placed.mesh == mesh
-    np.testing.assert_array_equal(placed(tokens), nnx.jit(lambda m, t: m(t))(model, tokens))
+    np.testing.assert_array_equal(placed(tokens), model(tokens))  # per-layer steps on CPU
 
 
 def _spec_key(spec: PartitionSpec) -> tuple[Any, ...]:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from policies import one_program
 from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
@@ -190,22 +191,29 @@ def test_fully_resident_takes_no_kept_units_and_the_fields_round_trip():
 
 
 @pytest.fixture(scope="module")
-def jitted_reference(model, tokens):
-  """The plain model under jit: what LayerwiseHost's one program gives, bit for bit."""
-  return np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
+def references(model, tokens):
+  """The plain model eagerly (what the per-unit steps on CPU give, bit for bit) and under
+  jit (what the one program accelerators run gives, bit for bit)."""
+  return {
+    "steps": np.asarray(model(tokens)),
+    "one program": np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens)),
+  }
 
 
+@pytest.mark.parametrize("program", ["steps", "one program"])
 @pytest.mark.parametrize("kept, depth", [(1, 1), (3, 2), (7, 3), (8, 2)])
 def test_layerwise_host_keeps_the_first_units_in_device_memory(
-  model, tokens, jitted_reference, kept, depth
+  model, tokens, references, kept, depth, program
 ):
   """The kept units are arrays of their own in device memory, the rest in pinned_host;
   each pass moves only the rest (a part of the loop one unit long is run as a loop too,
-  so the outputs stay bit for bit the plain model's)."""
+  so the outputs stay bit for bit the plain model's), in either form a pass runs in."""
   policy = jr.LayerwiseHost(prefetch_depth=depth, device_resident_units=kept)
   with jr.place(model, policy, mesh=MESH1) as placed:
+    if program == "one program":
+      one_program(placed)
     for _ in range(2):
-      np.testing.assert_array_equal(np.asarray(placed(tokens)), jitted_reference)
+      np.testing.assert_array_equal(np.asarray(placed(tokens)), references[program])
     last = placed.report().last
     testing.assert_within_budgets(placed)
     kinds = testing.assert_memory_kinds(placed)

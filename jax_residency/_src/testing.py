@@ -23,7 +23,6 @@ from flax import nnx
 from jax_residency._src.plan.shardings import DEVICE, PINNED_HOST
 from jax_residency._src.policy.types import (
   DenseDiskStream,
-  ExecutionResidency,
   FullyResident,
   LayerWeightResidency,
   LayerwiseHost,
@@ -46,7 +45,7 @@ def default_policies() -> dict[str, LayerWeightResidency]:
 def _plain(
   model: Any, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], jit: bool
 ) -> Any:
-  """The plain model's output: jitted (what FullyResident / LayerwiseHost run) or eager
+  """The plain model's output: jitted (what FullyResident / LayerwiseHost run off CPU) or eager
   (what a dense stream's per-unit steps run)."""
   if isinstance(model, nnx.Module):
     return (
@@ -99,10 +98,10 @@ def assert_policy_parity(
 ) -> dict[str, float]:
   """Asserts that ``model`` placed under each policy gives the plain model's outputs.
 
-  ``LayerwiseHost`` is compared with the plain model run under ``jax.jit``, and
-  ``DenseDiskStream`` with the plain model run eagerly; ``FullyResident`` with the
-  eager one on a CPU backend (where it runs one compiled step per layer, as the
-  dense stream does) and the jitted one elsewhere. On CPU, on one device, each is
+  ``DenseDiskStream`` is compared with the plain model run eagerly;
+  ``FullyResident`` and ``LayerwiseHost`` with the eager one on a CPU backend
+  (where they run one compiled step per layer, as the dense stream does) and with
+  the one under ``jax.jit`` elsewhere. On CPU, on one device, each is
   bit-identical: the default ``atol=0``; on accelerators pass a tolerance. A dense
   stream reads a store written for the test in a temporary
   directory, unless ``store`` is given.
@@ -164,9 +163,8 @@ def assert_policy_parity(
     )
     raise AssertionError(
       f"outputs differ from the plain model's by more than atol={atol} under "
-      f"{', '.join(bad)}:\n{lines}\n(LayerwiseHost, and FullyResident off CPU, are compared "
-      "with the plain model under jax.jit; DenseDiskStream, and FullyResident on CPU, with "
-      "the eager plain model)"
+      f"{', '.join(bad)}:\n{lines}\n(on CPU every policy is compared with the eager plain "
+      "model; elsewhere FullyResident and LayerwiseHost with the plain model under jax.jit)"
     )
   return diffs
 
@@ -175,8 +173,6 @@ def _jitted_reference(policy: LayerWeightResidency, mesh: jax.sharding.Mesh | No
   """Whether ``policy``'s outputs are compared with the jitted plain model (else eager)."""
   if isinstance(policy, DenseDiskStream):
     return False
-  if policy.execution_residency is ExecutionResidency.LAYERWISE_HOST:
-    return True
   devices = mesh.devices.flat if mesh is not None else jax.devices()[:1]
   return not all(d.platform == "cpu" for d in devices)
 

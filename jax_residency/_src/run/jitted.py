@@ -5,7 +5,9 @@ memory, or in ``pinned_host`` memory moved through the unit loop's device
 window), and runs the forward as one XLA program per input signature, compiled
 ahead of its first call so each pass reports its temporaries. Called under a
 JAX transformation (``jax.grad``, ``jax.make_jaxpr``, an outer ``jit``) the
-forward is traced instead, so input gradients work.
+forward is traced instead, so input gradients work. On a CPU backend a pass
+runs per-unit steps over views of the units instead (`resident_steps`,
+docs/design.md, 3.1).
 
 A pass's ``peak_*`` unit figures are measured (`held_units`): the unit arrays the
 placement holds when the pass ends, still alive (not deleted), by memory kind, per
@@ -77,12 +79,14 @@ class JittedExecutor:
     self._place_units([values[i] for i in split.unit_index], placed_at.units, len(split.stacks))
     del values
     self._split = split
-    # On CPU, passes run per-unit steps over views of the units (no per-layer copy).
+    # On CPU, passes run per-unit steps over views of the units (no per-layer copy; for
+    # LayerwiseHost no move either: pinned_host memory is the device's memory there).
     self._steps: ResidentSteps | None = None
-    if not self._layerwise and resident_steps.applies(mesh):
-      views = resident_steps.unit_views(split, self._units, placed_at.unit_slices)
+    if resident_steps.applies(mesh):
+      on_device = [s.with_memory_kind(pl.DEVICE) for s in placed_at.unit_slices]
+      views = resident_steps.unit_views(split, self._units, on_device, self._resident)
       if views is not None:
-        self._steps = ResidentSteps(split, self._static, views, placed_at.unit_slices)
+        self._steps = ResidentSteps(split, self._static, views, on_device)
     loops = [
       StackLoop(None, tuple(placed_at.unit_slices[s.leaf_slice]), policy.device_depth(s.count))
       for s in split.stacks

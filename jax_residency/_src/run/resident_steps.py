@@ -1,4 +1,5 @@
-"""``FullyResident`` on a CPU backend: each unit's rows as arrays of their own, run step by step.
+"""``FullyResident`` and ``LayerwiseHost`` on a CPU backend: each unit's rows as arrays of
+their own, run step by step.
 
 XLA's CPU backend copies a layer's slice out of the stacked weights inside a scanned
 layer loop (a dynamic slice feeding a matmul is materialized): on the decode benchmark,
@@ -9,6 +10,9 @@ memory, so no copy and no memory), and runs a pass as the dense stream does: the
 traced once per input signature (`stream.staged`), each unit loop one compiled step per
 unit, fed that unit's views. The steps run inside a loop bounded at run time
 (`StagedForward.in_loop`), so the outputs are the scanned forward's bit for bit.
+``LayerwiseHost``'s units sit in ``pinned_host`` memory, which on CPU is the memory the
+device computes from: their views (and those of its device-resident units) feed the
+steps as they are, where its one program would copy each unit into its window.
 
 A forward the staged form cannot run (stacked parameters used outside
 `jax_residency.scan_units`, or no unit loop at all) runs as one jitted program, as on
@@ -57,15 +61,22 @@ def unit_view(stacked: jax.Array, j: int, sharding: jax.sharding.Sharding) -> ja
 
 
 def unit_views(
-  split: SplitModel, units: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]
+  split: SplitModel,
+  units: Sequence[jax.Array],
+  shardings: Sequence[jax.sharding.Sharding],
+  kept: Sequence[jax.Array] = (),
 ) -> list[list[jax.Array]] | None:
   """Per unit id, in order, the views of its rows of each of its stack's leaves; None if
-  any leaf cannot be viewed."""
+  any leaf cannot be viewed. With ``kept`` (LayerwiseHost's device-resident units: each
+  stack's first units, stacked apart), a stack's first rows come from those arrays."""
   views = []
   for stack in split.stacks:
     leaves, leaf_shardings = units[stack.leaf_slice], shardings[stack.leaf_slice]
+    first = kept[stack.leaf_slice] if kept else []
+    n = first[0].shape[0] if first else 0
     for j in range(stack.count):
-      row = [unit_view(a, j, s) for a, s in zip(leaves, leaf_shardings, strict=True)]
+      rows = zip(first if j < n else leaves, leaf_shardings, strict=True)
+      row = [unit_view(a, j if j < n else j - n, s) for a, s in rows]
       if any(v is None for v in row):
         return None
       views.append([v for v in row if v is not None])

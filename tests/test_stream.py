@@ -425,3 +425,57 @@ def test_transformations_are_a_clear_error(model, tokens, store):
     with pytest.raises(jr.PlacementError, match="jax.grad"):
       jax.grad(lambda t: jnp.sum(placed(t).astype(jnp.float32)))(emb)
     np.testing.assert_array_equal(placed(tokens), model(tokens))  # still usable
+
+
+@pytest.mark.parametrize(
+  "policy",
+  [dense(0), dense(8 * UNIT, 2), jr.FullyResident(), jr.LayerwiseHost()],
+  ids=["dense_direct", "dense_cached", "fully_resident", "layerwise_host"],
+)
+def test_the_host_dispatches_each_unit_step_before_it_waits_on_the_one_before(
+  model, tokens, store, policy, monkeypatch
+):
+  """Issue 27, item 4, by construction: a pass's unit steps go out one after another,
+  and the host waits on step ``s`` only once step ``s + 1`` is dispatched (to release
+  what step ``s`` read), never on the step it has just dispatched, so a device always
+  has the next step queued. The same Python runs these steps on every backend (on
+  accelerators FullyResident and LayerwiseHost run one program: no host between units)."""
+  from jax_residency._src.stream import staged
+
+  events: list[tuple[str, int]] = []
+  compile_step = staged._compile_step
+
+  class Logged:
+    def __init__(self, body):
+      self._body = body
+
+    def __getattr__(self, name):  # the step's other attributes (its temporaries)
+      return getattr(self._body, name)
+
+    def __call__(self, *step_args):
+      carry, ys = self._body(*step_args)
+      events.append(("dispatch", id(carry)))
+      return carry, ys
+
+  def logged_compile(*args, **kwargs):
+    return Logged(compile_step(*args, **kwargs))
+
+  wait = jax.block_until_ready
+
+  def logged_wait(x):
+    events.append(("wait", id(x)))
+    return wait(x)
+
+  monkeypatch.setattr(staged, "_compile_step", logged_compile)
+  monkeypatch.setattr(jax, "block_until_ready", logged_wait)
+  path = store if isinstance(policy, jr.DenseDiskStream) else None
+  with jr.place(model, policy, store=path, mesh=MESH1) as placed:
+    placed(tokens)  # compiles the steps
+    events.clear()
+    np.testing.assert_array_equal(placed(tokens), model(tokens))
+  dispatched = [key for kind, key in events if kind == "dispatch"]
+  assert len(dispatched) == CFG.n_layers
+  for s, key in enumerate(dispatched[:-1]):
+    waited = [n for n, event in enumerate(events) if event == ("wait", key)]
+    assert waited, f"step {s} is never awaited on its own"
+    assert waited[0] > events.index(("dispatch", dispatched[s + 1])), (s, events)

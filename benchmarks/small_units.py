@@ -25,8 +25,14 @@ Parity gate: every placement's logits (the prefill's and each step's) equal
 Exits 1 when the gate fails or (unless ``--quick``) a target is missed; a full run writes
 ``benchmarks/results/small_units.json``.
 
+With ``--breakdown``, instead: where each placement's per-unit time goes on the small
+shape, from a profile (``cProfile``, the main thread) of ``--steps`` decode steps after two
+untimed ones, in µs per unit visited, by kind of work (`CATEGORIES`). The profiler slows
+Python more than compiled code, so the shares, not the sums, are what it shows.
+
   python benchmarks/small_units.py            # the two shapes above, 3 fresh processes each
   python benchmarks/small_units.py --quick    # 4 x 64/128, vocab 256; one process for all
+  python benchmarks/small_units.py --breakdown --dir /tmp/jr_small_units
 """
 
 from __future__ import annotations
@@ -125,6 +131,103 @@ def child_run(args: argparse.Namespace) -> dict:
   return out
 
 
+#: The kinds of work a profile's functions are counted under (by their own time).
+CATEGORIES = (
+  "waiting (on a step, a read, a lock)",
+  "mapping, reading, checksums",
+  "library Python (caches, ledger, telemetry, futures)",
+  "JAX dispatch (arguments, compiled steps, device_put)",
+  "other",
+)
+
+
+def _category(file: str, name: str) -> str:
+  if "block_until_ready" in name or name.startswith(("<method 'acquire'", "<method 'wait'")):
+    return CATEGORIES[0]
+  if "/jax_residency/_src/store/" in file or name.startswith(
+    (
+      "<built-in method posix.",
+      "<built-in method mmap",
+      "<method 'madvise'",
+      "<built-in method _crc",
+    )
+  ):
+    return CATEGORIES[1]
+  if (
+    "/jax_residency/" in file
+    or "/concurrent/" in file
+    or file.endswith(("threading.py", "queue.py"))
+  ):
+    return CATEGORIES[2]
+  if "/jax/" in file or "/jaxlib/" in file or file == "~":
+    return CATEGORIES[3]
+  return CATEGORIES[4]
+
+
+def child_profile(args: argparse.Namespace) -> dict:
+  """``--policies``' decode steps profiled: µs per unit visited, by `CATEGORIES`."""
+  import cProfile
+  import pstats
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  import jax_residency as jr
+  from jax_residency import models
+
+  cfg = _config(json.loads(args.shape))
+  abstract = nnx.eval_shape(lambda: models.Llama(cfg, rngs=nnx.Rngs(0)))
+  out = {}
+  for name in args.policies.split(","):
+    with jr.place(abstract, _policy(name), store=args.store) as placed:
+      cache = models.LlamaCache.zeros(cfg, 1, args.prompt_len + args.steps + 2)
+      prompt = jnp.asarray(np.arange(1, args.prompt_len + 1)[None], jnp.int32)
+      logits, cache = placed(prompt, None, cache, 0)
+      token = jnp.asarray([[1]], jnp.int32)
+      profile = cProfile.Profile()
+      start = time.perf_counter()
+      for i in range(args.steps + 2):
+        if i == 2:
+          profile.enable()
+          start = time.perf_counter()
+        logits, cache = placed(token, None, cache, jnp.int32(args.prompt_len + i))
+        jax.block_until_ready(logits)
+      wall = time.perf_counter() - start
+      profile.disable()
+    visits = args.steps * cfg.num_hidden_layers
+    spent = dict.fromkeys(CATEGORIES, 0.0)
+    for (file, _, func), (_, _, tottime, _, _) in pstats.Stats(profile).stats.items():
+      spent[_category(file, func)] += tottime
+    out[name] = {
+      "us_per_unit": {k: v / visits * 1e6 for k, v in spent.items()},
+      "profiled_step_s": wall / args.steps,
+    }
+  return out
+
+
+def _breakdown(args: argparse.Namespace) -> int:
+  shape = SHAPES["small"]
+  store = os.path.join(args.dir, "llama-" + "x".join(map(str, shape)))
+  _child(args, "build", shape, store)
+  found = _child(args, "profile", shape, store, "--policies", ",".join(POLICIES))
+  print(
+    "µs per unit visited (profiled); "
+    + "; ".join(
+      f"{LABELS[n]}: {f['profiled_step_s'] * 1e3:.1f} ms a step" for n, f in found.items()
+    )
+  )
+  print("work | " + " | ".join(LABELS[n] for n in found))
+  base = found["resident"]["us_per_unit"]
+  for cat in CATEGORIES:
+    cells = [f"{f['us_per_unit'][cat]:.0f}" for f in found.values()]
+    beyond = [f"{f['us_per_unit'][cat] - base[cat]:+.0f}" for f in found.values()]
+    print(f"{cat} | " + " | ".join(f"{c} ({b})" for c, b in zip(cells, beyond, strict=True)))
+  print("(in parentheses: beyond FullyResident's, which runs the same steps without streaming)")
+  return 0
+
+
 def _child(args: argparse.Namespace, kind: str, shape: tuple[int, ...], store: str, *extra: str):
   cmd = [sys.executable, __file__, "--child", kind, "--shape", json.dumps(shape)]
   cmd += ["--store", store, "--prompt-len", str(args.prompt_len), "--steps", str(args.steps)]
@@ -175,18 +278,26 @@ def main() -> int:
   parser.add_argument("--steps", type=int, default=24)
   parser.add_argument("--repeat", type=int, default=3, help="fresh processes per placement")
   _result.add_args(parser)
-  parser.add_argument("--child", choices=("build", "run"), help=argparse.SUPPRESS)
+  parser.add_argument(
+    "--breakdown", action="store_true", help="profile the small shape's steps instead (µs/unit)"
+  )
+  parser.add_argument("--child", choices=("build", "run", "profile"), help=argparse.SUPPRESS)
   parser.add_argument("--shape", help=argparse.SUPPRESS)
   parser.add_argument("--store", help=argparse.SUPPRESS)
   parser.add_argument("--policies", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(child_build(args) if args.child == "build" else child_run(args)))
+    child = {"build": child_build, "run": child_run, "profile": child_profile}[args.child]
+    print(json.dumps(child(args)))
     return 0
   _result.quick_sizes(args, parser, {"steps": 5, "repeat": 1})
   if args.steps < 3:
     parser.error("--steps must be at least 3 (the first two steps compile)")
   shapes = QUICK_SHAPES if args.quick else SHAPES
+  if args.breakdown:
+    with _result.work_dir(args, "jr_small_units"):
+      os.makedirs(args.dir, exist_ok=True)
+      return _breakdown(args)
   with _result.work_dir(args, "jr_small_units"):
     os.makedirs(args.dir, exist_ok=True)
     runs = _measure(args, shapes)

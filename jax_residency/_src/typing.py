@@ -3,6 +3,7 @@ name (`path_str`) and a tensor's bytes (`tensor_nbytes`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
@@ -32,4 +33,6 @@ def tensor_nbytes(shape: Sequence[int], dtype: Any) -> int:
     >>> tensor_nbytes((3, 5), "float32"), tensor_nbytes((), np.int8)
     (60, 1)
   """
-  return int(np.prod(tuple(shape), dtype=np.int64)) * np.dtype(dtype).itemsize
+  # math.prod, not np.prod: called per tensor per unit visit on the read path, where
+  # NumPy's reduction costs about 10 us a call.
+  return math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize

@@ -31,6 +31,7 @@ import collections
 import ctypes
 import gc
 import logging
+import math
 import mmap
 import os
 import platform
@@ -214,7 +215,7 @@ class BufferPool:
     holder: Any = (ctypes.c_char * nbytes).from_buffer(slab)
     out = {}
     for name, shape, dtype, offset in layout:
-      count = int(np.prod(shape, dtype=np.int64))
+      count = math.prod(shape)
       if count == 0:
         out[name] = np.empty(shape, dtype)
       else:

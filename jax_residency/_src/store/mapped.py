@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import mmap
 import os
 import sys
@@ -326,7 +327,7 @@ class UnitMapper:
       self._take_back_locked()
       self._mapped += size
       self.total_bytes += extent.length
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     array = np.frombuffer(region, dtype, count, skip).reshape(shape)
     done = weakref.finalize(region, self._unmapped, size)
     done.atexit = False

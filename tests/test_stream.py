@@ -435,7 +435,7 @@ def test_transformations_are_a_clear_error(model, tokens, store):
 def test_the_host_dispatches_each_unit_step_before_it_waits_on_the_one_before(
   model, tokens, store, policy, monkeypatch
 ):
-  """Issue 27, item 4, by construction: a pass's unit steps go out one after another,
+  """By construction (docs/design.md, 4.1): a pass's unit steps go out one after another,
   and the host waits on step ``s`` only once step ``s + 1`` is dispatched (to release
   what step ``s`` read), never on the step it has just dispatched, so a device always
   has the next step queued. The same Python runs these steps on every backend (on

@@ -407,6 +407,7 @@ PLACEMENTS = [
 def test_placed_generate_the_same_tokens(name, kind, devices, checkpoints, stores):
   model, ref = checkpoints[name]
   store = stores[name]
+  assert store.stacks[0].experts == model.config.num_experts  # a chunk per expert (or none)
   prompt, n, mask = greedy_args(ref)
   dense = kind == "dense"
   # The prefill as generate_llm runs it; every policy runs a step per layer on CPU: against

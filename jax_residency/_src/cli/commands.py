@@ -58,6 +58,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
   lines = []
   for d in result.damaged:
     where = "static" if d.unit is None else f"unit {d.unit}"
+    where += "" if d.expert is None else f", expert {d.expert}"
     kind = "corrupt" if d.corrupt else "unreadable"
     lines.append(f"{kind}: {d.tensor} ({where})")
   summary = f"{plural(result.chunks, 'chunk')} read ({fmt_bytes(result.nbytes)}): " + (

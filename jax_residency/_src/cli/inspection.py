@@ -44,7 +44,12 @@ def _read_inspection(path: str, units: str | None) -> tuple[dict[str, Any], dict
         for p, (shape, dtype) in sorted(specs.items())
       },
       "stacks": [
-        {"prefix": path_str(st.prefix), "units": st.count, "unit_bytes": st.unit_nbytes}
+        {
+          "prefix": path_str(st.prefix),
+          "units": st.count,
+          "unit_bytes": st.unit_nbytes,
+          "experts": st.experts,
+        }
         for st in store.stacks
       ],
       "chunked_per_unit": bool(store.chunked_per_unit),
@@ -141,7 +146,19 @@ def _stack_rows(stacks: list[dict[str, Any]], total: int) -> list[tuple[str, str
     f"{fmt_bytes(st['unit_bytes'])} each" + (f" under {st['prefix']!r}" if len(stacks) > 1 else "")
     for st in stacks
   )
-  return [("units", counts), ("unit bytes", f"{sizes}, {fmt_bytes(total)} total")]
+  rows = [("units", counts), ("unit bytes", f"{sizes}, {fmt_bytes(total)} total")]
+  experts = [st for st in stacks if st.get("experts")]
+  if experts:
+    rows.append(
+      (
+        "experts",
+        ", ".join(
+          f"{st['experts']} per unit under {st['prefix']!r}, a chunk each (read alone)"
+          for st in experts
+        ),
+      )
+    )
+  return rows
 
 
 def _streamable_verdict(info: dict[str, Any], *, units_flag: str | None) -> str:

@@ -300,10 +300,13 @@ def convert_hf(
   plan = None
   if quantize is not None:
     plan, static, stacks = quantize_arrays(static, stacks, quantize)
+  # A mixture of experts' experts: a chunk each (as `Llama.residency_experts` says).
+  moe = any(tuple(p)[:2] == ("mlp", "experts") for a in stacks.values() for p in a)
   return save_store(
     os.fspath(store),
     static=static,
     stacks=stacks,
+    experts=("mlp.experts",) if moe else (),
     progress=progress,
     overwrite=overwrite,
     in_flight_bytes=CONVERT_IN_FLIGHT_BYTES,

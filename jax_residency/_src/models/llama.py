@@ -312,6 +312,12 @@ class Llama(nnx.Module):
     if not cfg.tie_word_embeddings:
       self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
 
+  @property
+  def residency_experts(self) -> tuple[str, ...]:
+    """The modules of a layer stacked per expert (what ``save`` writes one chunk per
+    expert): a mixture of experts' ``mlp.experts``; none for a dense model."""
+    return ("mlp.experts",) if self.config.num_experts else ()
+
   def __call__(
     self,
     input_ids: jax.Array,

@@ -67,6 +67,8 @@ def ocdbt_extents(root: str) -> dict[str, Extent]:
   return out
 
 
-def chunk_key(name: str, unit: int, ndim: int) -> str:
-  """The zarr3 key (default encoding) of unit ``unit``'s chunk of array ``name``."""
-  return f"{name}/c/" + "/".join([str(unit)] + ["0"] * (ndim - 1))
+def chunk_key(name: str, unit: int | tuple[int, ...], ndim: int) -> str:
+  """The zarr3 key (default encoding) of unit ``unit``'s chunk of array ``name`` (with
+  a tuple, of the chunk at that leading index: ``(unit, expert)``)."""
+  lead = [str(i) for i in (unit if isinstance(unit, tuple) else (unit,))]
+  return f"{name}/c/" + "/".join(lead + ["0"] * (ndim - len(lead)))

@@ -11,7 +11,9 @@ from jax_residency._src.typing import ParamPath
 
 @dataclasses.dataclass(frozen=True)
 class StackInfo:
-  """One layer stack a store holds: its path, unit count and bytes per unit.
+  """One layer stack a store holds: its path, unit count and bytes per unit, and how
+  many experts each unit holds as chunks of their own (``experts``, 0 for none:
+  docs/design.md, 5.6).
 
   Example:
     >>> from jax_residency.models import T5Config, init_t5
@@ -26,6 +28,7 @@ class StackInfo:
   prefix: ParamPath
   count: int
   unit_nbytes: int
+  experts: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

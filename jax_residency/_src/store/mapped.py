@@ -99,8 +99,10 @@ class UnitMapper:
     use_ocdbt: Whether the arrays live in an OCDBT database at ``root`` (else
       each chunk is a file of its own under ``root/<array name>/c/``).
     tensors: For each mappable unit tensor (see `mappable`), by its path
-      relative to the unit prefix: (array name, per-unit shape, dtype). A chunk
-      `CHECKSUM_BYTES` longer than its data has a checksum (`chunk_trailer`):
+      relative to the unit prefix: (array name, per-unit shape, dtype, pieces):
+      ``pieces`` 0 for one chunk per unit, else the count of chunks a unit's tensor
+      is split into along its first axis (one per expert: read, never mapped). A
+      chunk `CHECKSUM_BYTES` longer than its data has a checksum (`chunk_trailer`):
       it is checked when read from disk (`residency`).
   """
 
@@ -109,7 +111,7 @@ class UnitMapper:
     root: str,
     *,
     use_ocdbt: bool,
-    tensors: Mapping[ParamPath, tuple[str, tuple[int, ...], np.dtype]],
+    tensors: Mapping[ParamPath, tuple[str, tuple[int, ...], np.dtype, int]],
   ):
     self._root = root
     self._use_ocdbt = use_ocdbt
@@ -137,7 +139,7 @@ class UnitMapper:
     while self._unmapped_sizes:
       self._mapped -= self._unmapped_sizes.popleft()
 
-  def _extent(self, rel: ParamPath, unit: int) -> Extent | None:
+  def _extent(self, rel: ParamPath, unit: int, piece: int | None = None) -> Extent | None:
     with self._lock:
       if self._extents is None:
         try:
@@ -145,8 +147,8 @@ class UnitMapper:
         except Exception as e:  # noqa: BLE001 - an unreadable index only means copies
           _log.debug("no mapped reads for %s: %s", self._root, e)
           self._extents = {}
-    name, shape, _ = self._tensors[rel]
-    key = chunk_key(name, unit, len(shape) + 1)
+    name, shape, _, _ = self._tensors[rel]
+    key = chunk_key(name, unit if piece is None else (unit, piece), len(shape) + 1)
     if self._use_ocdbt:
       return self._extents.get(key)
     path = os.path.join(self._root, *key.split("/"))
@@ -173,7 +175,7 @@ class UnitMapper:
     cold = self._find_cold([extent for _, extent, _ in raw])
     fills: list[tuple[ParamPath, list[concurrent.futures.Future]]] = []
     for rel, extent, nbytes in raw:
-      name, shape, dtype = self._tensors[rel]
+      name, shape, dtype, _ = self._tensors[rel]
       mapped = self._map(extent, shape, dtype, extent not in cold)
       if mapped is None:
         continue
@@ -214,7 +216,8 @@ class UnitMapper:
     huge folios, which map again cheaply; without, the kernel is asked for them
     (``posix_fadvise(WILLNEED)``, which fills the page cache with 4 KiB pages).
     """
-    cold = self._find_cold([e for _, e, _ in self._raw_extents(unit)])
+    pieces = [e for rel in self._tensors for e, _ in self._piece_extents(rel, unit) or ()]
+    cold = self._find_cold([e for _, e, _ in self._raw_extents(unit)] + pieces)
     for extent in cold:
       if huge:
         fault_in.fault_in(extent)
@@ -228,13 +231,29 @@ class UnitMapper:
     return [(rel, *raw) for rel in self._tensors if (raw := self._raw_extent(rel, unit))]
 
   def _raw_extent(self, rel: ParamPath, unit: int) -> tuple[Extent, int] | None:
-    """Unit ``unit``'s chunk of tensor ``rel`` and its data bytes, if stored raw."""
+    """Unit ``unit``'s chunk of tensor ``rel`` and its data bytes, if stored raw as one
+    chunk."""
+    if self._tensors[rel][3]:
+      return None
     extent = self._extent(rel, unit)
-    _, shape, dtype = self._tensors[rel]
+    _, shape, dtype, _ = self._tensors[rel]
     nbytes = tensor_nbytes(shape, dtype)
     if extent is None or not nbytes or extent.length - nbytes not in (0, CHECKSUM_BYTES):
       return None
     return extent, nbytes
+
+  def _piece_extents(self, rel: ParamPath, unit: int) -> list[tuple[Extent, int]] | None:
+    """Unit ``unit``'s chunks of a tensor stored one chunk per expert, each with its data
+    bytes, if every one is stored raw (else None: read it through TensorStore)."""
+    _, shape, dtype, pieces = self._tensors[rel]
+    nbytes = tensor_nbytes(shape[1:], dtype)
+    out = []
+    for piece in range(pieces):
+      extent = self._extent(rel, unit, piece)
+      if extent is None or not nbytes or extent.length - nbytes not in (0, CHECKSUM_BYTES):
+        return None
+      out.append((extent, nbytes))
+    return out or None
 
   def _find_cold(self, extents: list[Extent]) -> set[Extent]:
     """The chunks not all in the page cache now, each marked cold (its next read checks
@@ -278,15 +297,25 @@ class UnitMapper:
     memory speed; a ``preadv`` into the caller's buffer and a hardware CRC do
     not (`benchmarks/read_path.py --checksums`).
     """
-    raw = self._raw_extent(rel, unit)
-    if raw is None or out.nbytes != raw[1]:
+    if rel not in self._tensors:
       return None
-    extent, nbytes = raw
-    trailer = extent.length - nbytes
-    with self._count_lock:  # the checksum too: it is read with the data
-      self.direct_bytes += extent.length
+    if self._tensors[rel][3]:
+      pieces = self._piece_extents(rel, unit)
+    else:
+      one = self._raw_extent(rel, unit)
+      pieces = None if one is None else [one]
+    if pieces is None or out.nbytes != sum(nbytes for _, nbytes in pieces):
+      return None
+    parts = out.reshape(len(pieces), -1)  # an expert's part of a unit's tensor: a row
+    with self._count_lock:  # the checksums too: each is read with its data
+      self.direct_bytes += sum(extent.length for extent, _ in pieces)
     name = self._tensors[rel][0]
-    return _pool().submit(_read_extent, extent, out, trailer, self._root, name, unit, self)
+
+    def read() -> None:  # the tensor whole, or one expert's part of it after another
+      for (extent, nbytes), part in zip(pieces, parts, strict=True):
+        _read_extent(extent, part, extent.length - nbytes, self._root, name, unit, self)
+
+    return _pool().submit(read)
 
   def _map(
     self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype, resident: bool

@@ -27,6 +27,7 @@ def save(
   progress: bool | None = None,
   overwrite: bool = False,
   quantize: str | Mapping[str, Any] | Quantization | None = None,
+  experts: str | tuple[str, ...] | list[str] | None = None,
 ) -> StoreInfo:
   """Writes a model's parameters to ``path`` as an Orbax-compatible unit store.
 
@@ -57,6 +58,11 @@ def save(
       32 | 64 | 128}``. Norms, biases and small tensors are stored as they are
       (``docs/quantization.md``). Each tensor is encoded as it is written, a unit
       at a time; every policy places the store and decodes in the step.
+    experts: the modules, by path inside a unit (``"mlp.experts"``), whose
+      parameters are stacked per expert (``(units, experts, ...)``): each expert of
+      each unit is written as a chunk of its own, read alone when picked
+      (``docs/design.md``, 5.6). Default: what the model declares
+      (``residency_experts``), else none.
 
   Returns:
     A description of what was written.
@@ -112,8 +118,13 @@ def save(
   if quantize is not None:
     plan = plan_quantization(split, quantize)  # checked before anything is written
     split = quantized_split(split, plan, values_from="lazy")
+  if experts is None:
+    experts = tuple(getattr(model, "residency_experts", ()) or ())
+  elif isinstance(experts, str):
+    experts = (experts,)
   return save_store(
     os.fspath(path),
+    experts=tuple(experts),
     static={split.leaves[i].path: split.values[i] for i in split.static_index},
     stacks={
       s.path_prefix: {

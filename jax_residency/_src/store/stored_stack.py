@@ -55,6 +55,11 @@ class StoredStack:
     return sum(tensor_nbytes(a.shape[1:], a.dtype) for a in self.arrays.values())
 
   @property
+  def experts(self) -> int:
+    """How many experts each unit holds as chunks of their own (`per_expert`); 0 if none."""
+    return max((a.shape[1] for a in self.arrays.values() if per_expert(a)), default=0)
+
+  @property
   def shared(self) -> frozenset[ParamPath]:
     """Its tensors whose chunks hold several units: reading one unit decodes them all."""
     return frozenset(rel for rel, a in self.arrays.items() if min(a.read_chunk[0], self.count) > 1)
@@ -103,18 +108,24 @@ def split_stacks(
     # Unit chunks stored raw in local files: read straight into the unit's buffer
     # (`mapped.UnitMapper.read_into`), or mapped once mapped reads are on.
     raw = {
-      rel: (a.stored_name, a.shape[1:], a.dtype)
+      rel: (a.stored_name, a.shape[1:], a.dtype, 0 if one else a.shape[1])
       for rel, a in units.items()
-      if a.raw and a.read_chunk == (1, *a.shape[1:])
+      if a.raw and ((one := a.read_chunk == (1, *a.shape[1:])) or per_expert(a))
     }
     mapper = None
     if local and raw and use_ocdbt:
       mapper = mapped.UnitMapper(local, use_ocdbt=use_ocdbt, tensors=raw)
-    nbytes = sum(padded_nbytes(shape, dtype) for _, shape, dtype in raw.values())
+    nbytes = sum(padded_nbytes(shape, dtype) for _, shape, dtype, _ in raw.values())
     out.append(StoredStack(prefix, count, offset, units, mapper, nbytes))
     offset += count
   static = {p: a for p, a in sorted(arrays.items()) if p not in claimed}
   return out, static
+
+
+def per_expert(a: discovery.ArrayInfo) -> bool:
+  """Whether a unit array is stored one chunk per expert: ``(1, 1, ...)`` chunks of a
+  ``(units, experts, ...)`` array with more than one expert (docs/design.md, 5.6)."""
+  return len(a.shape) >= 3 and a.shape[1] > 1 and a.read_chunk == (1, 1, *a.shape[2:])
 
 
 def locate(stacks: Sequence[StoredStack], i: Any, path: str) -> tuple[StoredStack, int]:
@@ -166,7 +177,7 @@ class StackLayout:
   @property
   def stacks(self) -> tuple[StackInfo, ...]:
     """Every stack opened, in order; unit ids run through them one after another."""
-    return tuple(StackInfo(s.prefix, s.count, s.unit_nbytes) for s in self._stacks)
+    return tuple(StackInfo(s.prefix, s.count, s.unit_nbytes, s.experts) for s in self._stacks)
 
   @property
   def unit_count(self) -> int:

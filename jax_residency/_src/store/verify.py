@@ -37,12 +37,14 @@ class Damage:
     unit: the unit, or None for a static tensor.
     corrupt: True for a checksum mismatch, False for any other read failure.
     message: what went wrong.
+    expert: the expert, for a tensor stored one chunk per expert (else None).
   """
 
   tensor: str
   unit: int | None
   corrupt: bool
   message: str
+  expert: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,7 @@ def verify_store(path: str, *, progress: bool | None = None) -> VerifyResult:
     checksummed = checksums(store) == "crc32c"
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm.tqdm(
-      total=sum(job[2] for job in jobs),
+      total=sum(job[3] for job in jobs),
       unit="B",
       unit_scale=True,
       unit_divisor=1024,
@@ -117,23 +119,31 @@ def verify_store(path: str, *, progress: bool | None = None) -> VerifyResult:
     path=path,
     checksummed=checksummed,
     chunks=len(jobs),
-    nbytes=sum(job[2] for job in jobs),
+    nbytes=sum(job[3] for job in jobs),
     damaged=tuple(damaged),
   )
 
 
-#: One chunk to read: the tensor's path, its unit (None for a static tensor), its bytes.
-_Job = tuple[ParamPath, int | None, int]
+#: One chunk to read: the tensor's path, its unit (None for a static tensor), its expert
+#: (None unless stored one chunk per expert), its bytes.
+_Job = tuple[ParamPath, int | None, int | None, int]
 
 
 def _chunk_jobs(store: UnitStore) -> list[_Job]:
-  """Every chunk of the store: each static tensor whole, each unit of each stack."""
+  """Every chunk of the store: each static tensor whole, each unit of each stack (each
+  expert of a unit, for a tensor stored one chunk per expert)."""
   jobs: list[_Job] = [
-    (p, None, tensor_nbytes(shape, dtype)) for p, (shape, dtype) in store.static_specs.items()
+    (p, None, None, tensor_nbytes(shape, dtype)) for p, (shape, dtype) in store.static_specs.items()
   ]
   for k, stack in enumerate(store.stacks):
     for rel, (shape, dtype) in store.stack_specs(k).items():
-      jobs += [(stack.prefix + rel, i, tensor_nbytes(shape, dtype)) for i in range(stack.count)]
+      path = stack.prefix + rel
+      chunk = tuple(store.array_handle(path).chunk_layout.read_chunk.shape or ())
+      if stack.experts and len(shape) >= 2 and chunk == (1, 1, *shape[1:]):
+        one = tensor_nbytes(shape[1:], dtype)
+        jobs += [(path, i, e, one) for i in range(stack.count) for e in range(shape[0])]
+      else:
+        jobs += [(path, i, None, tensor_nbytes(shape, dtype)) for i in range(stack.count)]
   return jobs
 
 
@@ -141,12 +151,14 @@ def _read_all(store: UnitStore, jobs: Sequence[_Job], bar: Any) -> list[Damage]:
   """Reads every chunk, at most `VERIFY_IN_FLIGHT_BYTES` in flight (one chunk more when
   a chunk is larger), and returns each failure, typed by `read_error`."""
   damaged: list[Damage] = []
-  pending: collections.deque[tuple[ParamPath, int | None, int, Any]] = collections.deque()
+  pending: collections.deque[tuple[ParamPath, int | None, int | None, int, Any]] = (
+    collections.deque()
+  )
   in_flight = 0
 
   def finish() -> None:
     nonlocal in_flight
-    tensor_path, unit, nbytes, future = pending.popleft()
+    tensor_path, unit, expert, nbytes, future = pending.popleft()
     in_flight -= nbytes
     try:
       future.result()
@@ -154,14 +166,19 @@ def _read_all(store: UnitStore, jobs: Sequence[_Job], bar: Any) -> list[Damage]:
       error = read_error(e, store.path, path_str(tensor_path), unit)
       damaged.append(
         Damage(
-          path_str(tensor_path), unit, isinstance(error, errors.StoreCorruptionError), str(error)
+          path_str(tensor_path),
+          unit,
+          isinstance(error, errors.StoreCorruptionError),
+          str(error),
+          expert,
         )
       )
     bar.update(nbytes)
 
-  for tensor_path, unit, nbytes in jobs:
+  for tensor_path, unit, expert, nbytes in jobs:
     handle = store.array_handle(tensor_path)
-    pending.append((tensor_path, unit, nbytes, (handle if unit is None else handle[unit]).read()))
+    index = () if unit is None else unit if expert is None else (unit, expert)
+    pending.append((tensor_path, unit, expert, nbytes, handle[index].read()))
     in_flight += nbytes
     while in_flight > VERIFY_IN_FLIGHT_BYTES and len(pending) > 1:
       finish()

@@ -26,7 +26,7 @@ import tqdm
 
 from jax_residency._src import errors
 from jax_residency._src.plan.quantized import QuantPlan
-from jax_residency._src.store import checks, commit, mapped, pointers, remote, space
+from jax_residency._src.store import checks, commit, layout, mapped, pointers, remote, space
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
   FORMAT_VERSION,
@@ -226,9 +226,11 @@ class StoreWriter:
     stacks: Sequence[tuple[ParamPath, int]],
     extra: Mapping[str, Any] | None = None,
     quantization: Mapping[str, Any] | None = None,
+    experts: Mapping[ParamPath, tuple[list[list[str]], int]] | None = None,
   ) -> None:
     """Writes the markers and puts the store in place; ``quantization`` is the sidecar's
-    record of the tensors held quantized (`plan.quantized.QuantPlan.to_dict`)."""
+    record of the tensors held quantized (`plan.quantized.QuantPlan.to_dict`), ``experts``
+    each stack's expert paths and count, where its experts are chunks of their own."""
     self._drain()
     kv = ts.KvStore.open(self.target.base, context=self.context).result()
     sidecar: dict[str, Any] = {
@@ -239,6 +241,10 @@ class StoreWriter:
       "unit_count": stacks[0][1],
       "stacks": [{"prefix": list(p), "count": n} for p, n in stacks],
     }
+    for entry, (prefix, _) in zip(sidecar["stacks"], stacks, strict=True):
+      if prefix in (experts or {}):
+        paths, count = experts[prefix]  # type: ignore[index]
+        entry["experts"] = {"paths": paths, "count": count}
     if quantization is not None:
       sidecar["quantization"] = dict(quantization)
     for key, value in (
@@ -300,13 +306,6 @@ class StoreWriter:
     return space.disk_full_error(self.dest.path, self._total, self._free, replaced=self._replacing)
 
 
-def _host(value: Any) -> Any:
-  """Keeps array-likes with shape/dtype as they are (sliced lazily); else numpy."""
-  if hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "__getitem__"):
-    return value
-  return np.asarray(value)
-
-
 def _chunk_regions(shape: tuple[int, ...], chunk: tuple[int, ...]) -> list[tuple[slice, ...]]:
   """The regions of a ``chunk``-chunked array of ``shape``; ``[()]`` for one chunk."""
   if chunk == shape:
@@ -335,6 +334,7 @@ def save_store(
   extra: Mapping[str, Any] | None = None,
   desc: str = "save_store",
   quantization: QuantPlan | None = None,
+  experts: Sequence[ParamPath | str] = (),
 ) -> StoreInfo:
   """Writes a streamable, Orbax-compatible store.
 
@@ -365,6 +365,9 @@ def save_store(
     desc: The progress bar's label.
     quantization: The tensors the arrays hold quantized, as their parts
       (`plan.quantized.quantized_split`), recorded in the sidecar.
+    experts: Paths, relative to a unit, of the modules whose arrays are stacked per
+      expert (``(units, experts, ...)``): each expert of each unit is written as a
+      chunk of its own and can be read alone (docs/design.md, 5.6).
 
   Arrays may be lazy: anything with ``shape``, ``dtype`` and ``__getitem__``
   (a unit array is indexed one unit at a time) and ``__array__`` (a static one
@@ -380,7 +383,11 @@ def save_store(
       is in the way of `path`; or the disk is full (checked before writing, and
       reported with the bytes needed if it fills up while writing).
   """
-  static_arrays, laid_out = _lay_out(static, _stacks_argument(units, unit_prefix, stacks))
+  static_arrays, laid_out = layout.lay_out(
+    static, layout.stacks_argument(units, unit_prefix, stacks)
+  )
+  expert_paths = [tuple(e.split(".")) if isinstance(e, str) else as_path(e) for e in experts]
+  per_expert, expert_counts = layout.expert_arrays(laid_out, expert_paths)
   full = {
     **static_arrays,
     **{prefix + p: a for prefix, arrays, _ in laid_out for p, a in arrays.items()},
@@ -403,9 +410,12 @@ def save_store(
     )
     try:
       _write_static(writer, static_arrays, dtypes)
-      _write_stacks(writer, laid_out, dtypes)
+      _write_stacks(writer, laid_out, dtypes, per_expert)
       writer.commit(
         stacks=[(prefix, count) for prefix, _, count in laid_out],
+        experts={
+          prefix: ([list(e) for e in expert_paths], n) for prefix, n in expert_counts.items()
+        },
         extra=extra,
         quantization=None if quantization is None else quantization.to_dict(),
       )
@@ -419,48 +429,10 @@ def save_store(
     unit_count=sum(n for _, _, n in laid_out),
     unit_nbytes=max(unit_nbytes.values()),
     static_nbytes=static_nbytes,
-    stacks=tuple(StackInfo(p, n, unit_nbytes[p]) for p, _, n in laid_out),
+    stacks=tuple(StackInfo(p, n, unit_nbytes[p], expert_counts.get(p, 0)) for p, _, n in laid_out),
     format_version=PLAIN_FORMAT_VERSION if quantization is None else FORMAT_VERSION,
     quantization=quantization,
   )
-
-
-#: One layer stack to write: its prefix, its arrays by path inside it, its unit count.
-_LaidOut = tuple[ParamPath, dict[ParamPath, Any], int]
-
-
-def _stacks_argument(
-  units: Mapping[tuple[str, ...], ArrayLike] | None,
-  unit_prefix: tuple[str, ...] | None,
-  stacks: Mapping[tuple[str, ...], Mapping[tuple[str, ...], ArrayLike]] | None,
-) -> Mapping[tuple[str, ...], Mapping[tuple[str, ...], ArrayLike]]:
-  """`save_store`'s stacks, given as ``stacks=`` or as ``units=`` with ``unit_prefix=``."""
-  if stacks is None:
-    if unit_prefix is None or units is None:
-      raise errors.StoreError("save_store needs units= and unit_prefix=, or stacks=.")
-    stacks = {tuple(unit_prefix): units}
-  elif units is not None or unit_prefix is not None:
-    raise errors.StoreError("save_store takes stacks= or units= with unit_prefix=, not both.")
-  if not stacks:
-    raise errors.StoreError("save_store needs at least one layer stack; got none.")
-  return stacks
-
-
-def _lay_out(
-  static: Mapping[tuple[str, ...], ArrayLike],
-  stacks: Mapping[tuple[str, ...], Mapping[tuple[str, ...], ArrayLike]],
-) -> tuple[dict[ParamPath, Any], list[_LaidOut]]:
-  """The static arrays by path, and each stack with its unit count (checked equal
-  across the stack's arrays)."""
-  static_arrays = {as_path(k): _host(v) for k, v in static.items()}
-  laid_out: list[_LaidOut] = []
-  for key, arrays in stacks.items():
-    prefix = as_path(key)
-    unit_arrays = {as_path(k): _host(v) for k, v in arrays.items()}
-    laid_out.append(
-      (prefix, unit_arrays, checks.stack_unit_count(prefix, unit_arrays, static_arrays))
-    )
-  return static_arrays, laid_out
 
 
 def _write_static(
@@ -476,14 +448,25 @@ def _write_static(
 
 
 def _write_stacks(
-  writer: StoreWriter, laid_out: Sequence[_LaidOut], dtypes: Mapping[ParamPath, Any]
+  writer: StoreWriter,
+  laid_out: Sequence[layout.LaidOut],
+  dtypes: Mapping[ParamPath, Any],
+  experts: Mapping[ParamPath, frozenset[ParamPath]],
 ) -> None:
-  """Writes every stack one unit at a time: one chunk per unit of each array."""
+  """Writes every stack one unit at a time: one chunk per unit of each array, and of an
+  expert array (``experts``: each stack's) one chunk per expert of each unit."""
   for prefix, arrays, count in laid_out:
-    handles = {}
+    handles, pieces = {}, {}
     for p, a in sorted(arrays.items()):
       shape = tuple(a.shape)
-      handles[p] = writer.create(prefix + p, shape, dtypes[prefix + p], (1, *shape[1:]))
+      per_expert = p in experts.get(prefix, ())
+      chunk = (1, 1, *shape[2:]) if per_expert else (1, *shape[1:])
+      handles[p] = writer.create(prefix + p, shape, dtypes[prefix + p], chunk)
+      pieces[p] = shape[1] if per_expert else 0
     for i in range(count):
       for p, a in sorted(arrays.items()):
-        writer.write(handles[p], i, _native(a[i], dtypes[prefix + p]))
+        unit = _native(a[i], dtypes[prefix + p])
+        for e in range(pieces[p]):
+          writer.write(handles[p], (i, e), unit[e])
+        if not pieces[p]:
+          writer.write(handles[p], i, unit)

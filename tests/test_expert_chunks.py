@@ -24,6 +24,7 @@ from policies import dense
 
 import jax_residency as jr
 from jax_residency import models
+from jax_residency._src.store.rechunk import rechunk_store
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.store.verify import verify_store
 
@@ -178,3 +179,29 @@ def test_an_experts_path_that_names_nothing_is_refused_and_nothing_is_written(mi
   with pytest.raises(jr.errors.StoreError, match="one expert count"):
     jr.save(mixtral, tmp_path / "bad2", experts="mlp", progress=False)
   assert not (tmp_path / "bad2").exists()
+
+
+def test_rechunk_writes_experts_whole_or_a_chunk_each_and_keeps_them_by_default(
+  converted, tmp_path
+):
+  """``rechunk --experts none`` writes each unit whole, ``--experts mlp.experts`` one chunk
+  per expert again, no option keeps what the source holds; a path naming nothing is
+  refused (exit 2) with nothing written."""
+  path, info = converted
+  whole = rechunk_store(path, str(tmp_path / "whole"), experts=[], progress=False)
+  assert whole.stacks[0].experts == 0
+  assert _chunk(str(tmp_path / "whole"), "layers.mlp.experts.up_proj")[1][:2] == (1, 4)
+  back = str(tmp_path / "back")
+  cli = [sys.executable, "-m", "jax_residency", "rechunk", str(tmp_path / "whole"), back]
+  subprocess.run([*cli, "--experts", "mlp.experts"], check=True, capture_output=True)
+  kept = rechunk_store(back, str(tmp_path / "kept"), progress=False)
+  assert kept.stacks[0].experts == info.stacks[0].experts == 4
+  for store in (back, str(tmp_path / "kept")):
+    assert verify_store(store, progress=False).chunks == verify_store(path, progress=False).chunks
+    shape, chunk = _chunk(store, "layers.mlp.experts.up_proj")
+    assert chunk == (1, 1, *shape[2:])
+  bad = subprocess.run(
+    [*cli[:-1], str(tmp_path / "bad"), "--experts", "mlp.nope"], capture_output=True, text=True
+  )
+  assert bad.returncode == 2 and "rechunk: experts=['mlp.nope'] names no parameters" in bad.stderr
+  assert not (tmp_path / "bad").exists()

@@ -270,8 +270,14 @@ def cmd_rechunk(args: argparse.Namespace) -> int:
     raise CommandError(f"{args.src}: no such file or directory")
   try:
     units = [p for u in (args.units or "").split(",") if (p := parse_prefix(u))]
+    experts = None if args.experts is None else [e for e in args.experts.split(",") if e]
     info = rechunk_store(
-      args.src, args.dst, stacks=units or None, progress=None, overwrite=args.overwrite
+      args.src,
+      args.dst,
+      stacks=units or None,
+      progress=None,
+      overwrite=args.overwrite,
+      experts=[] if experts == ["none"] else experts,
     )
   except (OSError, ValueError) as e:
     from jax_residency._src.errors import ResidencyError  # noqa: PLC0415
@@ -284,6 +290,7 @@ def cmd_rechunk(args: argparse.Namespace) -> int:
     shutil.copyfile(src_model, dst_model)
   held = ", ".join(
     f"{st.count} units x {fmt_bytes(st.unit_nbytes)} under {path_str(st.prefix)!r}"
+    + (f" ({st.experts} experts a unit, a chunk each)" if st.experts else "")
     for st in info.stacks
   )
   emit(

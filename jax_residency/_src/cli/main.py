@@ -414,6 +414,13 @@ def _add_rechunk(sub: argparse._SubParsersAction[_Parser]) -> None:
     help="the layer stack(s), e.g. layers or encoder_layers,decoder_layers (default: the\n"
     "stacks SRC records; needed for a plain Orbax checkpoint)",
   )
+  rechunk.add_argument(
+    "--experts",
+    metavar="PATH[,PATH...]",
+    help="modules inside a unit stacked per expert, e.g. mlp.experts: each expert of each\n"
+    "unit becomes a chunk of its own, read alone (default: as SRC holds them; 'none'\n"
+    "writes every unit whole)",
+  )
   _add_overwrite(rechunk)
 
 

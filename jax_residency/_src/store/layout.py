@@ -64,7 +64,7 @@ def lay_out(
 
 
 def expert_arrays(
-  laid_out: Sequence[LaidOut], experts: Sequence[ParamPath]
+  laid_out: Sequence[LaidOut], experts: Sequence[ParamPath], *, where: str = "save"
 ) -> tuple[dict[ParamPath, frozenset[ParamPath]], dict[ParamPath, int]]:
   """Each stack's arrays under an ``experts`` path (relative to a unit), and its expert
   count (the arrays' second axis, the same for all of a stack's).
@@ -85,7 +85,7 @@ def expert_arrays(
     sizes = {s[1] if len(s) >= 3 else 0 for s in found.values()}
     if len(sizes) != 1 or 0 in sizes:
       raise errors.StoreError(
-        f"save: the arrays under experts={[path_str(e) for e in experts]} in stack "
+        f"{where}: the arrays under experts={[path_str(e) for e in experts]} in stack "
         f"{path_str(prefix)!r} must each hold (units, experts, ...) with one expert count; "
         f"found:\n{errors.format_paths(f'{k}: {v}' for k, v in found.items())}\nPass the "
         "path of the module whose parameters are stacked per expert."
@@ -95,7 +95,7 @@ def expert_arrays(
   if unused:
     leaves = sorted({path_str(p[:-1]) for _, arrays, _ in laid_out for p in arrays if len(p) > 1})
     raise errors.StoreError(
-      f"save: experts={unused} names no parameters of a unit; nothing was written. A path "
+      f"{where}: experts={unused} names no parameters of a unit; nothing was written. A path "
       f"is relative to a unit, e.g. 'mlp.experts'; a unit's modules:\n"
       f"{errors.format_paths(leaves)}"
     )

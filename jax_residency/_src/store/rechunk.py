@@ -1,21 +1,24 @@
 """Copying a checkpoint into a streamable store: `rechunk_store`.
 
-Any chunking or compression in, one uncompressed chunk per unit out, one unit at
-a time, through the same `StoreWriter` as `save_store` (atomic, bounded writes).
+Any chunking or compression in, one uncompressed chunk per unit out (and per expert,
+for a mixture of experts' expert tensors: docs/design.md, 5.6), one unit at a time,
+through the same `StoreWriter` as `save_store` (atomic, bounded writes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Sequence
 
 import numpy as np
 import tensorstore as ts
 
 from jax_residency._src import errors
-from jax_residency._src.store import commit
+from jax_residency._src.store import commit, layout
 from jax_residency._src.store.discovery import locate
-from jax_residency._src.store.info import StoreInfo
+from jax_residency._src.store.info import StackInfo, StoreInfo
+from jax_residency._src.store.stored_stack import per_expert
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.store.writer import StoreWriter
 
@@ -33,6 +36,7 @@ def rechunk_store(
   progress: bool | None = None,
   overwrite: bool = False,
   stacks: Sequence[tuple[str, ...]] | None = None,
+  experts: Sequence[str] | None = None,
 ) -> StoreInfo:
   """Copies a checkpoint into a streamable store: one uncompressed chunk per unit.
 
@@ -52,6 +56,9 @@ def rechunk_store(
     overwrite: Replace an existing store at `dst`.
     stacks: Several unit subtrees (instead of ``unit_prefix``); both None take
       the stacks `src` records.
+    experts: Paths, relative to a unit (``"mlp.experts"``), of the modules stacked
+      per expert, written one chunk per expert of each unit (docs/design.md, 5.6).
+      None keeps what `src` holds per expert; ``()`` writes every unit whole.
   """
   if locate(src) == locate(dst):
     raise errors.StoreError(f"rechunk_store needs a destination other than the source {src}.")
@@ -65,6 +72,7 @@ def rechunk_store(
     cache_largest_chunk=True,
   )
   info = source.info
+  chosen = _experts(source, experts)
   with commit.terminations_raise():  # SIGTERM, as SIGINT, removes the temporary store
     writer = StoreWriter(
       dst,
@@ -78,14 +86,25 @@ def rechunk_store(
         handle = writer.create(p, shape, dtype, shape)
         writer.write(handle, (), source.array_handle(p).read().result())
       for k, stack in enumerate(source.stacks):
+        picked, _ = chosen.get(stack.prefix, (frozenset(), 0))
         for rel, (shape, dtype) in source.stack_specs(k).items():
-          handle = writer.create(stack.prefix + rel, (stack.count, *shape), dtype, (1, *shape))
+          split = rel in picked
+          chunk = (1, 1, *shape[1:]) if split else (1, *shape)
+          handle = writer.create(stack.prefix + rel, (stack.count, *shape), dtype, chunk)
           src_handle = source.array_handle(stack.prefix + rel)
           for i in range(stack.count):
-            writer.write(handle, i, _read_unit_slice(src_handle, i))
+            unit = _read_unit_slice(src_handle, i)
+            for e in range(shape[0] if split else 0):
+              writer.write(handle, (i, e), unit[e])
+            if not split:
+              writer.write(handle, i, unit)
       writer.commit(
         stacks=[(st.prefix, st.count) for st in source.stacks],
         quantization=None if info.quantization is None else info.quantization.to_dict(),
+        experts={
+          p: ([list(m) for m in sorted({rel[:-1] for rel in picked})], n)
+          for p, (picked, n) in chosen.items()
+        },
       )
     except BaseException as e:
       if (disk_full := writer.fail(e)) is not None:
@@ -93,4 +112,29 @@ def rechunk_store(
       raise
     finally:
       source.close()
-  return dataclasses.replace(info, path=dst)
+  stacks_out = tuple(
+    StackInfo(s.prefix, s.count, s.unit_nbytes, chosen.get(s.prefix, ((), 0))[1])
+    for s in info.stacks
+  )
+  return dataclasses.replace(info, path=dst, stacks=stacks_out)
+
+
+def _experts(
+  source: UnitStore, experts: Sequence[str] | None
+) -> dict[tuple[str, ...], tuple[frozenset[tuple[str, ...]], int]]:
+  """Each stack's tensors to write per expert, and its expert count: those under
+  ``experts``, or (None) those the source holds per expert."""
+  if experts is None:
+    held = {
+      st.prefix: (frozenset(rel for rel, a in st.arrays.items() if per_expert(a)), st.experts)
+      for st in source.stored_stacks
+    }
+    return {p: found for p, found in held.items() if found[0]}
+  laid = []
+  for k, st in enumerate(source.stacks):
+    specs = source.stack_specs(k).items()
+    arrays = {rel: types.SimpleNamespace(shape=(st.count, *shape)) for rel, (shape, _) in specs}
+    laid.append((st.prefix, arrays, st.count))
+  paths = [tuple(e.split(".")) for e in experts]
+  chosen, counts = layout.expert_arrays(laid, paths, where="rechunk")
+  return {p: (chosen[p], counts[p]) for p in chosen}

@@ -175,6 +175,11 @@ class StackLayout:
     )
 
   @property
+  def stored_stacks(self) -> tuple[StoredStack, ...]:
+    """Every stack opened, with its arrays' chunking (`StoredStack`)."""
+    return tuple(self._stacks)
+
+  @property
   def stacks(self) -> tuple[StackInfo, ...]:
     """Every stack opened, in order; unit ids run through them one after another."""
     return tuple(StackInfo(s.prefix, s.count, s.unit_nbytes, s.experts) for s in self._stacks)

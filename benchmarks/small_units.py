@@ -100,9 +100,9 @@ def child_build(args: argparse.Namespace) -> dict:
   return {"store": args.store}
 
 
-def child_run(args: argparse.Namespace) -> dict:
-  """Each placement of ``--policies`` in turn: its decode step and its logits."""
-  import jax
+def _placed_runs(args: argparse.Namespace, extra_steps: int = 0):
+  """Each placement of ``--policies`` in turn, after its prompt's prefill: ``(name,
+  config, placed model, the prefill's logits, the cache)``."""
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
@@ -112,21 +112,31 @@ def child_run(args: argparse.Namespace) -> dict:
 
   cfg = _config(json.loads(args.shape))
   abstract = nnx.eval_shape(lambda: models.Llama(cfg, rngs=nnx.Rngs(0)))
-  out = {}
   for name in args.policies.split(","):
     with jr.place(abstract, _policy(name), store=args.store) as placed:
       prompt = jnp.asarray(np.arange(1, args.prompt_len + 1)[None] % cfg.vocab_size, jnp.int32)
-      cache = models.LlamaCache.zeros(cfg, 1, args.prompt_len + args.steps)
+      cache = models.LlamaCache.zeros(cfg, 1, args.prompt_len + args.steps + extra_steps)
       logits, cache = placed(prompt, None, cache, 0)
-      rows = [np.asarray(logits[0, -1])]
-      steps = []
-      for i in range(args.steps):
-        token = jnp.asarray([[int(np.argmax(rows[-1]))]], jnp.int32)
-        start = time.perf_counter()
-        logits, cache = placed(token, None, cache, jnp.int32(args.prompt_len + i))
-        jax.block_until_ready(logits)
-        steps.append(time.perf_counter() - start)
-        rows.append(np.asarray(logits[0, -1]))
+      yield name, cfg, placed, logits, cache
+
+
+def child_run(args: argparse.Namespace) -> dict:
+  """Each placement of ``--policies`` in turn: its decode step and its logits."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  out = {}
+  for name, _, placed, logits, cache in _placed_runs(args):
+    rows = [np.asarray(logits[0, -1])]
+    steps = []
+    for i in range(args.steps):
+      token = jnp.asarray([[int(np.argmax(rows[-1]))]], jnp.int32)
+      start = time.perf_counter()
+      logits, cache = placed(token, None, cache, jnp.int32(args.prompt_len + i))
+      jax.block_until_ready(logits)
+      steps.append(time.perf_counter() - start)
+      rows.append(np.asarray(logits[0, -1]))
     out[name] = {"step_s": statistics.median(steps[2:]), "logits": np.stack(rows).tolist()}
   return out
 
@@ -171,31 +181,20 @@ def child_profile(args: argparse.Namespace) -> dict:
 
   import jax
   import jax.numpy as jnp
-  import numpy as np
-  from flax import nnx
 
-  import jax_residency as jr
-  from jax_residency import models
-
-  cfg = _config(json.loads(args.shape))
-  abstract = nnx.eval_shape(lambda: models.Llama(cfg, rngs=nnx.Rngs(0)))
   out = {}
-  for name in args.policies.split(","):
-    with jr.place(abstract, _policy(name), store=args.store) as placed:
-      cache = models.LlamaCache.zeros(cfg, 1, args.prompt_len + args.steps + 2)
-      prompt = jnp.asarray(np.arange(1, args.prompt_len + 1)[None], jnp.int32)
-      logits, cache = placed(prompt, None, cache, 0)
-      token = jnp.asarray([[1]], jnp.int32)
-      profile = cProfile.Profile()
-      start = time.perf_counter()
-      for i in range(args.steps + 2):
-        if i == 2:
-          profile.enable()
-          start = time.perf_counter()
-        logits, cache = placed(token, None, cache, jnp.int32(args.prompt_len + i))
-        jax.block_until_ready(logits)
-      wall = time.perf_counter() - start
-      profile.disable()
+  for name, cfg, placed, logits, cache in _placed_runs(args, extra_steps=2):
+    token = jnp.asarray([[1]], jnp.int32)
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    for i in range(args.steps + 2):
+      if i == 2:
+        profile.enable()
+        start = time.perf_counter()
+      logits, cache = placed(token, None, cache, jnp.int32(args.prompt_len + i))
+      jax.block_until_ready(logits)
+    wall = time.perf_counter() - start
+    profile.disable()
     visits = args.steps * cfg.num_hidden_layers
     spent = dict.fromkeys(CATEGORIES, 0.0)
     for (file, _, func), (_, _, tottime, _, _) in pstats.Stats(profile).stats.items():

@@ -12,14 +12,13 @@ quantized store and an in-memory store hold their experts the same way; a bad
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
+from cli_call import call
 from policies import dense
 
 import jax_residency as jr
@@ -124,11 +123,8 @@ def test_verify_reads_each_expert_chunk_and_names_a_damaged_one(converted, tmp_p
   assert [(d.tensor, d.unit, d.expert, d.corrupt) for d in damaged] == [
     ("layers.mlp.experts.down_proj", 2, 3, True)
   ]
-  cli = subprocess.run(
-    [sys.executable, "-m", "jax_residency", "verify", copy], capture_output=True, text=True
-  )
-  assert cli.returncode == 1
-  assert "corrupt: layers.mlp.experts.down_proj (unit 2, expert 3)" in cli.stdout
+  code, out, _ = call("verify", copy)
+  assert code == 1 and "corrupt: layers.mlp.experts.down_proj (unit 2, expert 3)" in out
   with jr.place(models.load_llama(FIXTURES / "mixtral_tiny"), dense(0), store=copy) as placed:
     with pytest.raises(jr.errors.StoreCorruptionError, match="down_proj"):
       placed(IDS)
@@ -136,12 +132,8 @@ def test_verify_reads_each_expert_chunk_and_names_a_damaged_one(converted, tmp_p
 
 def test_inspect_says_how_many_experts_a_unit_holds(converted):
   path, _ = converted
-  out = subprocess.run(
-    [sys.executable, "-m", "jax_residency", "inspect", path, "--json"],
-    capture_output=True,
-    text=True,
-    check=True,
-  ).stdout
+  code, out, _ = call("inspect", path, "--json")
+  assert code == 0
   stacks = json.loads(out)["stacks"]
   assert [(s["prefix"], s["experts"]) for s in stacks] == [("layers", 4)]
 
@@ -181,9 +173,7 @@ def test_an_experts_path_that_names_nothing_is_refused_and_nothing_is_written(mi
   assert not (tmp_path / "bad2").exists()
 
 
-def test_rechunk_writes_experts_whole_or_a_chunk_each_and_keeps_them_by_default(
-  converted, tmp_path
-):
+def test_rechunk_writes_experts_whole_or_a_chunk_each_or_as_they_were(converted, tmp_path):
   """``rechunk --experts none`` writes each unit whole, ``--experts mlp.experts`` one chunk
   per expert again, no option keeps what the source holds; a path naming nothing is
   refused (exit 2) with nothing written."""
@@ -192,16 +182,13 @@ def test_rechunk_writes_experts_whole_or_a_chunk_each_and_keeps_them_by_default(
   assert whole.stacks[0].experts == 0
   assert _chunk(str(tmp_path / "whole"), "layers.mlp.experts.up_proj")[1][:2] == (1, 4)
   back = str(tmp_path / "back")
-  cli = [sys.executable, "-m", "jax_residency", "rechunk", str(tmp_path / "whole"), back]
-  subprocess.run([*cli, "--experts", "mlp.experts"], check=True, capture_output=True)
+  assert call("rechunk", str(tmp_path / "whole"), back, "--experts", "mlp.experts")[0] == 0
   kept = rechunk_store(back, str(tmp_path / "kept"), progress=False)
   assert kept.stacks[0].experts == info.stacks[0].experts == 4
   for store in (back, str(tmp_path / "kept")):
     assert verify_store(store, progress=False).chunks == verify_store(path, progress=False).chunks
     shape, chunk = _chunk(store, "layers.mlp.experts.up_proj")
     assert chunk == (1, 1, *shape[2:])
-  bad = subprocess.run(
-    [*cli[:-1], str(tmp_path / "bad"), "--experts", "mlp.nope"], capture_output=True, text=True
-  )
-  assert bad.returncode == 2 and "rechunk: experts=['mlp.nope'] names no parameters" in bad.stderr
+  code, _, err = call("rechunk", back, str(tmp_path / "bad"), "--experts", "mlp.nope")
+  assert code == 2 and "rechunk: experts=['mlp.nope'] names no parameters" in err
   assert not (tmp_path / "bad").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from cli_call import call
@@ -45,6 +46,20 @@ def test_a_config_is_sized_as_its_converted_store(converted):
   # Parameters of one layer, as floats: attention (q, o 32x32; k, v 32x16), MLP (3 of
   # 32x64) and two norms of 32, whether stored as floats or as int8 codes.
   assert from_config.unit_params == (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32,)
+
+
+def test_a_config_is_sized_once_until_its_file_changes(tmp_path):
+  """A measurement and a plan of one config share its sizes (building the abstract model
+  of a large one takes a second); an edited config is sized again."""
+  config = tmp_path / "config.json"
+  shutil.copyfile(CONFIG, config)
+  first = sizes_of(config)
+  assert sizes_of(config) is first and sizes_of(config, quantize="int8") is not first
+  hf = json.loads(config.read_text())
+  hf["num_hidden_layers"] += 1
+  config.write_text(json.dumps(hf))
+  again = sizes_of(config)
+  assert again.stacks[0][1] == first.stacks[0][1] + 1
 
 
 def test_given_figures_predict_by_the_roofline(converted):

@@ -60,6 +60,10 @@ def config_path(path: str | os.PathLike[str]) -> str | None:
   return None
 
 
+#: The sizes of the configs sized last, by file (its path and text) and options.
+_CONFIG_SIZES: dict[tuple[Any, ...], ModelSizes] = {}
+
+
 def sizes_of(
   path: str | os.PathLike[str], *, dtype: Any = None, quantize: Any = None
 ) -> ModelSizes:
@@ -69,7 +73,15 @@ def sizes_of(
   for a config.json only: a store is planned as it is stored."""
   config = config_path(path)
   if config is not None:
-    return _of_config(config, dtype, quantize)
+    # Sizing a config builds its abstract model (about 1 s for an 8B one); a measurement
+    # and a plan of the same config (`Accelerator.measurement`, then `jr.plan`) share it.
+    with open(config, "rb") as f:  # a few KiB: its text is the key, not its time stamp
+      key = (os.path.realpath(config), f.read(), repr(dtype), repr(quantize))
+    if key not in _CONFIG_SIZES:
+      if len(_CONFIG_SIZES) >= 8:
+        _CONFIG_SIZES.pop(next(iter(_CONFIG_SIZES)))
+      _CONFIG_SIZES[key] = _of_config(config, dtype, quantize)
+    return _CONFIG_SIZES[key]
   if dtype is not None or quantize is not None:
     raise PlacementError(
       f"dtype={dtype!r}, quantize={quantize!r}: {os.fspath(path)} is a store, planned as it "

@@ -186,6 +186,48 @@ def test_policies_that_run_the_same_step_agree_bit_for_bit(placed_output, varian
     np.testing.assert_allclose(resident, direct, rtol=1e-5, atol=1e-6)
 
 
+# --- a mixture of experts: each expert's kernels quantized as matrices of their own -------
+
+MOE_FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+MOE_SCHEMES = {"int8": "int8", "int4": {"scheme": "int4", "group_size": 32}}
+
+
+@pytest.mark.parametrize(
+  ("name", "scheme", "policy", "devices"),
+  [
+    *[("mixtral_tiny", s, p, 1) for s in MOE_SCHEMES for p in ("fully_resident", "dense_direct")],
+    ("mixtral_tiny", "int4", "layerwise_k2", 1),
+    ("qwen2_moe_tiny", "int8", "dense_cached", 8),
+    ("mixtral_tiny", "int4", "fully_resident", 8),
+  ],
+)
+def test_expert_kernels_are_quantized_per_expert_and_place_as_the_dequantized_model(
+  name, scheme, policy, devices, tmp_path
+):
+  """``mlp.experts`` kernels, ``(experts, in, out)`` a layer, are quantized as one matrix
+  per expert (quant/encoding.py), their parts stored one chunk per expert; the placed
+  store gives the plain model with the decoded values to 1e-5, on one device and eight."""
+  from jax_residency import models
+
+  mesh = None
+  if devices == 8:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    model = models.load_llama(os.path.join(MOE_FIXTURES, name))
+  path = str(tmp_path / "store")
+  info = jr.save(model, path, quantize=MOE_SCHEMES[scheme], progress=False)
+  experts = [t for t in info.quantization.tensors if "experts" in t.path]
+  assert {t.path[-1] for t in experts} == {"gate_proj", "up_proj", "down_proj"}
+  assert all(len(t.shape) == 4 and t.encoding.axis == -2 for t in experts)
+  assert info.stacks[0].experts == model.config.num_experts
+  ids = jnp.asarray([[1, 5, 9, 3, 7]], jnp.int32)
+  kwargs = {"mesh": mesh} if mesh is not None else {}
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    want = dequantized_reference(model, info.quantization, ids, jit=False)
+  with jr.place(model, POLICIES[policy](), store=path, **kwargs) as placed:
+    np.testing.assert_allclose(placed(ids), want, rtol=1e-5, atol=1e-5)
+
+
 # --- bytes: what the store holds, what moves, what is planned ---------------------------
 
 

@@ -81,8 +81,8 @@ def quantization_info(plan: Any) -> dict[str, Any] | None:
     rule = f"matrices keep the GGML types of their GGUF file ({kept}); norms are floats"
   else:
     rule = (
-      f"floating matrices (per unit) with both dimensions >= {MIN_QUANTIZED_DIM}; "
-      "vectors, scalars and smaller tensors stay as they are"
+      f"floating matrices (per unit, and per expert of an 'experts' module) with both "
+      f"dimensions >= {MIN_QUANTIZED_DIM}; vectors, scalars and smaller tensors stay as they are"
     )
   return {
     **plan.quantization.to_dict(),

@@ -11,9 +11,11 @@ the decodes are traced: `quant.fused` computes each inside the operation that us
 it).
 
 Which tensors a store quantizes (`quantized_axis`): floating matrices, per unit
-for a layer stack's tensors, whose two dimensions both reach `MIN_QUANTIZED_DIM`.
-Vectors (norms, biases), scalars, tensors of three or more dimensions per unit and
-small matrices stay as they are. A matrix named ``embedding`` is a table looked up
+for a layer stack's tensors, whose two dimensions both reach `MIN_QUANTIZED_DIM`, and
+a mixture of experts' expert kernels (a module named `EXPERTS_NAME`, one ``(in, out)``
+matrix per expert), each expert's matrix as one. Vectors (norms, biases), scalars,
+other tensors of three or more dimensions per unit and small matrices stay as they are.
+A matrix named ``embedding`` is a table looked up
 by rows: its groups run along the last axis (a row's features). Any other matrix is
 applied as ``x @ w``: its groups run along the first of its two axes.
 """
@@ -41,6 +43,9 @@ MIN_QUANTIZED_DIM = 32
 MATVEC_CHUNK = 2048
 #: Names of lookup tables, whose groups run along their rows.
 EMBEDDING_NAMES = ("embedding",)
+#: The module name of a mixture of experts' kernels stacked per expert, ``(experts, in,
+#: out)`` per unit (the Llama family's ``mlp.experts``).
+EXPERTS_NAME = "experts"
 
 
 def quantized_axis(path: Sequence[str], unit_shape: Sequence[int], dtype: Any) -> int | None:
@@ -58,10 +63,14 @@ def quantized_axis(path: Sequence[str], unit_shape: Sequence[int], dtype: Any) -
     -1
     >>> quantized_axis(("norm", "scale"), (512,), "float32") is None
     True
+    >>> quantized_axis(("layers", "mlp", "experts", "up_proj"), (8, 512, 1024), "bfloat16")
+    -2
   """
   dt = np.dtype(dtype)
   floating = np.issubdtype(dt, np.floating) or dt.name == "bfloat16"
-  if not floating or len(unit_shape) != 2 or min(unit_shape) < MIN_QUANTIZED_DIM:
+  experts = len(unit_shape) == 3 and EXPERTS_NAME in path[:-1]
+  matrix = unit_shape[-2:] if experts else unit_shape
+  if not floating or len(matrix) != 2 or min(matrix) < MIN_QUANTIZED_DIM:
     return None
   return -1 if path and path[-1] in EMBEDDING_NAMES else -2
 

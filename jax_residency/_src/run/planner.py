@@ -184,8 +184,11 @@ def plan(
     >>> found = jr.measure(store, model, inputs=tokens)
     >>> ranked = jr.plan(store, found, device_budget_bytes=None, host_budget_bytes=0,
     ...                  workload=work)
-    >>> type(ranked[0].policy).__name__, ranked[0].decode_seconds > 0
-    ('FullyResident', True)
+    >>> sorted({type(c.policy).__name__ for c in ranked})
+    ['DenseDiskStream', 'FullyResident', 'LayerwiseHost']
+    >>> times = [c.total_seconds for c in ranked]  # fastest first (on a toy, close together)
+    >>> times == sorted(times) and ranked[0].decode_seconds > 0
+    True
     >>> del os.environ["JAX_RESIDENCY_CACHE_DIR"]
   """
   if regime not in REGIMES:

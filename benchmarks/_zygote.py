@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -96,10 +97,14 @@ def run(
 def _ask(
   path: str, request: dict, fds: list[int], timeout: float | None, cmd: Sequence[str]
 ) -> int | None:
-  """Sends one request; the fork's exit status (None: run it fresh instead)."""
+  """Sends one request; the fork's exit status (None: run it fresh instead, where the
+  zygote's import-time environment differs or it cannot be reached)."""
   with contextlib.ExitStack() as stack:
     conn = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-    conn.connect(path)
+    try:
+      conn.connect(path)
+    except OSError:  # the zygote is gone: a fresh process does the same work
+      return None
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
     conn.shutdown(socket.SHUT_WR)
     reader = stack.enter_context(conn.makefile("r"))
@@ -215,8 +220,14 @@ def _runner(request: dict, fds: list[int]) -> int:
 
 @contextlib.contextmanager
 def started(env: dict[str, str], directory: str) -> Iterator[dict[str, str]]:
-  """A zygote with environment ``env``; yields ``env`` with `ZYGOTE_ENV` naming it."""
+  """A zygote with environment ``env``; yields ``env`` with `ZYGOTE_ENV` naming it. Its
+  socket is in ``directory``, or in a new short temporary one where that path would pass
+  the 107 bytes a Unix socket's path may have."""
   path = os.path.join(directory, "zygote.sock")
+  short = None
+  if len(os.fsencode(path)) > 100:
+    short = tempfile.mkdtemp(prefix="jr-zygote-")
+    path = os.path.join(short, "zygote.sock")
   proc = subprocess.Popen(
     [sys.executable, __file__, path], env=env, stdout=subprocess.PIPE, text=True
   )
@@ -230,6 +241,8 @@ def started(env: dict[str, str], directory: str) -> Iterator[dict[str, str]]:
     proc.wait()
     if proc.stdout is not None:
       proc.stdout.close()
+    if short is not None:
+      shutil.rmtree(short, ignore_errors=True)
 
 
 if __name__ == "__main__":

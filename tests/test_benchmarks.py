@@ -101,7 +101,8 @@ sys.exit(int(sys.argv[1]))
 
 def test_a_zygote_fork_runs_a_command_as_a_fresh_process_would(zygote, tmp_path):
   """Arguments, working directory, environment, both streams, the exit status; a fresh
-  process where JAX's import-time environment differs; a time-out kills the fork."""
+  process where JAX's import-time environment differs or no zygote answers; a time-out
+  kills the fork."""
   script = tmp_path / "probe.py"
   script.write_text(_PROBE)
   env = zygote | {"PROBE": "x"}
@@ -117,6 +118,9 @@ def test_a_zygote_fork_runs_a_command_as_a_fresh_process_would(zygote, tmp_path)
     _zygote.run([sys.executable, "-c", "import time; time.sleep(30)"], env=env, timeout=0.5)
   with pytest.raises(subprocess.CalledProcessError):
     _zygote.run([sys.executable, str(script), "2"], stdout=subprocess.PIPE, env=env, check=True)
+  gone = env | {_zygote.ZYGOTE_ENV: str(tmp_path / "no-zygote.sock")}  # reached by nothing
+  fresh = _zygote.run([sys.executable, str(script), "0"], capture_output=True, env=gone)
+  assert fresh.returncode == 0 and fresh.stdout.endswith(" x False\n"), fresh
 
 
 def test_quant_error_reports_every_figure_its_documentation_shows(quick):

@@ -132,6 +132,9 @@ def test_verify_reads_each_expert_chunk_and_names_a_damaged_one(converted, tmp_p
 
 def test_inspect_says_how_many_experts_a_unit_holds(converted):
   path, _ = converted
+  code, text, _ = call("inspect", path)
+  assert code == 0 and "one chunk per unit (one per expert for the experts)" in text
+  assert "4 per unit under 'layers', a chunk each (read alone)" in text
   code, out, _ = call("inspect", path, "--json")
   assert code == 0
   stacks = json.loads(out)["stacks"]

@@ -119,6 +119,8 @@ def _inspect_rows(info: dict[str, Any], *, units_flag: str | None) -> list[tuple
   static = f"{fmt_bytes(info['static_bytes'])} ({plural(info['static_tensors'], 'tensor')})"
   rows.append(("static bytes", static))
   chunking = "one chunk per unit" if info["streamable"] else "several units per chunk"
+  if info["streamable"] and any(st.get("experts") for st in info["stacks"]):
+    chunking += " (one per expert for the experts)"
   chunking += ", compressed" if info["compressed"] else ", uncompressed"
   rows.append(("chunking", chunking))
   rows.append(("checksums", _CHECKSUMS[info["checksums"]]))

@@ -89,15 +89,11 @@ def rechunk_store(
         picked, _ = chosen.get(stack.prefix, (frozenset(), 0))
         for rel, (shape, dtype) in source.stack_specs(k).items():
           split = rel in picked
-          chunk = (1, 1, *shape[1:]) if split else (1, *shape)
-          handle = writer.create(stack.prefix + rel, (stack.count, *shape), dtype, chunk)
-          src_handle = source.array_handle(stack.prefix + rel)
+          path = stack.prefix + rel
+          handle = writer.create_stacked(path, stack.count, shape, dtype, per_expert=split)
+          src_handle = source.array_handle(path)
           for i in range(stack.count):
-            unit = _read_unit_slice(src_handle, i)
-            for e in range(shape[0] if split else 0):
-              writer.write(handle, (i, e), unit[e])
-            if not split:
-              writer.write(handle, i, unit)
+            writer.write_unit(handle, i, _read_unit_slice(src_handle, i), per_expert=split)
       writer.commit(
         stacks=[(st.prefix, st.count) for st in source.stacks],
         quantization=None if info.quantization is None else info.quantization.to_dict(),

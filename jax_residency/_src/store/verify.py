@@ -20,6 +20,7 @@ from typing import Any
 import tqdm
 
 from jax_residency._src import errors
+from jax_residency._src.store.stored_stack import per_expert
 from jax_residency._src.store.unit_reads import read_error
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
@@ -135,11 +136,10 @@ def _chunk_jobs(store: UnitStore) -> list[_Job]:
   jobs: list[_Job] = [
     (p, None, None, tensor_nbytes(shape, dtype)) for p, (shape, dtype) in store.static_specs.items()
   ]
-  for k, stack in enumerate(store.stacks):
+  for k, stack in enumerate(store.stored_stacks):
     for rel, (shape, dtype) in store.stack_specs(k).items():
       path = stack.prefix + rel
-      chunk = tuple(store.array_handle(path).chunk_layout.read_chunk.shape or ())
-      if stack.experts and len(shape) >= 2 and chunk == (1, 1, *shape[1:]):
+      if per_expert(stack.arrays[rel]):
         one = tensor_nbytes(shape[1:], dtype)
         jobs += [(path, i, e, one) for i in range(stack.count) for e in range(shape[0])]
       else:

@@ -191,6 +191,30 @@ class StoreWriter:
         f"Cannot create array {path_str(path)!r} ({dtype}, {shape}): {e}"
       ) from e
 
+  def create_stacked(
+    self,
+    path: ParamPath,
+    count: int,
+    unit_shape: tuple[int, ...],
+    dtype: np.dtype,
+    *,
+    per_expert: bool,
+  ) -> ts.TensorStore:
+    """`create` for a stack's array of ``count`` units: one chunk per unit, or (with
+    ``per_expert``) per expert of a unit (docs/design.md, 5.6)."""
+    chunk = (1, 1, *unit_shape[1:]) if per_expert else (1, *unit_shape)
+    return self.create(path, (count, *unit_shape), dtype, chunk)
+
+  def write_unit(
+    self, handle: ts.TensorStore, i: int, unit: np.ndarray, *, per_expert: bool
+  ) -> None:
+    """Writes unit ``i`` of an array `create_stacked` made: one chunk, or one per expert."""
+    if not per_expert:
+      self.write(handle, i, unit)
+      return
+    for e in range(unit.shape[0]):
+      self.write(handle, (i, e), unit[e])
+
   def write(self, handle: ts.TensorStore, index: Any, value: np.ndarray) -> None:
     # OCDBT packs the values a batch of writes commits back to back in one data
     # file. A stored value (the data and its checksum) whose size is not a
@@ -242,8 +266,8 @@ class StoreWriter:
       "stacks": [{"prefix": list(p), "count": n} for p, n in stacks],
     }
     for entry, (prefix, _) in zip(sidecar["stacks"], stacks, strict=True):
-      if prefix in (experts or {}):
-        paths, count = experts[prefix]  # type: ignore[index]
+      if experts and prefix in experts:
+        paths, count = experts[prefix]
         entry["experts"] = {"paths": paths, "count": count}
     if quantization is not None:
       sidecar["quantization"] = dict(quantization)
@@ -456,17 +480,14 @@ def _write_stacks(
   """Writes every stack one unit at a time: one chunk per unit of each array, and of an
   expert array (``experts``: each stack's) one chunk per expert of each unit."""
   for prefix, arrays, count in laid_out:
-    handles, pieces = {}, {}
-    for p, a in sorted(arrays.items()):
-      shape = tuple(a.shape)
-      per_expert = p in experts.get(prefix, ())
-      chunk = (1, 1, *shape[2:]) if per_expert else (1, *shape[1:])
-      handles[p] = writer.create(prefix + p, shape, dtypes[prefix + p], chunk)
-      pieces[p] = shape[1] if per_expert else 0
+    split = experts.get(prefix, frozenset())
+    handles = {
+      p: writer.create_stacked(
+        prefix + p, count, tuple(a.shape[1:]), dtypes[prefix + p], per_expert=p in split
+      )
+      for p, a in sorted(arrays.items())
+    }
     for i in range(count):
       for p, a in sorted(arrays.items()):
         unit = _native(a[i], dtypes[prefix + p])
-        for e in range(pieces[p]):
-          writer.write(handles[p], (i, e), unit[e])
-        if not pieces[p]:
-          writer.write(handles[p], i, unit)
+        writer.write_unit(handles[p], i, unit, per_expert=p in split)

@@ -32,6 +32,7 @@ import numpy as np
 
 from jax_residency._src.errors import ModelConfigError, StoreError
 from jax_residency._src.models.hf_loader import HFTensor, abstract_of
+from jax_residency._src.models.llama import EXPERTS_PATH
 from jax_residency._src.models.safetensors_files import SafetensorsFiles
 from jax_residency._src.plan.quantized import quantize_arrays
 from jax_residency._src.plan.split import split_model
@@ -301,12 +302,13 @@ def convert_hf(
   if quantize is not None:
     plan, static, stacks = quantize_arrays(static, stacks, quantize)
   # A mixture of experts' experts: a chunk each (as `Llama.residency_experts` says).
-  moe = any(tuple(p)[:2] == ("mlp", "experts") for a in stacks.values() for p in a)
+  where = tuple(EXPERTS_PATH.split("."))
+  moe = any(tuple(p)[: len(where)] == where for a in stacks.values() for p in a)
   return save_store(
     os.fspath(store),
     static=static,
     stacks=stacks,
-    experts=("mlp.experts",) if moe else (),
+    experts=(EXPERTS_PATH,) if moe else (),
     progress=progress,
     overwrite=overwrite,
     in_flight_bytes=CONVERT_IN_FLIGHT_BYTES,

@@ -181,6 +181,10 @@ class LlamaMLP(nnx.Module):
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+#: Where a layer's experts are, inside it (what ``save`` writes one chunk per expert).
+EXPERTS_PATH = "mlp.experts"
+
+
 class Experts(nnx.Module):
   """``num_experts`` SwiGLU experts as stacked kernels: ``gate_proj`` and ``up_proj``
   ``(experts, hidden, width)``, ``down_proj`` ``(experts, width, hidden)``."""
@@ -316,7 +320,7 @@ class Llama(nnx.Module):
   def residency_experts(self) -> tuple[str, ...]:
     """The modules of a layer stacked per expert (what ``save`` writes one chunk per
     expert): a mixture of experts' ``mlp.experts``; none for a dense model."""
-    return ("mlp.experts",) if self.config.num_experts else ()
+    return (EXPERTS_PATH,) if self.config.num_experts else ()
 
   def __call__(
     self,

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jax_residency._src.loop.picked import picked_experts
 from jax_residency._src.loop.unit_loop import scan_units
 from jax_residency._src.models.llama_config import LlamaConfig
 
@@ -197,10 +198,22 @@ class Experts(nnx.Module):
     self.up_proj = nnx.Param(init(rngs.params(), (e, d, f), dt))
     self.down_proj = nnx.Param(init(rngs.params(), (e, f, d), dt))
 
-  def __call__(self, x: jax.Array, weights: jax.Array) -> jax.Array:
-    """Each token's experts' outputs, weighted by ``weights`` ``(batch, t, experts)`` (0
-    for an expert not picked) and summed. Every expert runs on every token: adding the
-    unpicked experts' exact zeros leaves each sum as the picked ones' alone."""
+  def __call__(
+    self, x: jax.Array, weights: jax.Array, picked: jax.Array, top: jax.Array
+  ) -> jax.Array:
+    """Each token's picked experts' outputs, weighted and summed: ``picked`` ``(batch, t,
+    top_k)`` are the experts' ids, ``top`` their weights; ``weights`` ``(batch, t,
+    experts)`` the same weights, 0 for the experts not picked.
+
+    Few tokens (fewer expert picks in all than experts: a decode step) take their
+    experts' matrices by id and read no other expert's. More run every expert on every
+    token: adding the unpicked experts' exact zeros leaves each sum as the picked
+    ones' alone, and one product per expert beats one per pick."""
+    if picked.size < self.gate_proj.shape[0]:
+      gate = jnp.einsum("btd,btkdf->btkf", x, self.gate_proj[...][picked])
+      up = jnp.einsum("btd,btkdf->btkf", x, self.up_proj[...][picked])
+      out = jnp.einsum("btkf,btkfd->btkd", jax.nn.silu(gate) * up, self.down_proj[...][picked])
+      return jnp.sum(out * top[..., None].astype(out.dtype), axis=2)
     gate = jnp.einsum("btd,edf->btef", x, self.gate_proj[...])
     up = jnp.einsum("btd,edf->btef", x, self.up_proj[...])
     out = jnp.einsum("btef,efd->bted", jax.nn.silu(gate) * up, self.down_proj[...])
@@ -221,20 +234,23 @@ class SparseMoE(nnx.Module):
       self.shared_expert = LlamaMLP(cfg, rngs=rngs, width=cfg.shared_expert_intermediate_size)
       self.shared_expert_gate = _linear(cfg, cfg.hidden_size, 1, False, rngs)
 
-  def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(weights (batch, t, experts), picked (batch, t, top_k))``: the router's weight of
-    each expert for each token, 0 for those not picked, and the picked experts' ids."""
+  def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(weights (batch, t, experts), picked (batch, t, top_k), top (batch, t, top_k))``:
+    the router's weight of each expert for each token, 0 for those not picked; the
+    picked experts' ids (marked with `picked_experts`, so expert residency reads only
+    those experts); and their weights."""
     probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
     top, picked = lax.top_k(probs, self.top_k)
+    picked = picked_experts(picked)
     if self.normalize:
       top = top / jnp.sum(top, axis=-1, keepdims=True)
     experts = probs.shape[-1]
     weights = jnp.sum(jax.nn.one_hot(picked, experts, dtype=top.dtype) * top[..., None], axis=-2)
-    return weights, picked
+    return weights, picked, top
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    weights, _ = self.route(x)
-    out = self.experts(x, weights.astype(x.dtype))
+    weights, picked, top = self.route(x)
+    out = self.experts(x, weights.astype(x.dtype), picked, top.astype(x.dtype))
     if hasattr(self, "shared_expert"):
       out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
     return out

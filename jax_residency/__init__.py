@@ -8,21 +8,24 @@ get the plain model's outputs with memory held to your budgets.
 The public surface (``__all__``):
 
 * placing: `place`, `PlacedModel` (``placed.arrays()``, ``placed.report()``,
-  ``placed.metadata``), `scan_units`, `linen` (``jr.linen.scan``), `save`;
+  ``placed.metadata``), `scan_units`, `linen` (``jr.linen.scan``), `save`, and
+  `picked_experts` (a mixture of experts marks the experts its router picks);
 * choosing a placement: `measure` and the `Measurement` it returns (a store's read
   bandwidths, host-to-device bandwidth and a unit step's time on this backend), and
   `plan`, every placement a store's (or a config.json's) budgets admit as a
   `Candidate` with its predicted times for a `Workload`, fastest first; `Accelerator`,
   an accelerator's figures given as numbers, to plan for a machine this is not;
 * policies and their options: `FullyResident`, `LayerwiseHost`,
-  `DenseDiskStream`, `LayerWeightResidency`, `OrdinaryWeightResidency`,
+  `DenseDiskStream` (with `ExpertResidency`, a mixture of experts' experts read only
+  when picked), `LayerWeightResidency`, `OrdinaryWeightResidency`,
   `ExecutionResidency`, `LayerwiseLoadOptions`, `DenseDiskStreamLoadOptions`,
   `OffloadConfig`, `CacheEvictionPolicy`, `parse_bytes`, `format_bytes`;
 * reading stores: `ReadOptions` (retries and time-outs, for remote stores);
 * what you get back: `ModelMetadata` with its `MemoryItem` s and
   `StackMetadata` s, `StoreInfo` (from `save`) with its `StackInfo` s, and
   `Report` (``placed.report()``) with its `PassReport` s (each with a
-  `StackPass` per layer stack), `Totals`, `TierMetrics`, `WorkerMetrics` and
+  `StackPass` per layer stack), `Totals`, `TierMetrics`, `WorkerMetrics`,
+  `ExpertMetrics` and
   `TimelinePoint` s; every field is described in ``docs/reports.md``;
 * errors: the module `errors` (``jr.errors``) holds every error type and
   documents the hierarchy. The top level lists only `ResidencyError` (the base
@@ -39,10 +42,12 @@ The public surface (``__all__``):
 
 from . import errors as errors
 from . import linen as linen
+from ._src.loop.picked import picked_experts as picked_experts
 from ._src.loop.unit_loop import scan_units as scan_units
 from ._src.plan.budget import ModelMetadata as ModelMetadata
 from ._src.plan.budget import StackMetadata as StackMetadata
 from ._src.plan.memory import MemoryItem as MemoryItem
+from ._src.policy.experts import ExpertResidency as ExpertResidency
 from ._src.policy.options import DEFAULT_MAX_CACHED_SHARDS as DEFAULT_MAX_CACHED_SHARDS
 from ._src.policy.options import CacheEvictionPolicy as CacheEvictionPolicy
 from ._src.policy.options import DenseDiskStreamLoadOptions as DenseDiskStreamLoadOptions
@@ -62,6 +67,7 @@ from ._src.report.records import PassReport as PassReport
 from ._src.report.records import Report as Report
 from ._src.report.records import TimelinePoint as TimelinePoint
 from ._src.report.records import Totals as Totals
+from ._src.report.stream_metrics import ExpertMetrics as ExpertMetrics
 from ._src.report.stream_metrics import TierMetrics as TierMetrics
 from ._src.report.stream_metrics import WorkerMetrics as WorkerMetrics
 from ._src.run.accelerator import Accelerator as Accelerator
@@ -117,6 +123,7 @@ __all__ = [
   # placing
   "PlacedModel",
   "linen",
+  "picked_experts",
   "place",
   "save",
   "scan_units",
@@ -132,6 +139,7 @@ __all__ = [
   "DenseDiskStream",
   "DenseDiskStreamLoadOptions",
   "ExecutionResidency",
+  "ExpertResidency",
   "FullyResident",
   "LayerWeightResidency",
   "LayerwiseHost",
@@ -143,6 +151,7 @@ __all__ = [
   # reading stores
   "ReadOptions",
   # what you get back
+  "ExpertMetrics",
   "MemoryItem",
   "ModelMetadata",
   "PassReport",

@@ -382,6 +382,9 @@ def policy(name: str, unit: int) -> jr.LayerWeightResidency:
       return jr.LayerwiseHost(prefetch_depth=2)
     case "dense":  # a host cache of one unit: every pass reads every unit from disk
       return jr.DenseDiskStream(host_budget_bytes=unit, host_lookahead=1)
+    case "experts":  # experts apart (docs/design.md, 4.9): a small device cache, no host one
+      cache = jr.ExpertResidency(device_budget_bytes=unit // 2)
+      return jr.DenseDiskStream(host_budget_bytes=0, experts=cache)
   raise AssertionError(name)
 
 
@@ -400,6 +403,8 @@ POLICIES = ("fully-resident", "layerwise-host", "dense")
 PLACEMENTS = [
   *[(name, p, 8) for name in NAMES for p in POLICIES],
   *[("llama_tiny_untied", p, 1) for p in POLICIES],
+  # Experts read only when picked: the mixtures of experts, on 8 devices and on 1.
+  *[(name, "experts", d) for name in ("mixtral_tiny", "qwen2_moe_tiny") for d in (8, 1)],
 ]
 
 
@@ -409,7 +414,7 @@ def test_placed_generate_the_same_tokens(name, kind, devices, checkpoints, store
   store = stores[name]
   assert store.stacks[0].experts == model.config.num_experts  # a chunk per expert (or none)
   prompt, n, mask = greedy_args(ref)
-  dense = kind == "dense"
+  dense = kind in ("dense", "experts")
   # The prefill as generate_llm runs it; every policy runs a step per layer on CPU: against
   # the eager model (docs/parity.md).
   cache = models.LlamaCache.zeros(model.config, len(prompt), prompt.shape[1] + n - 1)
@@ -428,8 +433,18 @@ def test_placed_generate_the_same_tokens(name, kind, devices, checkpoints, store
   np.testing.assert_array_equal(tokens, ref["greedy"])
   passes = n - 1 - int((np.asarray(ref["greedy"]) == ref["pad_token_id"]).all(axis=0).sum())
   assert report.prefill.passes == 1 and report.decode.passes == passes
-  if dense:  # one unit fits the host cache: each pass reads every unit
+  if kind == "dense":  # one unit fits the host cache: each pass reads every unit
     assert report.total.bytes_read == (1 + passes) * 3 * store.unit_nbytes
+  if kind == "experts":  # units read without their experts (the window's bytes keep
+    # them all: a unit without its experts is small), and some experts
+    cfg = model.config
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    ordinary = store.unit_nbytes - cfg.num_experts * expert
+    experts = report.total.experts
+    assert report.total.bytes_read == 3 * ordinary + experts.bytes_read
+    read = experts.misses - experts.host_hits + experts.read_ahead  # demand, speculative
+    assert experts.bytes_read == read * expert > 0
+    assert experts.selected == experts.hits + experts.misses > 0
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(a, b)
 

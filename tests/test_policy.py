@@ -762,6 +762,7 @@ def test_dense_policy_dict():
       "strict_loading": True,
       "sample_backend_memory": False,
       "sample_process_memory": False,
+      "experts": None,
     },
   }
 

@@ -33,6 +33,7 @@ RETURNED = (
   jr.Totals,
   jr.TierMetrics,
   jr.WorkerMetrics,
+  jr.ExpertMetrics,
   jr.TimelinePoint,
   jr.ModelMetadata,
   jr.MemoryItem,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypedDict, TypeVar
 
 from jax_residency._src.errors import InvalidPolicyValueError, UnknownPolicyFieldError
+from jax_residency._src.policy.experts import ExpertResidency
 from jax_residency._src.policy.options import (
   CacheEvictionPolicy,
   DenseDiskStreamLoadOptions,
@@ -67,6 +68,7 @@ class DenseFields(_LoadControls, total=False):
   device_resident_units: int
   host_resident_units: int
   eviction_policy: CacheEvictionPolicy
+  experts: ExpertResidency | None
 
 
 def _field_names(cls: type) -> tuple[str, ...]:

@@ -29,22 +29,25 @@ cache the policy fills on its own (the host unit cache and the device tier of
 from __future__ import annotations
 
 import dataclasses
-import enum
-import numbers
-from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar, Self, TypeVar, cast
+from typing import Any, ClassVar
 
 from jax_residency._src.errors import (
   HostDisabledControlsError,
-  InvalidBudgetError,
   InvalidPolicyValueError,
-  UnknownPolicyFieldError,
   ZeroHostLookaheadError,
   ZeroMaxCachedShardsError,
   ZeroPrefetchDepthError,
   ZeroQueueCapacityError,
 )
-from jax_residency._src.policy.sizes import GiB, format_bytes, parse_bytes
+from jax_residency._src.policy.checks import CacheEvictionPolicy as CacheEvictionPolicy
+from jax_residency._src.policy.checks import Options, check_bool, check_member
+from jax_residency._src.policy.checks import check_budget as check_budget
+from jax_residency._src.policy.checks import check_int as check_int
+from jax_residency._src.policy.checks import check_keys as check_keys
+from jax_residency._src.policy.checks import check_units as check_units
+from jax_residency._src.policy.checks import format_budget as format_budget
+from jax_residency._src.policy.experts import ExpertResidency, check_experts
+from jax_residency._src.policy.sizes import GiB, format_bytes
 
 DEFAULT_MAX_CACHED_SHARDS = 4
 """Default bound on open checkpoint shard handles/readers."""
@@ -72,174 +75,11 @@ class _FollowsHostBudget:
 FOLLOWS_HOST_BUDGET: Any = _FollowsHostBudget()
 """Default of `host_lookahead` / `background_queue_capacity`: 2 with a host cache, 0 without."""
 
-_E = TypeVar("_E", bound=enum.Enum)
-
-
-class CacheEvictionPolicy(enum.Enum):
-  """Which cached unit a full cache evicts first.
-
-  `LEAST_FREQUENTLY_USED` breaks ties by older last use first, then unit id.
-
-  Example:
-    >>> CacheEvictionPolicy.LEAST_RECENTLY_USED.value
-    'least_recently_used'
-  """
-
-  LEAST_RECENTLY_USED = "least_recently_used"
-  LEAST_FREQUENTLY_USED = "least_frequently_used"
-
-  def __repr__(self) -> str:
-    return f"{type(self).__name__}.{self.name}"
-
-
-# --- field checks ----------------------------------------------------------
-
-
-def check_budget(owner: str, field: str, value: object) -> int | None:
-  """Returns a byte budget (an int, a size string or `None`) as an int or `None`."""
-  try:
-    return parse_bytes(cast(Any, value), name=field)
-  except InvalidBudgetError as e:
-    raise InvalidBudgetError(f"{owner}: {e}") from None
-
-
-def check_int(owner: str, field: str, value: object, example: int) -> int:
-  """Returns `value` as an int; a bool or non-integer raises, suggesting `field=example`."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise InvalidPolicyValueError(
-      f"{owner}: {field}={value!r} has type {type(value).__name__}; "
-      f"pass an int, e.g. {field}={example}."
-    )
-  return int(value)
-
-
-def check_units(owner: str, field: str, value: object) -> int:
-  """A count of units (an int >= 0), or `InvalidPolicyValueError` naming the field."""
-  count = check_int(owner, field, value, 2)
-  if count < 0:
-    raise InvalidPolicyValueError(
-      f"{owner}: {field}={count!r} is negative; pass a number of units of each stack "
-      "(>= 0; 0, the default, keeps none)."
-    )
-  return count
-
-
-def _bool(owner: str, field: str, value: object) -> bool:
-  if not isinstance(value, bool):
-    raise InvalidPolicyValueError(
-      f"{owner}: {field}={value!r} has type {type(value).__name__}; pass True or False."
-    )
-  return value
-
-
-def _member(owner: str, field: str, value: object, kind: type[_E]) -> _E:
-  if not isinstance(value, kind):
-    members = ", ".join(repr(m) for m in kind)
-    raise InvalidPolicyValueError(
-      f"{owner}: {field}={value!r} has type {type(value).__name__}; pass one of {members}."
-    )
-  return value
-
-
-def _decode_member(owner: str, field: str, value: object, kind: type[_E]) -> object:
-  """Maps an enum's serialized name (any case) to the member; leaves non-strings alone."""
-  if not isinstance(value, str):
-    return value
-  for member in kind:
-    if value.lower() == member.value:
-      return member
-  valid = ", ".join(repr(m.value) for m in kind)
-  raise UnknownPolicyFieldError(f"{owner}: {field}={value!r} is not one of {valid}.")
-
-
-def check_keys(owner: str, data: object, valid: Iterable[str]) -> Mapping[str, Any]:
-  """Returns `data` if it is a mapping whose keys are all in `valid` (a `from_dict` input)."""
-  if not isinstance(data, Mapping):
-    raise InvalidPolicyValueError(
-      f"{owner}.from_dict got {type(data).__name__} {data!r}; pass a dict such as "
-      f"the one {owner}.to_dict() returns."
-    )
-  valid = list(valid)
-  for key in data:
-    if key not in valid:
-      raise UnknownPolicyFieldError(
-        f"{owner}: unknown key {key!r}; valid keys are {', '.join(map(repr, valid))}."
-      )
-  return data
-
-
-def format_budget(n: int | None) -> str:
-  """Formats a budget in human units, adding the exact bytes where those do not round-trip."""
-  text = format_bytes(n)
-  try:
-    exact = parse_bytes(text) == n
-  except InvalidBudgetError:
-    exact = False
-  return text if exact else f"{text} ({n} B)"
-
-
-class _Options:
-  """Dict codec and human-unit repr shared by the option dataclasses."""
-
-  __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
-
-  @classmethod
-  def default(cls) -> Self:
-    """Returns the instance with every field at its default."""
-    return cast(Any, cls)()
-
-  def to_dict(self) -> dict[str, Any]:
-    """Returns a JSON-compatible dict: budgets as ints, enums by lower-case name."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(self):
-      value = getattr(self, f.name)
-      if isinstance(value, enum.Enum):
-        value = value.value
-      elif isinstance(value, _Options):
-        value = value.to_dict()
-      out[f.name] = value
-    return out
-
-  @classmethod
-  def from_dict(cls, data: Mapping[str, Any]) -> Self:
-    """Builds and validates an instance from `to_dict()` output; missing keys take defaults.
-
-    Budgets may also be size strings (`"512MiB"`). An unknown key, or an unknown
-    enum name, raises `UnknownPolicyFieldError`.
-    """
-    owner = cls.__name__
-    data = check_keys(owner, data, (f.name for f in dataclasses.fields(cls)))
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-      if key == "eviction_policy":
-        value = _decode_member(owner, key, value, CacheEvictionPolicy)
-      elif key == "offload" and isinstance(value, Mapping):
-        value = OffloadConfig.from_dict(value)
-      kwargs[key] = value
-    return cast(Any, cls)(**kwargs)
-
-  def _check_budgets(self) -> str:
-    """Validates ``device_budget_bytes`` / ``host_budget_bytes`` (parsing size strings); returns
-    the class name errors are reported under."""
-    owner = type(self).__name__
-    for name in ("device_budget_bytes", "host_budget_bytes"):
-      object.__setattr__(self, name, check_budget(owner, name, getattr(self, name)))
-    return owner
-
-  def __repr__(self) -> str:
-    parts = []
-    for f in dataclasses.fields(self):
-      value = getattr(self, f.name)
-      text = format_budget(value) if f.name.endswith("_budget_bytes") else repr(value)
-      parts.append(f"{f.name}={text}")
-    return f"{type(self).__name__}({', '.join(parts)})"
-
-
 # --- options ---------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class OffloadConfig(_Options):
+class OffloadConfig(Options):
   """The shared offload configuration every policy resolves to (see `offload()`).
 
   Attributes:
@@ -276,7 +116,7 @@ class OffloadConfig(_Options):
         "on device at a time, or more to overlap transfers with compute."
       )
     set_(self, "prefetch_depth", depth)
-    _member(owner, "eviction_policy", self.eviction_policy, CacheEvictionPolicy)
+    check_member(owner, "eviction_policy", self.eviction_policy, CacheEvictionPolicy)
 
   def with_eviction_policy(self, policy: CacheEvictionPolicy) -> OffloadConfig:
     """Returns a copy with `eviction_policy` replaced."""
@@ -284,7 +124,7 @@ class OffloadConfig(_Options):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class LayerwiseLoadOptions(_Options):
+class LayerwiseLoadOptions(Options):
   """Controls of `LayerwiseHost`: units in host memory, a device window of them.
 
   Attributes:
@@ -306,6 +146,7 @@ class LayerwiseLoadOptions(_Options):
   """
 
   offload: OffloadConfig = OffloadConfig()
+  _nested: ClassVar[dict[str, type[Options]]] = {"offload": OffloadConfig}
   device_resident_units: int = 0
   max_cached_shards: int = DEFAULT_MAX_CACHED_SHARDS
   strict_loading: bool = True
@@ -323,7 +164,7 @@ class LayerwiseLoadOptions(_Options):
     object.__setattr__(self, "device_resident_units", units)
     object.__setattr__(self, "max_cached_shards", _max_cached_shards(owner, self.max_cached_shards))
     for name in ("strict_loading", "sample_backend_memory", "sample_process_memory"):
-      _bool(owner, name, getattr(self, name))
+      check_bool(owner, name, getattr(self, name))
 
 
 def _max_cached_shards(owner: str, value: object) -> int:
@@ -337,7 +178,7 @@ def _max_cached_shards(owner: str, value: object) -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class DenseDiskStreamLoadOptions(_Options):
+class DenseDiskStreamLoadOptions(Options):
   """Controls of `DenseDiskStream`: units on disk, a host cache, a device window.
 
   Defaults: `device_budget_bytes` 4 GiB, `host_budget_bytes` 16 GiB (budgets
@@ -370,6 +211,9 @@ class DenseDiskStreamLoadOptions(_Options):
     strict_loading: reject stored tensors the model does not claim.
     sample_backend_memory: record the backend's memory statistics per pass.
     sample_process_memory: record process RSS and page faults per pass.
+    experts: where a mixture of experts' experts live (`ExpertResidency`): read only
+      when the router picks them, through expert caches of their own. ``None``
+      (the default): each layer's experts move with its unit.
 
   Example:
     >>> from jax_residency._src.policy.types import DenseDiskStream
@@ -381,7 +225,8 @@ class DenseDiskStreamLoadOptions(_Options):
       host_lookahead=3, background_queue_capacity=2, device_resident_units=0,
       host_resident_units=0, eviction_policy=CacheEvictionPolicy.LEAST_RECENTLY_USED,
       max_cached_shards=4,
-      strict_loading=True, sample_backend_memory=False, sample_process_memory=False)
+      strict_loading=True, sample_backend_memory=False, sample_process_memory=False,
+      experts=None)
     >>> direct = DenseDiskStreamLoadOptions(host_budget_bytes=0)
     >>> direct.host_lookahead, direct.background_queue_capacity
     (0, 0)
@@ -400,10 +245,13 @@ class DenseDiskStreamLoadOptions(_Options):
   strict_loading: bool = True
   sample_backend_memory: bool = False
   sample_process_memory: bool = False
+  experts: ExpertResidency | None = None
+  _nested: ClassVar[dict[str, type[Options]]] = {"experts": ExpertResidency}
 
   def __post_init__(self) -> None:
     owner = self._check_budgets()
     set_ = object.__setattr__
+    set_(self, "experts", check_experts(owner, self.experts))
     direct = self.host_budget_bytes == 0
     for name, default in (
       ("host_lookahead", DEFAULT_HOST_LOOKAHEAD),
@@ -441,10 +289,12 @@ class DenseDiskStreamLoadOptions(_Options):
     queue = check_int(owner, "background_queue_capacity", self.background_queue_capacity, 2)
     check_units(owner, "device_resident_units", self.device_resident_units)
     pinned = check_units(owner, "host_resident_units", self.host_resident_units)
-    _member(owner, "eviction_policy", self.eviction_policy, CacheEvictionPolicy)
+    check_member(owner, "eviction_policy", self.eviction_policy, CacheEvictionPolicy)
     _max_cached_shards(owner, self.max_cached_shards)
     for name in ("strict_loading", "sample_backend_memory", "sample_process_memory"):
-      _bool(owner, name, getattr(self, name))
+      check_bool(owner, name, getattr(self, name))
+    if check_experts(owner, self.experts) is not None:
+      self.experts.validate()  # type: ignore[union-attr]
     if host == 0:
       if pinned:
         raise HostDisabledControlsError(

@@ -13,7 +13,7 @@ from typing import Any
 
 from jax_residency._src.report import text
 from jax_residency._src.report.metrics import Metrics, StackPass, freeze, peak, plain, total
-from jax_residency._src.report.stream_metrics import TierMetrics, WorkerMetrics
+from jax_residency._src.report.stream_metrics import ExpertMetrics, TierMetrics, WorkerMetrics
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -37,6 +37,7 @@ class PassCounters:
   step_temp_bytes: int = 0
   timeline: list[TimelinePoint] = dataclasses.field(default_factory=list)
   stacks: dict[str, StackPass] = dataclasses.field(default_factory=dict)
+  experts: ExpertMetrics | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,9 @@ class PassReport(_Moved):
       run the loop as one compiled program.
     stacks: each placed layer stack's share of the pass (:class:`StackPass`),
       by its path (``"encoder_layers"``).
+    experts: with expert residency, what the pass did with experts
+      (:class:`ExpertMetrics`: picks, hits, bytes, speculative precision); else
+      ``None``.
 
   Example:
     >>> import jax.numpy as jnp, jax_residency as jr
@@ -172,6 +176,7 @@ class PassReport(_Moved):
   backend: Mapping[str, Any] | None = None
   timeline: tuple[TimelinePoint, ...] = ()
   stacks: Mapping[str, StackPass] = dataclasses.field(default_factory=dict)
+  experts: ExpertMetrics | None = None
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "stacks", types.MappingProxyType(dict(self.stacks)))
@@ -220,6 +225,7 @@ class Totals(_Moved, Metrics):
   peak_rss_bytes: int | None = peak(None)
   minor_faults: int | None = total(None)
   major_faults: int | None = total(None)
+  experts: ExpertMetrics | None = total(None)
 
   @classmethod
   def of(cls, p: PassReport) -> Totals:

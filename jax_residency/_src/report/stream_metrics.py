@@ -118,3 +118,51 @@ class WorkerMetrics(Metrics):
   demand_wait_seconds: float = total(0.0)
   ready_before_demand: int = total()
   evicted_before_use: int = total()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertMetrics(Metrics):
+  """What a dense stream with expert residency did with experts over one pass (or over
+  passes, merged with `+`): ``placed.report().last.experts`` (``None`` without
+  `ExpertResidency`). Expert bytes count in the pass's ``bytes_read`` too; these say
+  which part of it the experts were.
+
+  Attributes:
+    selected: experts the routers picked, each layer's distinct picks counted once.
+    hits: picks found in the device expert cache.
+    misses: picks that had to come from the host expert cache or the store.
+    host_hits: of the misses, those the host expert cache held.
+    bytes_read: expert bytes read from the store (the speculative reads included).
+    bytes_moved: expert bytes moved to the device.
+    predicted: experts the speculative prefetch read ahead (or found cached) for the
+      next layer.
+    predicted_used: of those, the ones the next layer's router picked.
+    read_ahead: experts the speculative prefetch read from the store (so
+      ``bytes_read`` is ``misses - host_hits + read_ahead`` experts' bytes).
+    device, host: the expert caches' counters (``host`` is None without a host expert
+      cache); their ``peak_bytes`` are the caches' peaks.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> one = jr.ExpertMetrics(selected=4, hits=1, misses=3, predicted=4, predicted_used=3)
+    >>> (one + one).selected, one.precision
+    (8, 0.75)
+  """
+
+  selected: int = total()
+  hits: int = total()
+  misses: int = total()
+  host_hits: int = total()
+  bytes_read: int = total()
+  bytes_moved: int = total()
+  predicted: int = total()
+  predicted_used: int = total()
+  read_ahead: int = total()
+  device: TierMetrics = total(TierMetrics())
+  host: TierMetrics | None = total(None)
+
+  @property
+  def precision(self) -> float | None:
+    """``predicted_used / predicted``: how often a speculative read was a pick (None:
+    nothing predicted)."""
+    return self.predicted_used / self.predicted if self.predicted else None

@@ -27,6 +27,7 @@ from jax_residency._src.run.executor import note_unplaced
 from jax_residency._src.store.loading import StoreSource, open_for
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.stream.engine import DenseStreamEngine
+from jax_residency._src.stream.expert_cache import with_expert_caches
 from jax_residency._src.typing import path_str
 
 
@@ -44,8 +45,9 @@ class DenseExecutor:
     sequence_axis: int = 1,
   ) -> None:
     placed_at = pl.layout(split, mesh, rules, unit_kind=pl.DEVICE)
-    self.metadata: ModelMetadata = metadata_for(
-      split, policy, placed_at.static, placed_at.unit_slices
+    self.metadata: ModelMetadata = with_expert_caches(
+      metadata_for(split, policy, placed_at.static, placed_at.unit_slices),
+      policy.options.experts,
     )
     split.values = []  # weights come from the store; never keep the caller's arrays
     self._store = open_for(

@@ -23,7 +23,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_residency._src import errors
-from jax_residency._src.store import mapped, remote
+from jax_residency._src.store import raw_chunks, remote
 from jax_residency._src.store.pointers import generation_base
 from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.unit_reads import read_advice
@@ -297,8 +297,8 @@ def _parse_array(path: ParamPath, meta: dict[str, Any], file: str) -> ArrayInfo:
       f"{file}: the chunk shape {chunk} and the shape {shape} differ in their number of "
       f"dimensions. {_REWRITE}"
     )
-  raw = mapped.mappable(meta)
-  partial = mapped.chunk_trailer(meta) == 0 or (driver == "zarr" and not compressed)
+  raw = raw_chunks.mappable(meta)
+  partial = raw_chunks.chunk_trailer(meta) == 0 or (driver == "zarr" and not compressed)
   return ArrayInfo(path, driver, tuple(shape), dtype, tuple(chunk), compressed, raw, partial)
 
 

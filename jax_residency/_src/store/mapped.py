@@ -58,15 +58,13 @@ from jax_residency._src import errors
 from jax_residency._src.store import fault_in, residency
 from jax_residency._src.store.buffers import padded_nbytes
 from jax_residency._src.store.extents import Extent, chunk_key, ocdbt_extents
+from jax_residency._src.store.raw_chunks import CHECKSUM_BYTES
 from jax_residency._src.typing import ParamPath, tensor_nbytes
 
 _log = logging.getLogger(__name__)
 
 #: Byte alignment XLA's CPU client needs to use a host buffer in place.
 ALIGNMENT = 64
-#: Bytes of the zarr3 ``crc32c`` codec's trailer: the CRC-32C of the chunk's
-#: data, little-endian, after the data.
-CHECKSUM_BYTES = 4
 #: Environment variable that, set to "0", turns mapped unit reads off.
 MAPPED_READS_ENV = "JAX_RESIDENCY_MAPPED_READS"
 
@@ -204,20 +202,22 @@ class UnitMapper:
       if rel in out
     ]
 
-  def advise_unit(self, unit: int, *, huge: bool = False) -> int:
+  def advise_unit(self, unit: int, *, huge: bool = False, pieces: bool = True) -> int:
     """Starts reading unit ``unit``'s raw chunks into the page cache without waiting;
     returns the bytes asked for.
 
     A chunk whose pages are all cached is skipped. One that is not is marked cold
     (`residency.VerifiedExtents.mark_cold`): the read that maps or copies it next
     checks its checksum, although the read-ahead has brought its pages in by then.
-    With ``huge`` (for mapped reads) the read-ahead threads fault each cold chunk in
-    through short-lived mappings (`fault_in.fault_in`), so that its pages arrive as
-    huge folios, which map again cheaply; without, the kernel is asked for them
-    (``posix_fadvise(WILLNEED)``, which fills the page cache with 4 KiB pages).
+    Without ``pieces``, the chunks of tensors stored a chunk per expert are left out
+    (expert residency reads only the experts a router picks). With ``huge`` (for mapped
+    reads) the read-ahead threads fault each cold chunk in through short-lived mappings
+    (`fault_in.fault_in`), so that its pages arrive as huge folios, which map again
+    cheaply; without, the kernel is asked for them (``posix_fadvise(WILLNEED)``, which
+    fills the page cache with 4 KiB pages).
     """
-    pieces = [e for rel in self._tensors for e, _ in self._piece_extents(rel, unit) or ()]
-    cold = self._find_cold([e for _, e, _ in self._raw_extents(unit)] + pieces)
+    parts = [e for rel in self._tensors for e, _ in self._piece_extents(rel, unit) or ()]
+    cold = self._find_cold([e for _, e, _ in self._raw_extents(unit)] + (parts if pieces else []))
     for extent in cold:
       if huge:
         fault_in.fault_in(extent)
@@ -316,6 +316,25 @@ class UnitMapper:
         _read_extent(extent, part, extent.length - nbytes, self._root, name, unit, self)
 
     return _pool().submit(read)
+
+  def read_piece_into(
+    self, unit: int, rel: ParamPath, piece: int, out: np.ndarray
+  ) -> concurrent.futures.Future | None:
+    """Starts reading one expert's chunk (``piece``) of unit ``unit``'s tensor ``rel``
+    (stored a chunk per expert) into ``out``, as `read_into` reads a whole tensor;
+    None if it is not a raw chunk of ``out``'s size."""
+    if rel not in self._tensors or not self._tensors[rel][3]:
+      return None
+    pieces = self._piece_extents(rel, unit)
+    if pieces is None or out.nbytes != pieces[piece][1]:
+      return None
+    extent, nbytes = pieces[piece]
+    with self._count_lock:
+      self.direct_bytes += extent.length
+    name = self._tensors[rel][0]
+    return _pool().submit(
+      _read_extent, extent, out, extent.length - nbytes, self._root, name, unit, self
+    )
 
   def _map(
     self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype, resident: bool
@@ -455,40 +474,3 @@ def _check_mapped(
       computed = crc32c.crc32c(data)
   if computed != stored:
     raise _corrupt(where, tensor, unit, extent, stored, computed)
-
-
-def chunk_trailer(meta: Any) -> int | None:
-  """Bytes after the data in each chunk of a zarr3 array stored as raw native-order
-  bytes: 0, or `CHECKSUM_BYTES` with the ``crc32c`` codec; None if chunks are not raw.
-
-  Example:
-    >>> little = {"name": "bytes", "configuration": {"endian": sys.byteorder}}
-    >>> chunk_trailer({"zarr_format": 3, "codecs": [little]})
-    0
-    >>> chunk_trailer({"zarr_format": 3, "codecs": [little, {"name": "crc32c"}]})
-    4
-    >>> chunk_trailer({"zarr_format": 3, "codecs": [little, {"name": "zstd"}]}) is None
-    True
-  """
-  if not isinstance(meta, dict) or meta.get("zarr_format") != 3:
-    return None
-  codecs = meta.get("codecs", [])
-  if not isinstance(codecs, list) or not codecs or not isinstance(codecs[0], dict):
-    return None
-  first, rest = codecs[0], codecs[1:]
-  if first.get("name") != "bytes":
-    return None
-  endian = (first.get("configuration") or {}).get("endian", sys.byteorder)
-  if endian != sys.byteorder:
-    return None
-  if not rest:
-    return 0
-  if len(rest) == 1 and isinstance(rest[0], dict) and rest[0].get("name") == "crc32c":
-    return CHECKSUM_BYTES
-  return None
-
-
-def mappable(meta: Any) -> bool:
-  """Whether zarr3 array metadata stores each chunk as raw native-order bytes
-  (with or without a checksum after them)."""
-  return chunk_trailer(meta) is not None

@@ -26,7 +26,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -49,11 +49,13 @@ from jax_residency._src.store import (
 from jax_residency._src.store.buffers import BufferPool
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.info import StoreInfo as StoreInfo
+from jax_residency._src.store.read_counts import ReadCounts
 from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.stored_stack import (
   LocalFetches,
   StackLayout,
+  StoredStack,
   failed_unit,
   locate,
   split_stacks,
@@ -73,7 +75,7 @@ if TYPE_CHECKING:
 DEFAULT_SPARE_UNIT_BUFFERS = 3
 
 
-class UnitStore(StackLayout):
+class UnitStore(StackLayout, ReadCounts):
   """A store opened for reading: metadata up front, tensor data on demand.
 
   Open with `UnitStore.open`. Thread-safe: the engine's main thread and its
@@ -249,27 +251,8 @@ class UnitStore(StackLayout):
     return True
 
   @property
-  def advised_bytes(self) -> int:
-    """Chunk bytes found out of the page cache and read ahead (`advise_unit`) or faulted
-    in (mapped reads of their own chunks) since the store opened."""
-    return sum(m.advised_bytes for m in self._mappers)
-
-  @property
-  def mapped_bytes_total(self) -> int:
-    """Tensor bytes that reads have mapped instead of copied, since the store opened."""
-    return sum(m.total_bytes for m in self._mappers)
-
-  @property
   def read_options(self) -> ReadOptions:
     return self._loc.reads
-
-  @property
-  def own_read_bytes(self) -> int:
-    """Bytes the store counted itself: what mapped and direct reads took from its
-    files and, for a local store, what reads through TensorStore fetched (whose own
-    counter misses memory-mapped reads; see `LocalFetches`)."""
-    local = self._local.total if self._local is not None else 0
-    return local + sum(m.total_bytes + m.direct_bytes for m in self._mappers)
 
   def _renew_context(self) -> None:
     """After a time-out, arrays reopen in a fresh context: in the old one a new read of a
@@ -277,39 +260,17 @@ class UnitStore(StackLayout):
     self._context = handles.store_context(cache_bytes=self._cache_bytes, reads=self._loc.reads)
     self._handles.clear()
 
-  def _count(self, path: ParamPath, unit: int | None) -> None:
-    if self._local is not None:
-      self._local.count(self._infos[path], unit)
-
-  @property
-  def fetched_bytes_total(self) -> int:
-    """Bytes fetched from the store's storage since it was opened (metadata included):
-    what TensorStore's counter for its kind of storage counted (process-wide, see
-    `remote.FetchCounter`) plus `own_read_bytes`."""
-    return self._fetched.total() + self.own_read_bytes
-
-  @property
-  def buffer_bytes(self) -> int:
-    """Bytes of unit buffers alive now (arrays returned by reads and not yet freed),
-    mapped chunk ranges included."""
-    return self._pool.leased_bytes + sum(m.mapped_bytes for m in self._mappers)
-
-  @property
-  def buffer_peak_bytes(self) -> int:
-    """Most bytes of unit buffers, live and idle, and mapped chunk ranges held at once
-    since `reset_buffer_peak`."""
-    return self._pool.peak_bytes
-
-  def reset_buffer_peak(self) -> None:
-    """Starts `buffer_peak_bytes` over from the buffers held now."""
-    self._pool.reset_peak()
-
   # -- reading
 
   def read_unit_async(
-    self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
+    self,
+    i: int,
+    *,
+    index: Mapping[ParamPath, tuple[Any, ...]] | None = None,
+    skip: Collection[ParamPath] = (),
   ) -> UnitRead:
-    """Starts reading unit `i`; see `read_unit`. Returns a future-like `UnitRead`."""
+    """Starts reading unit `i`; see `read_unit`. Returns a future-like `UnitRead`.
+    Tensors in ``skip`` are left out (a unit's experts, read by `read_experts_async`)."""
     self._check_usable()
     stack, j = locate(self._stacks, i, self.path)
     units, prefix, mapper = stack.arrays, stack.prefix, stack.mapper
@@ -321,7 +282,9 @@ class UnitStore(StackLayout):
         self._pool.wait_for_room(stack.mapped_unit_bytes, outside=True)
         ready, checks = mapper.map_unit(j)
         self._pool.note_external()
-      requests: Mapping[ParamPath, tuple[Any, ...]] = {p: () for p in units if p not in ready}
+      requests: Mapping[ParamPath, tuple[Any, ...]] = {
+        p: () for p in units if p not in ready and p not in skip
+      }
     else:
       unknown = [path_str(p) for p in index if tuple(p) not in units]
       if unknown:
@@ -332,10 +295,7 @@ class UnitStore(StackLayout):
         )
       requests = {tuple(p): tuple(s) if isinstance(s, tuple) else (s,) for p, s in index.items()}
     sources = []
-    handles = self._handles.get_many(
-      [self._names[prefix + rel] for rel in requests], self._open_handle_async
-    )
-    for (rel, idx), handle in zip(requests.items(), handles, strict=True):
+    for (rel, idx), handle in zip(requests.items(), self._handles_of(stack, requests), strict=True):
       try:
         sources.append((rel, handle[(j, *idx)]))
       except (IndexError, ValueError, TypeError) as e:
@@ -344,35 +304,77 @@ class UnitStore(StackLayout):
           f"{units[rel].shape[1:]}) with {idx!r}: {e}"
         ) from e
     direct = mapper if index is None and mapped.direct_reads_enabled() else None
+    return self._issue(
+      i,
+      stack,
+      sources,
+      whole=[rel for rel in requests if not units[rel].partial_reads],
+      direct=None if direct is None else functools.partial(direct.read_into, j),
+      ready=ready,
+      pending=checks,
+      serial=stack.shared,
+      decoder=self._decoder,
+    )
+
+  def read_experts_async(
+    self, i: int, experts: Sequence[int], tensors: Sequence[ParamPath]
+  ) -> UnitRead:
+    """Starts reading experts ``experts`` of unit ``i``'s per-expert ``tensors`` (paths
+    relative to its stack, each ``(experts, ...)`` per unit and stored a chunk per
+    expert): only those experts' chunks are read. The result is keyed ``(*path,
+    str(expert))``, each array one expert's part."""
+    self._check_usable()
+    stack, j = locate(self._stacks, i, self.path)
+    mapper = stack.mapper if mapped.direct_reads_enabled() else None
+    handles = self._handles_of(stack, tensors)
+    sources = [
+      ((*rel, str(e)), handle[j, e])
+      for rel, handle in zip(tensors, handles, strict=True)
+      for e in experts
+    ]
+
+    def direct(key: ParamPath, out: np.ndarray) -> Any:
+      assert mapper is not None
+      return mapper.read_piece_into(j, tuple(key[:-1]), int(key[-1]), out)
+
+    partial = [k for k, _ in sources if not stack.arrays[tuple(k[:-1])].partial_reads]
+    return self._issue(i, stack, sources, whole=partial, direct=direct if mapper else None)
+
+  def _handles_of(self, stack: StoredStack, tensors: Iterable[ParamPath]) -> list[ts.TensorStore]:
+    names = [self._names[stack.prefix + rel] for rel in tensors]
+    return self._handles.get_many(names, self._open_handle_async)
+
+  def _issue(
+    self, i: int, stack: StoredStack, sources: Sequence[tuple[Any, Any]], **kw: Any
+  ) -> UnitRead:
+    """Starts a read of unit ``i``'s ``sources`` (`issue_unit_read`), with the store's
+    buffers, time-out and retries, and counts what TensorStore reads."""
+    j = i - stack.offset
     read = issue_unit_read(
       j,
       sources,
       self._pool,
       self.path,
-      ready=ready,
-      prefix=prefix,
-      whole=[rel for rel in requests if not units[rel].partial_reads],
-      direct=None if direct is None else functools.partial(direct.read_into, j),
-      pending=checks,
+      prefix=stack.prefix,
       timeout_s=self._loc.reads.timeout_s,
       attempts=self._loc.reads.attempts,
       on_timeout=self._renew_context,
-      serial=stack.shared,
-      decoder=self._decoder,
+      **kw,
     )
     read.id = int(i)
-    for rel in read.tensorstore_keys:
-      self._count(prefix + rel, j)
+    for key in read.tensorstore_keys:
+      self._count(stack.prefix + (key if key in stack.arrays else tuple(key[:-1])), j)
     return read
 
-  def advise_unit(self, i: int) -> int:
+  def advise_unit(self, i: int, *, experts: bool = True) -> int:
     """Asks the kernel to start reading unit `i`'s raw local chunks into the page cache,
-    without waiting (`mapped.UnitMapper.advise_unit`); returns the bytes asked for."""
+    without waiting (`mapped.UnitMapper.advise_unit`; without ``experts``, not its
+    per-expert chunks); returns the bytes asked for."""
     self._check_usable()
     stack, j = locate(self._stacks, i, self.path)
     if stack.mapper is None or not (self._map or mapped.direct_reads_enabled()):
       return 0
-    return stack.mapper.advise_unit(j, huge=self._map)
+    return stack.mapper.advise_unit(j, huge=self._map, pieces=experts)
 
   def read_unit(
     self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None

@@ -39,6 +39,7 @@ from jax_residency._src.store.discovery import (
 )
 from jax_residency._src.store.handles import store_context
 from jax_residency._src.store.info import StackInfo, StoreInfo
+from jax_residency._src.store.raw_chunks import CHECKSUM_BYTES
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
 if TYPE_CHECKING:
@@ -222,7 +223,7 @@ class StoreWriter:
     # would shift every value after it off the alignment that mapped reads need,
     # so it is written alone: the writes before it land first, and it lands
     # before any write after it starts, at the start of a data file of its own.
-    stored = value.nbytes + (mapped.CHECKSUM_BYTES if self._checksums else 0)
+    stored = value.nbytes + (CHECKSUM_BYTES if self._checksums else 0)
     odd = stored % mapped.ALIGNMENT and stored > OCDBT_INLINE_BYTES
     if odd:
       self._drain()

@@ -20,6 +20,7 @@ Counters are per pass and committed only when the pass succeeds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from jax_residency._src.loop.unit_loop import (
 )
 from jax_residency._src.plan.budget import ModelMetadata
 from jax_residency._src.plan.split import SplitModel
+from jax_residency._src.policy.experts import ExpertResidency
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.compile_time import signature
 from jax_residency._src.report.metrics import StackPass
@@ -44,6 +46,7 @@ from jax_residency._src.report.records import PassCounters, TimelinePoint
 from jax_residency._src.report.stream_metrics import Tier
 from jax_residency._src.report.telemetry import Telemetry
 from jax_residency._src.store.buffers import release_dropped_buffers
+from jax_residency._src.stream.expert_cache import ExpertStream
 from jax_residency._src.stream.kept import KeptUnits
 from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLedger
 from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker
@@ -91,6 +94,7 @@ class DenseStreamEngine:
       for stack, meta in zip(split.stacks, metadata.stacks, strict=True)
     ]
     self._owner = [st for st in self._stacks for _ in range(st.count)]
+    self._experts = self._expert_stream(opts.experts)
     # Bytes of one unit as this process reads and holds it (its boxes only, on a
     # multi-process mesh); the load-time budget check counted whole units.
     self._host_unit_bytes = max(st.host_bytes for st in self._stacks)
@@ -116,6 +120,8 @@ class DenseStreamEngine:
     # Direct loading hints the kernel to read the unit after next while reads come from
     # disk (`_after_step`); a source without local raw chunks has nothing to hint.
     self._advise = None if self._host_enabled else getattr(source, "advise_unit", None)
+    if self._advise is not None and self._experts is not None:
+      self._advise = functools.partial(self._advise, experts=False)  # experts: only if picked
     self._from_disk = False  # the last direct read's pages came from disk
     self._asked_ahead: set[int] = set()  # units a hint found out of the page cache
     self.worker: PrefetchWorker | None = None
@@ -131,6 +137,21 @@ class DenseStreamEngine:
     self._run_lock = threading.Lock()
     # Units kept resident (device_resident_units, host_resident_units): read now, once.
     self._kept = KeptUnits(metadata.resident, self._owner, self._read)
+
+  def _expert_stream(self, policy: ExpertResidency | None) -> ExpertStream | None:
+    """With expert residency, the expert caches; units are then read and charged
+    without their experts."""
+    if policy is None:
+      return None
+    experts, self._stacks = ExpertStream.for_stacks(
+      policy, self._source, self._stacks, self._ordinary_on_device, self._platform
+    )
+    self._owner = [st for st in self._stacks for _ in range(st.count)]
+    return experts
+
+  def _ordinary_on_device(self, unit: int) -> list[jax.Array] | None:
+    kept = self._kept.on_device(unit)
+    return kept if kept is not None else self.ledger.peek(Tier.DEVICE, unit)
 
   def _tune_source(self, staging: int) -> None:
     """Bounds the source's read buffers by the plan, and maps reads where it can."""
@@ -161,7 +182,12 @@ class DenseStreamEngine:
       ok = False
       try:
         out = run_staged(
-          staged, self._static, (args, kwargs), fetch=self._fetch, after_step=self._after_step
+          staged,
+          self._static,
+          (args, kwargs),
+          fetch=self._fetch,
+          after_step=self._after_step,
+          experts=self._experts,
         )
         out = jax.block_until_ready(out)
         with self._counters_lock:
@@ -211,6 +237,8 @@ class DenseStreamEngine:
 
   def _begin_pass(self) -> None:
     self.ledger.begin_pass()
+    if self._experts is not None:
+      self._experts.begin_pass()
     if self.worker is not None:
       self.worker.begin_pass()
     with self._counters_lock:
@@ -239,6 +267,9 @@ class DenseStreamEngine:
     counters.peak_buffer_bytes = int(getattr(self._source, "buffer_peak_bytes", 0))
     (mapped, fetched), (mapped0, fetched0) = self._source_totals(), self._at_start
     counters.mapped_bytes, counters.fetched_bytes = mapped - mapped0, fetched - fetched0
+    if self._experts is not None:
+      counters.experts = self._experts.end_pass()
+      counters.disk_to_device_bytes += counters.experts.bytes_read
     if ok:
       # The caches' peaks (the ledger's), plus the resident units, measured as held.
       dev_units, dev_bytes, host_units, host_bytes = self._kept.held()
@@ -368,11 +399,15 @@ class DenseStreamEngine:
     return data
 
   def _read(self, i: int) -> Mapping[ParamPath, np.ndarray]:
-    return read_unit(self._source, i, self._owner[i].read_index)
+    return read_unit(self._source, i, self._owner[i].read_index, self._skip(i))
 
   def _start_read(self, i: int) -> Callable[[], Mapping[ParamPath, np.ndarray]]:
     """Issues the read of unit ``i``; the returned callable waits for it."""
-    return start_read(self._source, i, self._owner[i].read_index)
+    return start_read(self._source, i, self._owner[i].read_index, self._skip(i))
+
+  def _skip(self, i: int) -> tuple[ParamPath, ...]:
+    """The tensors of unit ``i`` a unit read leaves out: with expert residency, its experts."""
+    return () if self._experts is None else self._experts.skip(i)
 
   def _prefetch(self, i: int, token: CancelToken) -> None:
     """Runs on the worker thread: reads unit ``i`` into the host tier.
@@ -449,8 +484,12 @@ class DenseStreamEngine:
         self.worker.cancel(wait=True)
         self._drop_read_ahead()
       self.ledger.discard_all()
+      if self._experts is not None:
+        self._experts.clear()
 
   def close(self) -> None:
+    if self._experts is not None:
+      self._experts.close()
     if self.worker is not None:
       self.worker.close()
       self._drop_read_ahead()

@@ -236,6 +236,13 @@ class ResidencyLedger:
       entry.used = True
       return entry.value
 
+  def peek(self, tier: Tier, unit: int) -> Any | None:
+    """The unit's value or None, counting no request and no use."""
+    with self._lock:
+      self._check_open()
+      entry = self._tiers[tier].entries.get(unit)
+      return None if entry is None else entry.value
+
   def contains(self, tier: Tier, unit: int) -> bool:
     with self._lock:
       return unit in self._tiers[tier].entries

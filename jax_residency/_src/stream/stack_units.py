@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -84,9 +85,17 @@ class StackUnits:
     CPU backend a page-aligned host buffer becomes the device array without a copy;
     accelerators copy host to device either way."""
     if self.read_index is None:
-      return jax.device_put(
-        [np.asarray(host[p]) for p in self.rel_paths], list(self.shardings), may_alias=alias
+      # A tensor the read left out (an expert tensor, `expert_cache`) is None.
+      there = [k for k, p in enumerate(self.rel_paths) if p in host]
+      placed = jax.device_put(
+        [np.asarray(host[self.rel_paths[k]]) for k in there],
+        [self.shardings[k] for k in there],
+        may_alias=alias,
       )
+      out: list[Any] = [None] * len(self.rel_paths)
+      for k, a in zip(there, placed, strict=True):
+        out[k] = a
+      return out
     return [
       from_local_box(np.asarray(host[p]), shape, s, self.read_index[p])
       for p, shape, s in zip(self.rel_paths, self.shapes, self.shardings, strict=True)

@@ -13,7 +13,7 @@ step by step, its body compiled once and fed each unit's parameters by a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,12 @@ from jax.extend import core as jcore
 
 from jax_residency._src.errors import PlacementError
 from jax_residency._src.report.compile_time import temp_bytes
+from jax_residency._src.stream.expert_steps import (
+  ExpertHooks,
+  ExpertStep,
+  expert_step,
+  marker_index,
+)
 from jax_residency._src.stream.static_decode import StaticDecodes, plan_static_decodes
 
 #: ``fetch(u, upcoming) -> unit leaves`` in its stack's leaf order. ``u`` is a
@@ -63,6 +69,8 @@ class StagedForward:
     stacks: where each stack's units and leaves lie.
     loops: per unit-loop equation, in order: its index and the unit ids it
       runs, in its order.
+    expert_steps: per unit-loop equation run with expert residency, its probe and
+      body cut at the layer's `picked_experts` (None: the layer marks none).
   """
 
   closed: jcore.ClosedJaxpr
@@ -74,6 +82,7 @@ class StagedForward:
   bodies: dict[int, CompiledStep] = dataclasses.field(default_factory=dict)
   stacks: tuple[StackSpan, ...] = ()
   loops: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+  expert_steps: dict[int, ExpertStep | None] = dataclasses.field(default_factory=dict)
 
   def stack_of(self, operands: dict[int, int]) -> StackSpan:
     """The stack whose leaves a unit loop's operands are."""
@@ -186,8 +195,11 @@ def run_staged(
   *,
   fetch: Fetch,
   after_step: AfterStep,
+  experts: ExpertHooks | None = None,
 ) -> Any:
-  """Evaluates a staged forward; unit loops pull units through ``fetch``."""
+  """Evaluates a staged forward; unit loops pull units through ``fetch``, and with
+  ``experts``, a loop whose layer marks its expert ids runs its router first and
+  takes only the experts it picks from those hooks (`expert_steps`)."""
   jaxpr = staged.closed.jaxpr
   env: dict[jcore.Var, Any] = {}
 
@@ -216,7 +228,7 @@ def run_staged(
     operands = staged._unit_operands(eqn)
     region = decodes.regions.get(k)
     if operands is not None:
-      outs = _run_unit_loop(staged, k, eqn, operands, read, fetch, after_step)
+      outs = _run_unit_loop(staged, k, eqn, operands, read, fetch, after_step, experts)
     elif region is not None:
       outs = region([read(v) for v in region.inputs])
     else:
@@ -229,17 +241,35 @@ def run_staged(
   return jax.tree.unflatten(staged.out_tree, [read(v) for v in jaxpr.outvars])
 
 
+def _slicer(unit_xs: frozenset[int]) -> Callable[[list[Any], list[Any], Any], list[Any]]:
+  """``(units, others, i) -> xs``: a step's scanned inputs, its unit leaves (at
+  ``unit_xs``) and the other stacked inputs sliced at ``i``."""
+
+  def xs(units: list[Any], others: list[Any], i: Any) -> list[Any]:
+    unit_iter, other_iter = iter(units), iter(others)
+    return [
+      next(unit_iter)
+      if j in unit_xs
+      else jax.lax.dynamic_index_in_dim(next(other_iter), i, keepdims=False)
+      for j in range(len(units) + len(others))
+    ]
+
+  return xs
+
+
 def _compile_step(
   closed: jcore.ClosedJaxpr, num_carry: int, unit_xs: frozenset[int], *, in_loop: bool
 ) -> CompiledStep:
-  """Compiles step ``i`` of a unit loop: ``(consts, carry, units, others, ys, i) -> (carry, ys)``.
+  """Compiles step ``i`` of a unit loop: ``(consts, carry, units, others, ys, i, extra)
+  -> (carry, ys)``.
 
   The loop's scanned inputs are this step's unit leaves (``unit_xs``: their
   positions among the scanned inputs) and the other stacked inputs
   (``others``, e.g. a per-layer KV cache), which the step slices at ``i``. Its
   per-step outputs are written in place (donated) into the stacked ``ys``
   buffers at ``i``, as ``lax.scan`` does, so no step costs a host-side slice
-  or the loop a final stack.
+  or the loop a final stack. ``extra`` inputs follow the scanned ones (an
+  expert step's ids, `expert_steps`).
 
   With ``in_loop``, the step runs inside a ``while_loop`` whose trip count (1)
   is only known at run time. XLA then compiles the body exactly as it does in
@@ -247,18 +277,18 @@ def _compile_step(
   and compiled differently), so results are bit-identical to the plain model.
   """
   fun = jcore.jaxpr_as_fun(closed)
+  slice_xs = _slicer(unit_xs)
 
   def step(
-    consts: list[Any], carry: list[Any], units: list[Any], others: list[Any], ys: list[Any], i: Any
+    consts: list[Any],
+    carry: list[Any],
+    units: list[Any],
+    others: list[Any],
+    ys: list[Any],
+    i: Any,
+    extra: list[Any],
   ) -> tuple[list[Any], list[Any]]:
-    unit_iter, other_iter = iter(units), iter(others)
-    xs = [
-      next(unit_iter)
-      if j in unit_xs
-      else jax.lax.dynamic_index_in_dim(next(other_iter), i, keepdims=False)
-      for j in range(len(units) + len(others))
-    ]
-    outs = fun(*consts, *carry, *xs)
+    outs = fun(*consts, *carry, *slice_xs(units, others, i), *extra)
     ys = [
       jax.lax.dynamic_update_index_in_dim(b, y, i, 0)
       for b, y in zip(ys, outs[num_carry:], strict=True)
@@ -275,11 +305,12 @@ def _compile_step(
     others: list[Any],
     ys: list[Any],
     i: Any,
+    extra: list[Any],
     trips: Any,
   ) -> tuple[list[Any], list[Any]]:
     def body(state: tuple[Any, list[Any], list[Any]]) -> tuple[Any, list[Any], list[Any]]:
       t, c, b = state
-      return t + 1, *step(consts, c, units, others, b, i)
+      return t + 1, *step(consts, c, units, others, b, i, extra)
 
     _, c, b = jax.lax.while_loop(lambda s: s[0] < trips, body, (jnp.int32(0), carry, ys))
     return c, b
@@ -333,6 +364,7 @@ def _run_unit_loop(
   read: Callable[[Any], Any],
   fetch: Fetch,
   after_step: AfterStep,
+  hooks: ExpertHooks | None,
 ) -> list[Any]:
   p = eqn.params
   num_consts, num_carry, length = p["num_consts"], p["num_carry"], p["length"]
@@ -341,15 +373,17 @@ def _run_unit_loop(
     raise PlacementError(f"the unit loop runs {length} steps but its stack has {span.count} units")
   first_x = num_consts + num_carry
   unit_xs = frozenset(pos - first_x for pos in operands)
+  unit_leaves = [operands[first_x + j] - span.first for j in sorted(unit_xs)]
+  experts = _expert_step(staged, k, p, span, unit_xs, unit_leaves, hooks)
   body = staged.bodies.get(k)
   if body is None:
-    body = _compile_step(p["jaxpr"], num_carry, unit_xs, in_loop=staged.in_loop)
+    jaxpr = p["jaxpr"] if experts is None else experts.body
+    body = _compile_step(jaxpr, num_carry, unit_xs, in_loop=staged.in_loop)
     staged.bodies[k] = body
   invals: list[Any] = [None if pos in operands else read(v) for pos, v in enumerate(eqn.invars)]
   consts = invals[:num_consts]
   carry = invals[num_consts:first_x]
   others = [x for j, x in enumerate(invals[first_x:]) if j not in unit_xs]
-  unit_leaves = [operands[first_x + j] - span.first for j in sorted(unit_xs)]
   # Each step writes its outputs into these stacked buffers at its index, as scan does.
   ys = [jnp.zeros((length, *a.shape), a.dtype) for a in p["jaxpr"].out_avals[num_carry:]]
   at = next(n for n, (eqn_k, _) in enumerate(staged.loops) if eqn_k == k)
@@ -360,11 +394,77 @@ def _run_unit_loop(
     unit = fetch(u, upcoming)
     previous = carry
     i = np.int32(u - span.offset)
-    carry, ys = body(consts, carry, [unit[j] for j in unit_leaves], others, ys, i)
-    del unit
+    leaves = [unit[j] for j in unit_leaves]
+    extra: list[Any] = []
+    if experts is not None:
+      assert hooks is not None
+      picked = experts.probe(consts, carry, leaves, others, i)
+      moved = hooks.experts(u, picked)
+      leaves = [moved.get(j, x) for j, x in zip(unit_leaves, leaves, strict=True)]
+      extra = [picked]
+    carry, ys = body(consts, carry, leaves, others, ys, i, extra)
+    del unit, leaves
     # The step before this one is done before after_step moves the next unit in
     # and evicts the oldest: the evicted unit's memory is free when it is dropped
     # (this step keeps running meanwhile).
     jax.block_until_ready(previous)
     after_step(u, upcoming)
+    if experts is not None and hooks is not None and s + 1 < len(ids):
+      # The next unit's router on this unit's input, while this step runs.
+      _predict(hooks, experts, ids[s + 1], span, unit_leaves, consts, previous, others)
   return list(carry) + list(ys)
+
+
+def _expert_step(
+  staged: StagedForward,
+  k: int,
+  p: Mapping[str, Any],
+  span: StackSpan,
+  unit_xs: frozenset[int],
+  unit_leaves: list[int],
+  hooks: ExpertHooks | None,
+) -> ExpertStep | None:
+  """The loop's expert step (cut once), or None where its experts move with its units."""
+  if hooks is None:
+    return None
+  if k not in staged.expert_steps:
+    closed: jcore.ClosedJaxpr = p["jaxpr"]
+    index = marker_index(closed.jaxpr)
+    step = None
+    experts = hooks.expert_leaves(span.offset)
+    if index is None and experts:
+      raise PlacementError(
+        "the layer does not mark which experts its router picks, so expert residency "
+        "cannot tell which to read: apply jax_residency.picked_experts to the router's "
+        "top-k expert ids in the layer (the Llama family's models do), or place the "
+        "model without experts="
+      )
+    if index is not None:
+      expert_xs = frozenset(
+        j for j, leaf in zip(sorted(unit_xs), unit_leaves, strict=True) if leaf in experts
+      )
+      step = expert_step(
+        closed, p["num_consts"], p["num_carry"], unit_xs, expert_xs, index, _slicer(unit_xs)
+      )
+      hooks.check_top_k(span.offset, step.top_k)
+    staged.expert_steps[k] = step
+  return staged.expert_steps[k]
+
+
+def _predict(
+  hooks: ExpertHooks,
+  experts: ExpertStep,
+  v: int,
+  span: StackSpan,
+  unit_leaves: list[int],
+  consts: list[Any],
+  carry: list[Any],
+  others: list[Any],
+) -> None:
+  """Speculative prefetch: the next unit's probe (attention and router) on this unit's
+  input, where the next unit's ordinary tensors are on the device already."""
+  unit = hooks.ordinary(v)
+  if unit is None:
+    return
+  leaves = [unit[j] for j in unit_leaves]
+  hooks.predict(v, experts.probe(consts, carry, leaves, others, np.int32(v - span.offset)))

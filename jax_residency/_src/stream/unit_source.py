@@ -29,9 +29,14 @@ class UnitSource(Protocol):
   def read_unit(self, i: int, /, *, index: Index = None) -> Mapping[ParamPath, np.ndarray]: ...
 
 
-def read_unit(source: UnitSource, i: int, index: Index) -> Mapping[ParamPath, np.ndarray]:
-  """Unit ``i`` of ``source`` (only the boxes ``index`` names, on a multi-process mesh)."""
+def read_unit(
+  source: UnitSource, i: int, index: Index, skip: tuple[ParamPath, ...] = ()
+) -> Mapping[ParamPath, np.ndarray]:
+  """Unit ``i`` of ``source`` (only the boxes ``index`` names, on a multi-process mesh;
+  without the tensors in ``skip``, a unit's experts read apart)."""
   try:
+    if skip:
+      return source.read_unit_async(i, skip=skip).result()  # type: ignore[attr-defined]
     return source.read_unit(i) if index is None else source.read_unit(i, index=index)
   except (StoreError, ClosedError):
     raise
@@ -41,14 +46,17 @@ def read_unit(source: UnitSource, i: int, index: Index) -> Mapping[ParamPath, np
 
 
 def start_read(
-  source: UnitSource, i: int, index: Index
+  source: UnitSource, i: int, index: Index, skip: tuple[ParamPath, ...] = ()
 ) -> Callable[[], Mapping[ParamPath, np.ndarray]]:
   """Issues the read of unit ``i``; the returned callable waits for it."""
   start_async = getattr(source, "read_unit_async", None)
   if start_async is None:
-    return lambda: read_unit(source, i, index)
+    return lambda: read_unit(source, i, index, skip)
   try:
-    pending = start_async(i) if index is None else start_async(i, index=index)
+    if skip:
+      pending = start_async(i, skip=skip)
+    else:
+      pending = start_async(i) if index is None else start_async(i, index=index)
   except Exception as e:  # noqa: BLE001 - re-raised with the unit named
     return functools.partial(raise_read_error, i, e)
 

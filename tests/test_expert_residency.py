@@ -115,7 +115,8 @@ def test_the_host_expert_cache_serves_what_the_device_cache_evicted(mixtral, sto
 
 def test_the_speculative_prefetch_counts_its_predictions(mixtral, store, plain_tokens):
   expert, _, k = sizes(mixtral, store)
-  with jr.place(mixtral, experts_policy(4 * expert), store=store.path) as placed:
+  policy = experts_policy(4 * expert, speculative_prefetch=True)
+  with jr.place(mixtral, policy, store=store.path) as placed:
     np.testing.assert_array_equal(generate(placed, mixtral), plain_tokens)
     decode = [p.experts for p in placed.report().passes if p.phase == "decode"]
     total = placed.report().decode.experts
@@ -241,3 +242,23 @@ def test_a_failed_expert_read_leaves_the_placement_running(mixtral, store, plain
     assert placed.report().total.passes == 0
     np.testing.assert_array_equal(generate(placed, mixtral), plain_tokens)
     assert placed.report().total.passes == NEW
+
+
+def test_an_evicted_experts_row_reads_as_zero_and_gives_its_memory_back():
+  """On CPU a unit's expert tensors are kept whole; the cache's experts are their rows."""
+  from jax_residency._src.stream.expert_rows import ExpertRows
+
+  def rss() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+      return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Rss:"))
+
+  rows = ExpertRows(((4, 512, 2048),), (np.dtype(np.float32),))  # 4 MiB an expert
+  before = rss()
+  for e in range(4):
+    rows.row(e)[0][...] = e + 1.0
+  filled = rss()
+  rows.clear(1)
+  rows.clear(3)
+  assert filled - before >= 15 * 2**20 and filled - rss() >= 7 * 2**20
+  assert [float(rows.buffers[0][e].max()) for e in range(4)] == [1.0, 0.0, 3.0, 0.0]
+  assert rows.buffers[0].ctypes.data % 4096 == 0  # page-aligned: a device array uses it as is

@@ -205,19 +205,34 @@ class Experts(nnx.Module):
     top_k)`` are the experts' ids, ``top`` their weights; ``weights`` ``(batch, t,
     experts)`` the same weights, 0 for the experts not picked.
 
-    Few tokens (fewer expert picks in all than experts: a decode step) take their
-    experts' matrices by id and read no other expert's. More run every expert on every
-    token: adding the unpicked experts' exact zeros leaves each sum as the picked
-    ones' alone, and one product per expert beats one per pick."""
+    Few tokens (fewer expert picks in all than experts: a decode step) multiply by each
+    pick's matrices, sliced by id, and read no other expert's; the picks' outputs are
+    added in order. More run every expert on every token: adding the unpicked experts'
+    exact zeros leaves each sum as the picked ones' alone, and one product per expert
+    beats one per pick."""
     if picked.size < self.gate_proj.shape[0]:
-      gate = jnp.einsum("btd,btkdf->btkf", x, self.gate_proj[...][picked])
-      up = jnp.einsum("btd,btkdf->btkf", x, self.up_proj[...][picked])
-      out = jnp.einsum("btkf,btkfd->btkd", jax.nn.silu(gate) * up, self.down_proj[...][picked])
-      return jnp.sum(out * top[..., None].astype(out.dtype), axis=2)
+      return self._picked_only(x, picked, top)
     gate = jnp.einsum("btd,edf->btef", x, self.gate_proj[...])
     up = jnp.einsum("btd,edf->btef", x, self.up_proj[...])
     out = jnp.einsum("btef,efd->bted", jax.nn.silu(gate) * up, self.down_proj[...])
     return jnp.sum(out * weights[..., None].astype(out.dtype), axis=2)
+
+  def _picked_only(self, x: jax.Array, picked: jax.Array, top: jax.Array) -> jax.Array:
+    """Each token's picks, one at a time: the expert's matrices sliced out by id (on CPU
+    XLA reads them in place, where a gather would copy them first)."""
+    b, t, d = x.shape
+    rows, ids, weights = x.reshape(b * t, d), picked.reshape(b * t, -1), top.reshape(b * t, -1)
+    out = []
+    for n in range(b * t):
+      acc = jnp.zeros((d,), x.dtype)
+      for j in range(ids.shape[1]):
+        e = ids[n, j]
+        gate = rows[n] @ lax.dynamic_index_in_dim(self.gate_proj[...], e, keepdims=False)
+        up = rows[n] @ lax.dynamic_index_in_dim(self.up_proj[...], e, keepdims=False)
+        down = lax.dynamic_index_in_dim(self.down_proj[...], e, keepdims=False)
+        acc = acc + (jax.nn.silu(gate) * up) @ down * weights[n, j].astype(x.dtype)
+      out.append(acc)
+    return jnp.stack(out).reshape(b, t, d)
 
 
 class SparseMoE(nnx.Module):

@@ -43,9 +43,10 @@ class ExpertResidency(Options):
       unbounded); an expert evicted from the device stays here, and the device
       takes it from here before the store.
     eviction_policy: which cached expert each cache evicts first.
-    speculative_prefetch: before a layer runs, apply the next layer's router to this
-      layer's input and start reading the experts it predicts; the reports count
-      how many of them the next layer picked.
+    speculative_prefetch: while a layer runs, apply the next layer's router (the
+      part of the layer up to it) to this layer's input and start reading the experts
+      it predicts; the reports count how many of them the next layer picked. Off by
+      default: on `benchmarks/moe_decode.py` it read more than it saved.
 
   Example:
     >>> e = ExpertResidency(device_budget_bytes="512MiB", host_budget_bytes="4GiB")
@@ -58,7 +59,7 @@ class ExpertResidency(Options):
   device_budget_bytes: int | None = DEFAULT_EXPERT_DEVICE_BUDGET_BYTES
   host_budget_bytes: int | None = 0
   eviction_policy: CacheEvictionPolicy = CacheEvictionPolicy.LEAST_RECENTLY_USED
-  speculative_prefetch: bool = True
+  speculative_prefetch: bool = False
 
   def __post_init__(self) -> None:
     owner = self._check_budgets()

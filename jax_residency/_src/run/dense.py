@@ -27,7 +27,7 @@ from jax_residency._src.run.executor import note_unplaced
 from jax_residency._src.store.loading import StoreSource, open_for
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.stream.engine import DenseStreamEngine
-from jax_residency._src.stream.expert_cache import with_expert_caches
+from jax_residency._src.stream.expert_plan import with_expert_caches
 from jax_residency._src.typing import path_str
 
 

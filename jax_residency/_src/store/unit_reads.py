@@ -159,6 +159,7 @@ def issue_unit_read(
   on_timeout: Callable[[], None] | None = None,
   serial: Collection[Any] = (),
   decoder: concurrent.futures.Executor | None = None,
+  into: Mapping[Any, np.ndarray] | None = None,
 ) -> UnitRead:
   """Starts copying each `(key, source)` view into one pooled slab; `ready` arrays
   (mapped, not read) join the result as they are. Errors name a tensor by its full
@@ -171,10 +172,14 @@ def issue_unit_read(
   called when it runs out); ``attempts`` is how many tries a failed request had.
   Tensors in ``serial`` (whose chunk holds several units, so a read decodes all of
   it) are read one after another on ``decoder``, a one-thread pool the store
-  shares between its reads: at most one such chunk is decoded at a time."""
-  specs = [(str(i), tuple(src.shape), src.dtype.numpy_dtype) for i, (_, src) in enumerate(sources)]
-  layout, nbytes = buffer_layout(specs)
-  buffers = pool.lease(layout, nbytes)
+  shares between its reads: at most one such chunk is decoded at a time. With
+  ``into``, each key's data lands in the caller's array there instead of a pooled one."""
+  if into is not None:
+    buffers = {str(i): into[key] for i, (key, _) in enumerate(sources)}
+  else:
+    specs = [(str(i), tuple(s.shape), s.dtype.numpy_dtype) for i, (_, s) in enumerate(sources)]
+    layout, nbytes = buffer_layout(specs)
+    buffers = pool.lease(layout, nbytes)
   arrays: dict[Any, np.ndarray] = dict(ready or {})
   futures = list(pending)
   through_ts = []

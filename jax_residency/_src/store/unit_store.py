@@ -317,12 +317,16 @@ class UnitStore(StackLayout, ReadCounts):
     )
 
   def read_experts_async(
-    self, i: int, experts: Sequence[int], tensors: Sequence[ParamPath]
+    self,
+    i: int,
+    experts: Sequence[int],
+    tensors: Sequence[ParamPath],
+    *,
+    into: Mapping[ParamPath, np.ndarray] | None = None,
   ) -> UnitRead:
-    """Starts reading experts ``experts`` of unit ``i``'s per-expert ``tensors`` (paths
-    relative to its stack, each ``(experts, ...)`` per unit and stored a chunk per
-    expert): only those experts' chunks are read. The result is keyed ``(*path,
-    str(expert))``, each array one expert's part."""
+    """Starts reading only experts ``experts``' chunks of unit ``i``'s ``tensors``
+    (stack-relative paths, stored a chunk per expert), keyed ``(*path, str(expert))``:
+    into the caller's arrays in ``into`` (every key), else pooled buffers."""
     self._check_usable()
     stack, j = locate(self._stacks, i, self.path)
     mapper = stack.mapper if mapped.direct_reads_enabled() else None
@@ -338,7 +342,9 @@ class UnitStore(StackLayout, ReadCounts):
       return mapper.read_piece_into(j, tuple(key[:-1]), int(key[-1]), out)
 
     partial = [k for k, _ in sources if not stack.arrays[tuple(k[:-1])].partial_reads]
-    return self._issue(i, stack, sources, whole=partial, direct=direct if mapper else None)
+    return self._issue(
+      i, stack, sources, whole=partial, direct=direct if mapper else None, into=into
+    )
 
   def _handles_of(self, stack: StoredStack, tensors: Iterable[ParamPath]) -> list[ts.TensorStore]:
     names = [self._names[stack.prefix + rel] for rel in tensors]
@@ -347,8 +353,7 @@ class UnitStore(StackLayout, ReadCounts):
   def _issue(
     self, i: int, stack: StoredStack, sources: Sequence[tuple[Any, Any]], **kw: Any
   ) -> UnitRead:
-    """Starts a read of unit ``i``'s ``sources`` (`issue_unit_read`), with the store's
-    buffers, time-out and retries, and counts what TensorStore reads."""
+    """`issue_unit_read` of unit ``i``'s ``sources``, counting what TensorStore reads."""
     j = i - stack.offset
     read = issue_unit_read(
       j,

@@ -23,146 +23,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import math
-import mmap
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jax_residency._src.errors import (
-  AdmissionError,
-  DeviceBudgetTooSmallError,
-  PlacementError,
-  StoreLayoutError,
-)
-from jax_residency._src.plan.budget import ModelMetadata
-from jax_residency._src.plan.memory import MemoryItem
+from jax_residency._src.errors import AdmissionError, PlacementError, StoreLayoutError
 from jax_residency._src.policy.experts import ExpertResidency
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.report.metrics import Tally
 from jax_residency._src.report.stream_metrics import ExpertMetrics, Tier
-from jax_residency._src.store.stored_stack import per_expert
-from jax_residency._src.stream.ledger import ResidencyLedger
+from jax_residency._src.stream.expert_plan import StackExperts
+from jax_residency._src.stream.expert_rows import ExpertRows, RowBuffers, put_rows
+from jax_residency._src.stream.ledger import Eviction, ResidencyLedger
 from jax_residency._src.stream.stack_units import StackUnits
 from jax_residency._src.typing import ParamPath
-
-
-@dataclasses.dataclass(frozen=True)
-class StackExperts:
-  """One stack's expert tensors.
-
-  Attributes:
-    leaves: their positions among the stack's leaves.
-    rel_paths: their paths relative to the stack, in leaf order.
-    count: experts per unit.
-    shardings: where each whole tensor (``(experts, ...)`` per unit) goes.
-    parts: where one expert's part of each goes (the expert axis dropped).
-    expert_bytes: bytes of one expert (its part of every expert tensor).
-  """
-
-  leaves: tuple[int, ...]
-  rel_paths: tuple[ParamPath, ...]
-  count: int
-  shapes: tuple[tuple[int, ...], ...]
-  dtypes: tuple[np.dtype, ...]
-  shardings: tuple[jax.sharding.Sharding, ...]
-  parts: tuple[jax.sharding.Sharding, ...]
-  expert_bytes: int
-
-  @classmethod
-  def of(cls, st: StackUnits, stored: Any) -> StackExperts | None:
-    found = [
-      (k, rel) for k, rel in enumerate(st.rel_paths) if per_expert(stored.arrays[tuple(rel)])
-    ]
-    if not found:
-      return None
-    leaves = tuple(k for k, _ in found)
-    shapes = tuple(st.shapes[k] for k in leaves)
-    dtypes = tuple(np.dtype(stored.arrays[tuple(rel)].dtype) for _, rel in found)
-    return cls(
-      leaves=leaves,
-      rel_paths=tuple(tuple(rel) for _, rel in found),
-      count=stored.experts,
-      shapes=shapes,
-      dtypes=dtypes,
-      shardings=tuple(st.shardings[k] for k in leaves),
-      parts=tuple(_part_sharding(st.shardings[k]) for k in leaves),
-      expert_bytes=sum(math.prod(s[1:]) * d.itemsize for s, d in zip(shapes, dtypes, strict=True)),
-    )
-
-
-def _part_sharding(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
-  """The sharding of one expert's part of a tensor sharded as ``s`` (its first axis gone)."""
-  if isinstance(s, jax.sharding.NamedSharding):
-    return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:]))
-  return s
-
-
-def with_expert_caches(metadata: ModelMetadata, policy: ExpertResidency | None) -> ModelMetadata:
-  """The plan with the expert caches in it, checked against the device budget: the
-  device expert cache is paid from ``device_budget_bytes`` beside the static weights and
-  the window (whose units are planned whole, so one unit's assembled experts fit)."""
-  if policy is None:
-    return metadata
-  items = []
-  if policy.device_budget_bytes is not None:
-    items.append(
-      MemoryItem(
-        name="device expert cache",
-        memory="device",
-        nbytes=policy.device_budget_bytes,
-        counted_in="device budget",
-        note="ExpertResidency.device_budget_bytes",
-      )
-    )
-  if policy.host_budget_bytes:
-    items.append(
-      MemoryItem(
-        name="host expert cache",
-        memory="host",
-        nbytes=policy.host_budget_bytes,
-        counted_in="host budget",
-        note="ExpertResidency.host_budget_bytes",
-      )
-    )
-  out = dataclasses.replace(metadata, memory=(*metadata.memory, *items))
-  budget = metadata.policy.offload().device_budget_bytes
-  cache = policy.device_budget_bytes
-  if budget is not None and cache is None:
-    raise DeviceBudgetTooSmallError(
-      f"DenseDiskStream(device_budget_bytes={budget}) bounds the device, but "
-      "ExpertResidency(device_budget_bytes=None) lets the expert cache grow without bound; "
-      "give the expert cache a budget, or the policy device_budget_bytes=None.",
-      budget=budget,
-    )
-  if budget is not None and out.planned_device_bytes > budget:
-    before = metadata.planned_device_bytes
-    raise DeviceBudgetTooSmallError(
-      f"DenseDiskStream(device_budget_bytes={budget}) ({format_bytes(budget)}) cannot hold "
-      f"the static weights and the unit window ({before} B) plus the device expert cache "
-      f"({cache} B): {before} + {cache} = {out.planned_device_bytes} B "
-      f"({format_bytes(out.planned_device_bytes)}). Raise device_budget_bytes to at least "
-      f"that, or shrink ExpertResidency.device_budget_bytes to {max(0, budget - before)} B.",
-      required=out.planned_device_bytes,
-      budget=budget,
-      window=metadata.device_window_bytes,
-      static=metadata.static_device_bytes,
-    )
-  return out
-
-
-def zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-  """A zero array on pages of its own: untouched rows cost no memory, and its start is
-  page-aligned (a CPU device array can then use it without a copy)."""
-  nbytes = math.prod(shape) * dtype.itemsize
-  if not nbytes:
-    return np.zeros(shape, dtype)
-  return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
 
 
 class ExpertStream:
@@ -196,16 +73,22 @@ class ExpertStream:
     self._owner = owner
     self._ordinary = ordinary  # unit -> its ordinary leaves on the device, or None
     self._on_cpu = platform == "cpu"
+    # Cache keys: unit * width + expert, one key per expert of every stack.
+    self._width = max(ex.count for ex in self._stacks.values() if ex is not None)
     self.ledger = ResidencyLedger(
       host_budget_bytes=policy.host_budget_bytes,
       device_budget_bytes=policy.device_budget_bytes,
       eviction_policy=policy.eviction_policy,
+      on_evict=self._on_evict,
     )
     self._lock = threading.Lock()
     self._tally = Tally(ExpertMetrics)
     self._pending: dict[int, concurrent.futures.Future] = {}
     # Speculative reads the device cache had no room for (one layer's predictions).
     self._landed: dict[int, list[jax.Array]] = {}
+    self._rings: dict[int, list[RowBuffers]] = {}  # per stack, CPU with several devices
+    self._rows: dict[int, ExpertRows] = {}  # per unit, CPU with one device
+    self._transient: set[tuple[int, int]] = set()  # rows filled but not cached
     self._predicted: dict[int, frozenset[int]] = {}
     self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jr-experts")
 
@@ -280,15 +163,18 @@ class ExpertStream:
   def experts(self, unit: int, ids: jax.Array) -> Mapping[int, jax.Array]:
     ex = self.of(unit)
     assert ex is not None
+    # Waiting for the ids waits for the step before (the probe's input is its output):
+    # what that step protected, or used without caching, is free now.
     picks = sorted({int(e) for e in np.asarray(ids).ravel()})
-    keys = {e: unit * ex.count + e for e in picks}
+    keys = {e: self._key(unit, e) for e in picks}
     predicted = self._predicted.pop(unit, None)
-    for e in picks:  # the speculative reads of this unit's picks land first
-      future = self._pending.get(keys[e])
+    for key in [k for k in self._pending if k // self._width == unit]:
+      future = self._pending.get(key)  # this unit's speculative reads land first
       if future is not None:
         future.result()
+    self._release(keep={(unit, e) for e in picks})
     self.ledger.protect(Tier.DEVICE, keys.values())
-    parts: dict[int, list[jax.Array]] = {}
+    parts: dict[int, list[Any]] = {}
     missing = []
     for e in picks:
       found = self._landed.pop(keys[e], None)
@@ -302,7 +188,7 @@ class ExpertStream:
     unread = [e for e in missing if e not in hosted]
     read = self._read(unit, ex, unread) if unread else {}
     for e in missing:
-      parts[e] = self._to_device(keys[e], ex, hosted.get(e) or read[e], prefetched=False)
+      parts[e] = self._to_device(unit, ex, e, hosted.get(e) or read[e], prefetched=False)
     with self._lock:
       self._tally.add(
         selected=len(picks),
@@ -312,12 +198,8 @@ class ExpertStream:
       )
       if predicted is not None:
         self._tally.add(predicted_used=len(predicted & set(picks)))
-    whole = self._assemble(ex, parts)
-    # The tensors hold their own copies now (or, on a device, are computed from them): a
-    # later read may evict these experts.
-    self.ledger.protect(Tier.DEVICE, ())
     self._landed.clear()  # predictions this step did not pick
-    return dict(zip(ex.leaves, whole, strict=True))
+    return dict(zip(ex.leaves, self._assemble(unit, ex, parts), strict=True))
 
   def predict(self, unit: int, ids: jax.Array) -> None:
     ex = self.of(unit)
@@ -328,14 +210,29 @@ class ExpertStream:
     with self._lock:
       self._tally.add(predicted=len(picks))
     for e in sorted(picks):
-      key = unit * ex.count + e
+      key = self._key(unit, e)
       if key in self._pending or self.ledger.contains(Tier.DEVICE, key):
         continue
-      self._pending[key] = self._reader.submit(self._read_ahead, unit, ex, e, key)
+      self._pending[key] = self._reader.submit(self._read_ahead, unit, ex, e)
 
   # --- moving experts -------------------------------------------------------------
 
-  def _read_ahead(self, unit: int, ex: StackExperts, e: int, key: int) -> None:
+  def _key(self, unit: int, e: int) -> int:
+    return unit * self._width + e
+
+  def _in_rows(self, ex: StackExperts) -> bool:
+    """Whether the unit's expert tensors are kept whole (`ExpertRows`): on CPU, where
+    each goes to one device (a step then uses them without a copy)."""
+    return self._on_cpu and all(len(s.device_set) == 1 for s in ex.shardings)
+
+  def _rows_of(self, unit: int, ex: StackExperts) -> ExpertRows:
+    rows = self._rows.get(unit)
+    if rows is None:
+      rows = self._rows[unit] = ExpertRows(ex.shapes, ex.dtypes)
+    return rows
+
+  def _read_ahead(self, unit: int, ex: StackExperts, e: int) -> None:
+    key = self._key(unit, e)
     try:
       if self.ledger.contains(Tier.DEVICE, key):
         return
@@ -344,7 +241,7 @@ class ExpertStream:
         host = self._read(unit, ex, [e])[e]
         with self._lock:
           self._tally.add(read_ahead=1)
-      self._to_device(key, ex, host, prefetched=True)
+      self._to_device(unit, ex, e, host, prefetched=True)
     finally:
       self._pending.pop(key, None)
 
@@ -353,62 +250,104 @@ class ExpertStream:
   ) -> dict[int, list[np.ndarray]]:
     if self._policy.host_budget_bytes == 0:
       return {}
-    get = self.ledger.get if count else _peek(self.ledger)
-    found = {e: get(Tier.HOST, unit * ex.count + e) for e in experts}
+    get = self.ledger.get if count else self.ledger.peek
+    found = {e: get(Tier.HOST, self._key(unit, e)) for e in experts}
     return {e: v for e, v in found.items() if v is not None}
 
   def _read(
     self, unit: int, ex: StackExperts, experts: Sequence[int]
   ) -> dict[int, list[np.ndarray]]:
-    """Reads experts ``experts`` of ``unit`` from the store (into the host cache too)."""
-    data = self._source.read_experts_async(unit, experts, ex.rel_paths).result()
+    """Reads experts ``experts`` of ``unit`` from the store (into the host cache too):
+    straight into their rows where the unit's tensors are kept whole."""
+    into = None
+    if self._in_rows(ex):
+      rows = self._rows_of(unit, ex)
+      into = {
+        (*rel, str(e)): part
+        for e in experts
+        for rel, part in zip(ex.rel_paths, rows.row(e), strict=True)
+      }
+    data = self._source.read_experts_async(unit, experts, ex.rel_paths, into=into).result()
     out = {e: [data[(*rel, str(e))] for rel in ex.rel_paths] for e in experts}
     with self._lock:
       self._tally.add(bytes_read=len(experts) * ex.expert_bytes)
     if self._policy.host_budget_bytes != 0:
       for e, arrays in out.items():
-        key = unit * ex.count + e
         try:
-          with self.ledger.reserve(Tier.HOST, key, ex.expert_bytes) as r:
+          with self.ledger.reserve(Tier.HOST, self._key(unit, e), ex.expert_bytes) as r:
             r.commit([np.array(a) for a in arrays])  # its own copy: the read buffer is reused
         except AdmissionError:
           pass  # everything cached is pinned, or it is cached already
     return out
 
   def _to_device(
-    self, key: int, ex: StackExperts, host: list[np.ndarray], *, prefetched: bool
-  ) -> list[jax.Array]:
-    arrays = [
-      jax.device_put(np.array(a) if self._on_cpu else a, s)
-      for a, s in zip(host, ex.parts, strict=True)
-    ]
+    self, unit: int, ex: StackExperts, e: int, host: list[np.ndarray], *, prefetched: bool
+  ) -> list[Any]:
+    """Puts expert ``e`` of ``unit`` on the device (its rows, where kept whole) and caches
+    it there if it fits; else it serves this step only."""
+    if self._in_rows(ex):
+      arrays: list[Any] = self._rows_of(unit, ex).row(e)
+      for dst, src in zip(arrays, host, strict=True):
+        if not np.shares_memory(dst, src):
+          dst[...] = src
+    else:
+      arrays = [
+        jax.device_put(np.array(a) if self._on_cpu else a, s)
+        for a, s in zip(host, ex.parts, strict=True)
+      ]
     with self._lock:
       self._tally.add(bytes_moved=ex.expert_bytes)
+    key = self._key(unit, e)
     try:
       with self.ledger.reserve(Tier.DEVICE, key, ex.expert_bytes) as r:
         r.commit(arrays, prefetched=prefetched)
     except AdmissionError:
       # More picks than the cache holds (a prefill): moved through, not kept. A
-      # speculative read waits beside the cache for the next step.
+      # speculative read waits beside the cache for its step.
+      self._transient.add((unit, e))
       if prefetched:
         self._landed[key] = arrays
     return arrays
 
-  def _assemble(self, ex: StackExperts, parts: Mapping[int, list[jax.Array]]) -> list[jax.Array]:
-    """Each expert tensor of the unit: the picked experts' rows, the rest zero. On CPU the
-    rows are copied into fresh zero pages (the unpicked rows are never touched); on an
-    accelerator the tensor is built on the device, where the parts are."""
+  def _release(self, keep: set[tuple[int, int]]) -> None:
+    """Gives back the rows filled for a step that did not cache them (not ``keep``)."""
+    for unit, e in sorted(self._transient - keep):
+      if not self.ledger.contains(Tier.DEVICE, self._key(unit, e)) and unit in self._rows:
+        self._rows[unit].clear(e)
+    self._transient &= keep
+
+  def _on_evict(self, eviction: Eviction) -> None:
+    if eviction.tier is Tier.DEVICE:
+      unit, e = divmod(eviction.unit, self._width)
+      rows = self._rows.get(unit)
+      if rows is not None:
+        rows.clear(e)
+
+  def _assemble(
+    self, unit: int, ex: StackExperts, parts: Mapping[int, list[Any]]
+  ) -> list[jax.Array]:
+    """Each expert tensor of the unit, the picked experts' rows filled and the others
+    zero (or, where kept whole, holding experts cached earlier: weighed 0 all the same).
+    On an accelerator the tensor is built on the device, where the parts are."""
+    if self._in_rows(ex):
+      rows = self._rows_of(unit, ex)
+      return [
+        jax.device_put(b, s, may_alias=True)
+        for b, s in zip(rows.buffers, ex.shardings, strict=True)
+      ]
     if not self._on_cpu:
       ids = np.asarray(sorted(parts), np.int32)
       return [
-        _put_rows(shape, dtype, s)(ids, [parts[e][k] for e in sorted(parts)])
+        put_rows(shape, dtype, s)(ids, [parts[e][k] for e in sorted(parts)])
         for k, (shape, dtype, s) in enumerate(zip(ex.shapes, ex.dtypes, ex.shardings, strict=True))
       ]
+    rings = self._rings.get(id(ex))
+    if rings is None:
+      rings = [RowBuffers(s, d) for s, d in zip(ex.shapes, ex.dtypes, strict=True)]
+      self._rings[id(ex)] = rings
     out = []
-    for k, (shape, dtype, sharding) in enumerate(
-      zip(ex.shapes, ex.dtypes, ex.shardings, strict=True)
-    ):
-      whole = zeros(shape, dtype)
+    for k, (ring, sharding) in enumerate(zip(rings, ex.shardings, strict=True)):
+      whole = ring.take(parts)
       for e, arrays in parts.items():
         whole[e] = np.asarray(arrays[k])
       out.append(jax.device_put(whole, sharding, may_alias=True))
@@ -425,6 +364,7 @@ class ExpertStream:
     self.wait()
     self._predicted.clear()
     self._landed.clear()
+    self._release(keep=set())  # the pass's outputs are ready: its steps are done
     self.ledger.protect(Tier.DEVICE, ())
     tiers = self.ledger.end_pass()
     with self._lock:
@@ -440,25 +380,11 @@ class ExpertStream:
   def clear(self) -> None:
     self.wait()
     self.ledger.discard_all()
+    self._rows.clear()  # the cached experts' rows go with them
+    self._transient.clear()
+    self._landed.clear()
 
   def close(self) -> None:
     self.wait()
     self._reader.shutdown(wait=True)
     self.ledger.close()
-
-
-@functools.lru_cache(maxsize=64)
-def _put_rows(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> Any:
-  """A program that writes rows (each an expert's part) at ids of a zero tensor."""
-
-  def put(ids: jax.Array, rows: list[jax.Array]) -> jax.Array:
-    return jnp.zeros(shape, dtype).at[ids].set(jnp.stack(rows))
-
-  return jax.jit(put, out_shardings=sharding)
-
-
-def _peek(ledger: ResidencyLedger) -> Any:
-  def peek(tier: Tier, key: int) -> Any:
-    return ledger.peek(tier, key)
-
-  return peek

@@ -168,7 +168,7 @@ class ExpertStream:
     picks = sorted({int(e) for e in np.asarray(ids).ravel()})
     keys = {e: self._key(unit, e) for e in picks}
     predicted = self._predicted.pop(unit, None)
-    for key in [k for k in self._pending if k // self._width == unit]:
+    for key in [k for k in list(self._pending) if k // self._width == unit]:
       future = self._pending.get(key)  # this unit's speculative reads land first
       if future is not None:
         future.result()
@@ -304,17 +304,19 @@ class ExpertStream:
     except AdmissionError:
       # More picks than the cache holds (a prefill): moved through, not kept. A
       # speculative read waits beside the cache for its step.
-      self._transient.add((unit, e))
+      with self._lock:
+        self._transient.add((unit, e))
       if prefetched:
         self._landed[key] = arrays
     return arrays
 
   def _release(self, keep: set[tuple[int, int]]) -> None:
     """Gives back the rows filled for a step that did not cache them (not ``keep``)."""
-    for unit, e in sorted(self._transient - keep):
+    with self._lock:
+      done, self._transient = self._transient - keep, self._transient & keep
+    for unit, e in sorted(done):
       if not self.ledger.contains(Tier.DEVICE, self._key(unit, e)) and unit in self._rows:
         self._rows[unit].clear(e)
-    self._transient &= keep
 
   def _on_evict(self, eviction: Eviction) -> None:
     if eviction.tier is Tier.DEVICE:

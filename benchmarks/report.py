@@ -37,7 +37,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 #: The Markdown files that may hold marked sections.
-DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/quantization.md", "docs/placement.md")
+DOCUMENTS = (
+  "README.md",
+  "docs/benchmarks.md",
+  "docs/quantization.md",
+  "docs/placement.md",
+  "docs/moe.md",
+)
 SECTION = re.compile(r"(<!-- report: ([\w-]+)( brief)? -->\n)(.*?)(<!-- /report -->)", re.S)
 
 sys.path.insert(0, str(HERE))

@@ -262,3 +262,21 @@ def test_an_evicted_experts_row_reads_as_zero_and_gives_its_memory_back():
   assert filled - before >= 15 * 2**20 and filled - rss() >= 7 * 2**20
   assert [float(rows.buffers[0][e].max()) for e in range(4)] == [1.0, 0.0, 3.0, 0.0]
   assert rows.buffers[0].ctypes.data % 4096 == 0  # page-aligned: a device array uses it as is
+
+
+def test_an_accelerator_builds_the_expert_tensor_on_the_device():
+  """The program that builds a step's expert tensor from cached parts on an accelerator:
+  run here on CPU, and lowered for CUDA and TPU (where it runs)."""
+  from jax_residency._src.stream.expert_rows import put_rows
+
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  build = put_rows((4, 3, 2), np.dtype(np.float32), device)
+  parts = [jnp.full((3, 2), 1.0), jnp.full((3, 2), 3.0)]
+  ids = np.asarray([1, 3], np.int32)
+  whole = np.asarray(build(ids, parts))
+  np.testing.assert_array_equal(whole[[0, 2]], 0.0)
+  np.testing.assert_array_equal(whole[1], 1.0)
+  np.testing.assert_array_equal(whole[3], 3.0)
+  for platform in ("cuda", "tpu"):
+    text = build.trace(ids, parts).lower(lowering_platforms=(platform,)).as_text()
+    assert "scatter" in text and "tensor<4x3x2xf32>" in text

@@ -78,27 +78,18 @@ def with_expert_caches(metadata: ModelMetadata, policy: ExpertResidency | None) 
   the window (whose units are planned whole, so one unit's assembled experts fit)."""
   if policy is None:
     return metadata
-  items = []
-  if policy.device_budget_bytes is not None:
-    items.append(
-      MemoryItem(
-        name="device expert cache",
-        memory="device",
-        nbytes=policy.device_budget_bytes,
-        counted_in="device budget",
-        note="ExpertResidency.device_budget_bytes",
-      )
+  budgets = (("device", policy.device_budget_bytes), ("host", policy.host_budget_bytes))
+  items = [
+    MemoryItem(
+      name=f"{memory} expert cache",
+      memory=memory,
+      nbytes=nbytes,
+      counted_in=f"{memory} budget",
+      note=f"ExpertResidency.{memory}_budget_bytes",
     )
-  if policy.host_budget_bytes:
-    items.append(
-      MemoryItem(
-        name="host expert cache",
-        memory="host",
-        nbytes=policy.host_budget_bytes,
-        counted_in="host budget",
-        note="ExpertResidency.host_budget_bytes",
-      )
-    )
+    for memory, nbytes in budgets
+    if nbytes  # an unbounded cache (None) is no planned item, and 0 is none
+  ]
   out = dataclasses.replace(metadata, memory=(*metadata.memory, *items))
   budget = metadata.policy.offload().device_budget_bytes
   cache = policy.device_budget_bytes

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jax_residency as jr
 from jax_residency import models
@@ -280,3 +281,47 @@ def test_an_accelerator_builds_the_expert_tensor_on_the_device():
   for platform in ("cuda", "tpu"):
     text = build.trace(ids, parts).lower(lowering_platforms=(platform,)).as_text()
     assert "scatter" in text and "tensor<4x3x2xf32>" in text
+
+
+# --- a model of one's own ----------------------------------------------------------------
+
+
+class _Layer(nnx.Module):
+  """A residual mixture of 4 experts (tanh MLPs) behind a top-1 router, as a user
+  writes one: the ids marked with `jr.picked_experts`, the experts stacked."""
+
+  def __init__(self, rngs: nnx.Rngs) -> None:
+    self.router = nnx.Linear(8, 4, use_bias=False, rngs=rngs)
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (4, 8, 8)) * 0.5)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    _, ids = jax.lax.top_k(self.router(x), 1)
+    ids = jr.picked_experts(ids)  # (batch, tokens, 1): each token's pick, on the last axis
+    picked = jnp.take(self.w[...], ids[..., 0], axis=0)  # (batch, tokens, 8, 8)
+    return x + jnp.tanh(jnp.einsum("btd,btde->bte", x, picked))
+
+
+class _Net(nnx.Module):
+  residency_experts = ("w",)  # what jr.save writes a chunk per expert
+
+  def __init__(self) -> None:
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def build(key: jax.Array) -> _Layer:
+      return _Layer(nnx.Rngs(key))
+
+    self.layers = build(jax.random.split(jax.random.key(0), 3))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jr.scan_units(lambda h, layer: layer(h), x, self.layers)
+
+
+def test_a_mixture_of_experts_of_ones_own_reads_only_the_picked_experts(tmp_path):
+  net = _Net()
+  x = jax.random.normal(jax.random.key(1), (1, 1, 8))
+  info = jr.save(net, str(tmp_path / "net"), units="layers", progress=False)
+  assert info.stacks[0].experts == 4
+  policy = experts_policy(4 * 8 * 8 * 4)  # room for every expert of one layer
+  with jr.place(net, policy, store=info.path, units="layers") as placed:
+    np.testing.assert_array_equal(placed(x), net(x))
+    e = placed.report().last.experts
+  assert e.selected == 3 and e.bytes_read == 3 * 8 * 8 * 4  # one expert a layer, one token

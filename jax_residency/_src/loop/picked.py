@@ -21,8 +21,9 @@ picked_experts_p = jcore.Primitive("picked_experts")
 
 
 def picked_experts(ids: jax.Array) -> jax.Array:
-  """Marks ``ids`` (integers, any shape, e.g. ``(batch, tokens, top_k)``) as the experts
-  a mixture-of-experts layer runs; returns them unchanged.
+  """Marks ``ids`` (integers, ``(..., top_k)``: the last axis holds the experts one token
+  picks, e.g. ``(batch, tokens, top_k)``) as the experts a mixture-of-experts layer
+  runs; returns them unchanged.
 
   Call it once per mixture of experts in a layer of a stack that ``scan_units`` runs,
   on the ids that decide which experts' weights the layer reads (an expert not named

@@ -282,6 +282,7 @@ SLOWEST_FIRST = (
   "tests/test_lint.py",  # 17 s with mypy's cache cold, as on CI
   "tests/test_cli.py",  # 16 s
   "tests/test_minilm.py",  # 16 s
+  "tests/test_expert_residency.py",  # 15 s: the Mixtral fixture, experts read apart
   "tests/test_quant.py",  # 15 s
   "tests/test_ggml.py",  # 15 s
   "tests/test_multiprocess.py",  # 10 s: two processes

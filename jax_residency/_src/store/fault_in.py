@@ -52,8 +52,8 @@ def _pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 def region_of(array: np.ndarray) -> mmap.mmap | None:
-  """The file mapping ``array`` views (as the arrays of `mapped.UnitMapper` do), or
-  None if it views other memory."""
+  """The mapping ``array`` views (a file's, as the arrays of `mapped.UnitMapper` do, or
+  anonymous memory's), or None if it views other memory."""
   region: object = array
   while isinstance(region, np.ndarray):
     region = region.base

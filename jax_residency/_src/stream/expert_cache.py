@@ -10,13 +10,16 @@ returned) `ExpertStream.experts`:
   `UnitStore.read_experts_async`), all misses of the step in one read;
 * moves the new ones to the device and caches them there, within the cache's budget
   (a step that picks more than fits, a prefill, moves the rest through uncached);
-* assembles each expert tensor of the unit, the picked experts' rows filled and the
-  others zero: the layer weighs an unpicked expert 0, and a step with few tokens
-  reads only its picks' rows (`models.llama.Experts`).
+* hands the step each expert tensor of the unit whole, the picked experts' rows filled
+  (`expert_rows`): on CPU with one device the unit's tensors themselves, kept between
+  passes, whose filled rows are the cached experts; else a tensor built for the step,
+  the unpicked rows zero. The layer weighs an unpicked expert 0, and a step with few
+  tokens reads only its picks' rows (`models.llama.Experts`).
 
-Both caches are `ResidencyLedger` tiers keyed by ``unit * experts + expert``;
-eviction is the policy's. `predict` reads ahead what a speculative probe expects
-the next unit to pick, on one background thread, into the device cache.
+Both caches are `ResidencyLedger` tiers keyed by ``unit * width + expert`` (``width``:
+the most experts a unit of any stack holds); eviction is the policy's. `predict` reads
+ahead what a speculative probe expects the next unit to pick, on one background
+thread, into the device cache.
 """
 
 from __future__ import annotations

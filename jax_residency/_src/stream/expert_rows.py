@@ -21,6 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_residency._src.store.buffers import anonymous_slab
+from jax_residency._src.store.fault_in import region_of
+
+#: Whether a row's whole pages can be handed back to the kernel, reading as zero after
+#: (a private anonymous mapping and ``MADV_DONTNEED``); else its bytes are zeroed.
+_GIVE_BACK = all(hasattr(mmap, n) for n in ("MAP_PRIVATE", "MAP_ANONYMOUS", "MADV_DONTNEED"))
+
 
 def zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   """A zero array on pages of its own: untouched rows cost no memory, and its start is
@@ -29,8 +36,7 @@ def zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   if not nbytes:
     return np.zeros(shape, dtype)
   # Private: a page given back (`ExpertRows.clear`) reads as zero again.
-  region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-  return np.frombuffer(region, dtype).reshape(shape)
+  return np.frombuffer(anonymous_slab(nbytes), dtype).reshape(shape)
 
 
 class ExpertRows:
@@ -54,7 +60,7 @@ class ExpertRows:
   def clear(self, e: int) -> None:
     """Gives expert ``e``'s rows back: whole pages to the kernel, the rest zeroed."""
     for b in self.buffers:
-      region = _region(b)
+      region = region_of(b) if _GIVE_BACK else None
       flat = b.reshape(-1).view(np.uint8)
       size = flat.size // b.shape[0]
       start, stop = e * size, (e + 1) * size
@@ -104,13 +110,3 @@ def put_rows(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sha
     return jnp.zeros(shape, dtype).at[ids].set(jnp.stack(rows))
 
   return jax.jit(put, out_shardings=sharding)
-
-
-def _region(a: np.ndarray) -> mmap.mmap | None:
-  """The anonymous mapping under ``a`` (`zeros`), if any."""
-  base: Any = a
-  while isinstance(base, np.ndarray):
-    base = base.base
-  if isinstance(base, memoryview):
-    base = base.obj
-  return base if isinstance(base, mmap.mmap) else None

@@ -341,10 +341,8 @@ class UnitStore(StackLayout, ReadCounts):
       assert mapper is not None
       return mapper.read_piece_into(j, tuple(key[:-1]), int(key[-1]), out)
 
-    partial = [k for k, _ in sources if not stack.arrays[tuple(k[:-1])].partial_reads]
-    return self._issue(
-      i, stack, sources, whole=partial, direct=direct if mapper else None, into=into
-    )
+    whole = [k for k, _ in sources if not stack.arrays[tuple(k[:-1])].partial_reads]
+    return self._issue(i, stack, sources, whole=whole, direct=direct if mapper else None, into=into)
 
   def _handles_of(self, stack: StoredStack, tensors: Iterable[ParamPath]) -> list[ts.TensorStore]:
     names = [self._names[stack.prefix + rel] for rel in tensors]

@@ -51,6 +51,12 @@ _OWNS_XLA_CACHE = XLA_CACHE_ENV not in os.environ
 if _OWNS_XLA_CACHE:
   os.environ[XLA_CACHE_ENV] = tempfile.mkdtemp(prefix="jax-residency-tests-xla-")
 jax.config.update("jax_compilation_cache_dir", os.environ[XLA_CACHE_ENV])
+# The native kernels for quantized products (jax_residency/_src/quant/native.py) are built
+# once for the session, in that directory too, and the scripts the tests run as a user
+# would (tests/user_env.py: each with its own library cache directory) load that build.
+os.environ.setdefault(
+  "JAX_RESIDENCY_KERNEL_DIR", os.path.join(os.environ[XLA_CACHE_ENV], "kernels")
+)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_compilation_cache_max_size", 1 << 30)
 # JAX's LRU cache finds what to evict by listing and reading every entry's size and access

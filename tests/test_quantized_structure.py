@@ -28,6 +28,14 @@ def model() -> ToyTransformer:
   return ToyTransformer(CFG, rngs=nnx.Rngs(0))
 
 
+@pytest.fixture
+def xla_products(monkeypatch):
+  """XLA's own products: the native one-row kernels off (`quant.native`), as where no
+  compiler builds them, and as every accelerator's program is (tests/test_native_kernels.py
+  checks the CPU programs that call them)."""
+  monkeypatch.setenv("JAX_RESIDENCY_NATIVE_KERNELS", "0")
+
+
 def _computations(hlo: str) -> dict[str, str]:
   """Each computation of compiled HLO text, by name."""
   out = {}
@@ -62,7 +70,7 @@ def _codes_and_matmuls(body: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_a_one_token_cpu_step_decodes_inside_each_matmul_fusion(model, scheme):
+def test_a_one_token_cpu_step_decodes_inside_each_matmul_fusion(model, scheme, xla_products):
   token = jnp.zeros((1, 1), jnp.int32)
   with jr.place(model, jr.FullyResident(), quantize=scheme) as placed:
     hlo = placed.lower(token).compile().as_text()
@@ -83,7 +91,9 @@ def test_a_one_token_cpu_step_decodes_inside_each_matmul_fusion(model, scheme):
   assert len(fused_dots) == MATRICES
 
 
-def test_lowered_for_cuda_the_loop_moves_codes_and_decodes_beside_the_matmul(model, mlir):
+def test_lowered_for_cuda_the_loop_moves_codes_and_decodes_beside_the_matmul(
+  model, mlir, xla_products
+):
   token = jnp.zeros((1, 1), jnp.int32)
   with jr.place(model, jr.LayerwiseHost(prefetch_depth=1), quantize="int8") as placed:
     text = placed.lower(token, platforms=("cuda",)).as_text()
@@ -121,7 +131,7 @@ class Wide(nnx.Module):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_a_wide_kernel_is_multiplied_block_by_block_each_block_fused(scheme):
+def test_a_wide_kernel_is_multiplied_block_by_block_each_block_fused(scheme, xla_products):
   from jax_residency._src.plan.quantized import plan_quantization
   from jax_residency._src.plan.split import split_model
 

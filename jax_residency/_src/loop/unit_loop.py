@@ -39,7 +39,7 @@ from jax_residency._src.errors import PlacementError
 from jax_residency._src.plan.split import Bound
 from jax_residency._src.policy.types import ExecutionResidency
 from jax_residency._src.quant.encoding import decode_tree, has_quantized
-from jax_residency._src.quant.fused import fenced
+from jax_residency._src.quant.fused import fenced, kernels_for
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 
@@ -140,7 +140,8 @@ class LoopContext:
       # (docs/design.md, section 2.4; quant/fused.py).
       if not has_quantized(unit):
         return step(c, unit, x)
-      return fenced(lambda c, u, x: step(c, decode_tree(u), x), c, unit, x)
+      kernels = kernels_for(set().union(*(s.device_set for s in loop.shardings)))
+      return fenced(lambda c, u, x: step(c, decode_tree(u), x), c, unit, x, kernels=kernels)
 
     if self.kind is ExecutionResidency.LAYERWISE_HOST:
 

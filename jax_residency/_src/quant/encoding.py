@@ -147,6 +147,14 @@ class Encoding:
     input rows, concatenated: `quant.fused` then multiplies a one-token step's row by
     each block on its own, which XLA fuses with the block's decode.
     """
+    if self.ggml_type is None:
+      # One named call (`rows_decode`): `quant.fused` finds the parts of a matrix it
+      # multiplies by, for the native one-row kernels (`quant.native`).
+      decode = _decode_kernel_rows if self.kernel else _decode_table_rows
+      return decode(tuple(parts), self)
+    return self._decode_blocks(parts)
+
+  def _decode_blocks(self, parts: Sequence[Any]) -> jax.Array:
     n_in = np.shape(parts[0])[-1] if self.ggml_type is None else self._ggml_inputs(parts[0])
     if not self.kernel or n_in <= MATVEC_CHUNK:
       return self._decode(parts)
@@ -228,8 +236,30 @@ def _decode_jit(parts: tuple[Any, ...], encoding: Encoding) -> jax.Array:
   return encoding.decode(parts)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _decode_kernel_rows(parts: tuple[Any, ...], encoding: Encoding) -> jax.Array:
+  return encoding._decode_blocks(parts)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _decode_table_rows(parts: tuple[Any, ...], encoding: Encoding) -> jax.Array:
+  return encoding._decode_blocks(parts)
+
+
 #: The name a traced static decode carries.
 DECODE_JIT_NAME = "_decode_jit"
+#: The names of an int8/int4 tensor's decode, by whether its rows are the decoded
+#: matrix's columns (a kernel, ``(in, out)``) or its rows (a table).
+ROWS_DECODE_NAMES = {"_decode_kernel_rows": True, "_decode_table_rows": False}
+
+
+def rows_decode(eqn: Any) -> bool | None:
+  """For a jaxpr equation that decodes one int8/int4 tensor from its parts (its inputs,
+  rows along the input axis): whether the decoded matrix is a kernel (its first axis is
+  the input axis) or a table (its last); None for any other equation."""
+  if eqn.primitive.name not in ("pjit", "jit"):
+    return None
+  return ROWS_DECODE_NAMES.get(eqn.params.get("name", ""))
 
 
 def is_decode_call(eqn: Any) -> bool:

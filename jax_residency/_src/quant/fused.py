@@ -46,7 +46,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jax_residency._src.quant.encoding import is_decode_call
+from jax_residency._src.quant import native
+from jax_residency._src.quant.encoding import is_decode_call, rows_decode
 
 #: Primitives a decode is made of: what carries "decoded from codes" to its outputs.
 DECODE_PRIMITIVES = frozenset(
@@ -81,32 +82,47 @@ CODE_DTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
 ROWS_CHUNK_BYTES = 64 << 20
 
 
-def fenced(fn: Callable[..., Any], *args: Any) -> Any:
+def fenced(fn: Callable[..., Any], *args: Any, kernels: bool = False) -> Any:
   """``fn(*args)``, with every matmul of a decoded operand evaluated as described in the
-  module's docstring. ``args`` are pytrees; codes are their int8/uint8 leaves."""
+  module's docstring. ``args`` are pytrees; codes are their int8/uint8 leaves.
+  ``kernels``: the step runs on one device, where a CPU one may use the native one-row
+  kernels (`kernels_for`)."""
   flat, tree = jax.tree.flatten(args)
   closed, out_shape = jax.make_jaxpr(
     lambda *xs: fn(*jax.tree.unflatten(tree, list(xs))), return_shape=True
   )(*flat)
-  outs = _evaluate(closed, flat)
+  jaxpr = closed.jaxpr
+  outs = evaluate_eqns(
+    [*jaxpr.constvars, *jaxpr.invars],
+    jaxpr.eqns,
+    jaxpr.outvars,
+    [*closed.consts, *flat],
+    kernels=kernels,
+  )
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
-def _evaluate(closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
-  jaxpr = closed.jaxpr
-  return evaluate_eqns(
-    [*jaxpr.constvars, *jaxpr.invars], jaxpr.eqns, jaxpr.outvars, [*closed.consts, *args]
-  )
+def kernels_for(devices: Any) -> bool:
+  """Whether a step on these devices may use the native kernels: one CPU device, and the
+  kernels built here (`native.available`)."""
+  devices = set(devices)
+  return len(devices) == 1 and next(iter(devices)).platform == "cpu" and native.available()
 
 
 def evaluate_eqns(
-  invars: Sequence[Any], eqns: Sequence[Any], outvars: Sequence[Any], args: Sequence[Any]
+  invars: Sequence[Any],
+  eqns: Sequence[Any],
+  outvars: Sequence[Any],
+  args: Sequence[Any],
+  *,
+  kernels: bool = False,
 ) -> list[Any]:
   """Evaluates ``eqns`` (of one jaxpr, in order) on ``args`` for ``invars``, as `fenced`
   does: the int8/uint8 inputs are codes. A static tensor's decode (`encoding`'s jitted
   decode, `encoding.is_decode_call`) is followed inside, like a decode traced in place."""
   env: dict[Any, Any] = dict(zip(invars, args, strict=True))
   state = _State(env, {v for v in invars if np.dtype(v.aval.dtype) in CODE_DTYPES})
+  state.kernels = kernels
   state.run(eqns)
   return [state.read(v) for v in outvars]
 
@@ -116,13 +132,18 @@ class _State:
   decodes not computed yet (``pending``). A decode is computed where its value is first
   read, so that a product computes its operand's decode inside its own program
   (`_rows_product`). ``blocks``: a concatenated decode's pieces (variables) and axis;
-  ``alias``: an inlined decode's outputs, by the outer variable."""
+  ``alias``: an inlined decode's outputs, by the outer variable; ``sources``: an int8 or
+  int4 tensor's decoded value (its variable) -> (scheme, whether it is a kernel, the
+  variables of its parts); ``kernels``: whether one-row products may use the native
+  kernels."""
 
   def __init__(self, env: dict[Any, Any], decoded: set[Any], parent: _State | None = None):
     self.env, self.decoded = env, decoded
     self.pending: dict[Any, Any] = {} if parent is None else parent.pending
     self.blocks: dict[Any, tuple[list[Any], int]] = {} if parent is None else parent.blocks
     self.alias: dict[Any, Any] = {} if parent is None else parent.alias
+    self.sources: dict[Any, tuple[str, bool, list[Any]]] = {} if parent is None else parent.sources
+    self.kernels: bool = False if parent is None else parent.kernels
 
   def fork(self) -> _State:
     """A state whose decodes are computed apart (inside a branch being traced)."""
@@ -154,6 +175,11 @@ class _State:
         self.env[eqn.outvars[0]] = _product(eqn, self)
       elif from_codes and is_decode_call(eqn):
         self._inline(eqn)
+      elif from_codes and rows_decode(eqn) is not None:
+        self._inline(eqn)
+        scheme = "int8" if len(eqn.invars) == 2 else "int4"
+        source = (scheme, bool(rows_decode(eqn)), list(eqn.invars))
+        self.sources[self._resolve(eqn.outvars[0])] = source
       elif from_codes and name in DECODE_PRIMITIVES:
         self.decoded.update(eqn.outvars)
         self.pending.update(dict.fromkeys(eqn.outvars, eqn))
@@ -170,19 +196,44 @@ class _State:
   def _inline(self, eqn: Any) -> None:
     """A nested decode, followed equation by equation in this state."""
     closed = eqn.params["jaxpr"]
-    inner = closed.jaxpr
+    inner = _renamed(closed.jaxpr)
     self.env.update(zip(inner.constvars, closed.consts, strict=True))
     for outer, v in zip(eqn.invars, inner.invars, strict=True):
       self.alias[v] = outer
       if self._resolve(outer) in self.decoded:
         self.decoded.add(v)
     self.run(inner.eqns)
-    for v, outer in zip(inner.outvars, eqn.outvars, strict=True):
-      self.alias[outer] = v
-      if self._resolve(v) in self.decoded:
+    for w, outer in zip(inner.outvars, eqn.outvars, strict=True):
+      self.alias[outer] = w
+      if self._resolve(w) in self.decoded:
         self.decoded.add(outer)
-      if self._resolve(v) in self.blocks:
-        self.blocks[outer] = self.blocks[self._resolve(v)]
+      if self._resolve(w) in self.blocks:
+        self.blocks[outer] = self.blocks[self._resolve(w)]
+
+
+def _renamed(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+  """``jaxpr`` with variables of its own: a jitted function's jaxpr is one object for
+  every call with the same shapes (two projections of one size), and `_State` keys its
+  values and aliases by variable."""
+  new: dict[Any, Any] = {}
+
+  def var(v: Any) -> Any:
+    if isinstance(v, jcore.Literal):
+      return v
+    if v not in new:
+      new[v] = jcore.Var(v.aval)
+    return new[v]
+
+  eqns = [
+    e.replace(invars=[var(v) for v in e.invars], outvars=[var(v) for v in e.outvars])
+    for e in jaxpr.eqns
+  ]
+  return jaxpr.replace(
+    constvars=[var(v) for v in jaxpr.constvars],
+    invars=[var(v) for v in jaxpr.invars],
+    outvars=[var(v) for v in jaxpr.outvars],
+    eqns=eqns,
+  )
 
 
 def _product(eqn: Any, state: _State) -> Any:
@@ -204,24 +255,60 @@ def _product(eqn: Any, state: _State) -> Any:
     if rows != 1 or len(vc) != 1 or lb or rb:
       return _rows_product(eqn, state, vector, 0 if lhs_coded else 1)
     matrix_var = state._resolve(matrix_var)
-    piece_vars, axis = state.blocks.get(matrix_var, ([matrix_var], mc[0]))
-    if axis != mc[0]:
-      piece_vars = [matrix_var]
-    pieces = [state.read(v) for v in piece_vars]
     # The row as a vector (XLA fuses a decode only into a product with a rank-1 result),
     # computed before the product (`_materialized`).
     flat = _materialized(vector.reshape(-1))
     out_shape = eqn.outvars[0].aval.shape
-    total, start = None, 0
-    for block in pieces:
-      stop = start + block.shape[mc[0]]
-      piece = lax.dot_general(
-        flat[start:stop], block, (((0,), (mc[0],)), ((), ())), precision=params.get("precision")
-      )
-      piece = _fence(piece.reshape(out_shape))
-      total = piece if total is None else total + piece
-      start = stop
-    return total
+    native_call = _native_product(state, matrix_var, mc[0], flat, eqn.outvars[0].aval)
+    if native_call is None:
+      return _vector_product(state, matrix_var, mc[0], flat, out_shape, params)
+    # The native kernel on CPU; elsewhere (a program lowered for an accelerator) XLA's.
+    inner = state.fork()
+    return lax.platform_dependent(
+      cpu=lambda: native_call().reshape(out_shape),
+      default=lambda: _vector_product(inner, matrix_var, mc[0], flat, out_shape, params),
+    )
+
+
+def _native_product(
+  state: _State, matrix_var: Any, axis: int, flat: Any, out_aval: Any
+) -> Callable[[], Any] | None:
+  """The native kernel's product of ``flat`` by the decoded matrix ``matrix_var``
+  (contracted on ``axis``), as a function to call; None where no kernel applies: the
+  kernels are off for this step, the matrix is not one int8/int4 tensor's decode, it is
+  contracted on another axis than its input axis, or its shapes or dtypes differ from
+  what the kernels take (`native.supports`)."""
+  source = state.sources.get(matrix_var)
+  if not state.kernels or source is None or out_aval.dtype != jnp.float32:
+    return None
+  scheme, kernel, part_vars = source
+  if len(matrix_var.aval.shape) != 2 or axis != (0 if kernel else 1):
+    return None
+  parts = [state.read(v) for v in part_vars]
+  if not native.supports(scheme, parts, flat):
+    return None
+  return lambda: native.matvec(scheme, flat, parts)
+
+
+def _vector_product(
+  state: _State, matrix_var: Any, axis: int, flat: Any, out_shape: Any, params: dict[str, Any]
+) -> Any:
+  """``flat`` times the decoded matrix (contracted on ``axis``) by XLA: one product per
+  decoded block, each fused with its block's decode, summed in order."""
+  piece_vars, blocks_axis = state.blocks.get(matrix_var, ([matrix_var], axis))
+  if blocks_axis != axis:
+    piece_vars = [matrix_var]
+  pieces = [state.read(v) for v in piece_vars]
+  total, start = None, 0
+  for block in pieces:
+    stop = start + block.shape[axis]
+    piece = lax.dot_general(
+      flat[start:stop], block, (((0,), (axis,)), ((), ())), precision=params.get("precision")
+    )
+    piece = _fence(piece.reshape(out_shape))
+    total = piece if total is None else total + piece
+    start = stop
+  return total
 
 
 def _rows_product(eqn: Any, state: _State, activations: Any, matrix_at: int) -> Any:

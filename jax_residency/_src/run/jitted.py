@@ -37,7 +37,7 @@ from jax_residency._src.plan.memory import OVERHEAD, MemoryItem
 from jax_residency._src.plan.shardings import held_units
 from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.types import ExecutionResidency, LayerWeightResidency
-from jax_residency._src.quant.fused import fenced
+from jax_residency._src.quant.fused import fenced, kernels_for
 from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.records import PassCounters
@@ -112,12 +112,11 @@ class JittedExecutor:
     if split.quantization is not None:
       # Static tensors' decodes too, each inside the operation that uses it (as the unit
       # loop's steps are): a one-token head reads its codes once (quant/fused.py).
-      plain = forward
+      plain, kernels = forward, kernels_for(mesh.devices.flat)
 
       def forward(static: list[Any], units: list[Any], kept: Any, *args: Any, **kwargs: Any) -> Any:
-        return fenced(
-          lambda s, u, k, a, kw: plain(s, u, k, *a, **kw), static, units, kept, args, kwargs
-        )
+        call = lambda s, u, k, a, kw: plain(s, u, k, *a, **kw)  # noqa: E731
+        return fenced(call, static, units, kept, args, kwargs, kernels=kernels)
 
     self._jitted = jax.jit(forward)
     self.telemetry = Telemetry.for_policy(

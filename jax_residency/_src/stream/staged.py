@@ -22,6 +22,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jax_residency._src.errors import PlacementError
+from jax_residency._src.quant.fused import kernels_for
 from jax_residency._src.report.compile_time import temp_bytes
 from jax_residency._src.stream.expert_steps import (
   ExpertHooks,
@@ -154,6 +155,8 @@ def trace(
     closed.jaxpr,
     closed.jaxpr.invars[: staged.n_static],
     lambda eqn: staged._unit_operands(eqn) is not None,
+    # The static tensors' devices: the native one-row kernels serve one CPU device.
+    kernels=lambda: kernels_for({d for x in static_leaves for d in x.sharding.device_set}),
   )
   for k, eqn in enumerate(closed.jaxpr.eqns):
     operands = staged._unit_operands(eqn)

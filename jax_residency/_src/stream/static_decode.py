@@ -43,12 +43,14 @@ class Region:
 
   inputs: list[Any]
   eqns: list[Any]
+  kernels: bool = False
   run: Callable[..., Any] | None = None
 
   def __call__(self, values: Sequence[Any]) -> list[Any]:
     if self.run is None:
       inputs, eqns, outvars = self.inputs, self.eqns, self.eqns[-1].outvars
-      self.run = jax.jit(lambda *xs: evaluate_eqns(inputs, eqns, outvars, xs))
+      kernels = self.kernels
+      self.run = jax.jit(lambda *xs: evaluate_eqns(inputs, eqns, outvars, xs, kernels=kernels))
     return list(self.run(*values))
 
 
@@ -66,10 +68,16 @@ class StaticDecodes:
 
 
 def plan_static_decodes(
-  jaxpr: jcore.Jaxpr, static_vars: Sequence[Any], is_loop: Callable[[Any], bool]
+  jaxpr: jcore.Jaxpr,
+  static_vars: Sequence[Any],
+  is_loop: Callable[[Any], bool],
+  *,
+  kernels: Callable[[], bool] = lambda: False,
 ) -> StaticDecodes:
   """Finds the regions of ``jaxpr`` (``static_vars``: its static leaf inputs;
-  ``is_loop(eqn)``: whether an equation is a unit loop, which runs no region)."""
+  ``is_loop(eqn)``: whether an equation is a unit loop, which runs no region;
+  ``kernels()``: whether its regions may use the native one-row kernels, `quant.fused`,
+  asked only where there is a region)."""
   static = set(static_vars)
   made_by: dict[Any, int] = {}  # a decoded static variable -> the equation that makes it
   for k, eqn in enumerate(jaxpr.eqns):
@@ -91,7 +99,7 @@ def plan_static_decodes(
       kept.update(needed)
       continue
     inputs = _inputs(jaxpr, [*needed, k])
-    regions[k] = Region(inputs, [jaxpr.eqns[j] for j in (*sorted(needed), k)])
+    regions[k] = Region(inputs, [jaxpr.eqns[j] for j in (*sorted(needed), k)], kernels())
   for v in jaxpr.outvars:
     if not isinstance(v, jcore.Literal) and v in made_by:
       kept.update(_producers(jaxpr, [v], made_by))

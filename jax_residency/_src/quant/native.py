@@ -1,0 +1,180 @@
+"""Native CPU kernels for one-row products with quantized matrices (``matvec.cc``).
+
+XLA's CPU code for a decode fused into a matrix-vector product is bound by its
+arithmetic: unpacking, converting and scaling each code costs more than reading it
+(docs/quantization.md, "Reading codes once"). ``matvec.cc`` does the same work in a
+loop of 16-lane vectors on XLA's intra-op threads, registered as XLA FFI handlers
+(``jax.ffi``), and `quant.fused` calls it for a one-token product on CPU.
+
+The file is compiled on first use with the machine's C++ compiler (``$CXX``, else
+``c++``, ``g++`` or ``clang++``) for the machine's own instruction set, against the
+XLA FFI headers that ship with jaxlib, into ``$JAX_RESIDENCY_KERNEL_DIR`` (default: the
+library's cache directory, ``kernels/``), under a name that hashes the source, the
+compiler, jaxlib's version and the CPU: a later process loads it (a few seconds once,
+then nothing). Without a compiler, or where the build fails, the products stay XLA's
+(logged once, at warning level); ``JAX_RESIDENCY_NATIVE_KERNELS=0`` turns the kernels
+off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from jax_residency._src.cache_dir import library_cache_dir
+
+#: ``0`` turns the native kernels off (products are XLA's).
+ENV = "JAX_RESIDENCY_NATIVE_KERNELS"
+#: Where built kernels are kept (default: ``kernels/`` in the library's cache directory).
+KERNEL_DIR_ENV = "JAX_RESIDENCY_KERNEL_DIR"
+#: The FFI targets, by scheme.
+TARGETS = {"int4": "jax_residency_int4_matvec", "int8": "jax_residency_int8_matvec"}
+#: The handler symbols ``matvec.cc`` exports, by scheme.
+_SYMBOLS = {"int4": "JrInt4Matvec", "int8": "JrInt8Matvec"}
+#: Vector lanes of the kernels' loops: the input dimension (int8) and the group size
+#: (int4) must be multiples of it.
+LANES = 16
+SOURCE = Path(__file__).with_name("matvec.cc")
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+_log = logging.getLogger("jax_residency")
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def enabled() -> bool:
+  """Whether the kernels may be used in this process (``$JAX_RESIDENCY_NATIVE_KERNELS``)."""
+  return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def available() -> bool:
+  """Whether the kernels are built, loaded and registered with XLA (building them on the
+  first call). False where they are off, or cannot be built here (the reason is logged)."""
+  if not enabled():
+    return False
+  with _lock:
+    if "library" not in _state:
+      _state["library"] = _load()
+    return _state["library"] is not None
+
+
+def build_error() -> str | None:
+  """Why the kernels are not available, or None (after `available`)."""
+  return _state.get("error")
+
+
+def kernel_dir() -> Path:
+  explicit = os.environ.get(KERNEL_DIR_ENV)
+  return Path(explicit).expanduser() if explicit else Path(library_cache_dir()) / "kernels"
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+@functools.cache
+def _cpu() -> str:
+  """What ``-march=native`` compiles for: the CPU's model and flags where Linux says."""
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return platform.processor()
+  keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+  return "\n".join(sorted(set(keep)))
+
+
+def _load() -> ctypes.CDLL | None:
+  if platform.system() not in ("Linux", "Darwin"):
+    _unavailable(f"no native kernels on {platform.system()}")
+    return None
+  cxx = _compiler()
+  if cxx is None:
+    _unavailable("no C++ compiler found ($CXX, c++, g++, clang++)")
+    return None
+  try:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    key = hashlib.sha256(
+      b"\0".join(
+        s.encode()
+        for s in (SOURCE.read_text(), cxx, version.stdout, jaxlib.__version__, _cpu(), *_FLAGS)
+      )
+    ).hexdigest()[:16]
+    path = kernel_dir() / f"matvec-{key}.so"
+    if not path.exists():
+      _build(cxx, path)
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for scheme, target in TARGETS.items():
+      capsule = jax.ffi.pycapsule(getattr(lib, _SYMBOLS[scheme]))
+      jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+  except (OSError, subprocess.SubprocessError, AttributeError) as e:
+    _unavailable(str(e))
+    return None
+  return lib
+
+
+def _build(cxx: str, path: Path) -> None:
+  """Compiles ``matvec.cc`` to ``path``, through a temporary file renamed into place (a
+  concurrent build in another process writes its own)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+  os.close(fd)
+  try:
+    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+      raise OSError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+def _unavailable(why: str) -> None:
+  _state["error"] = why
+  _log.warning(
+    "jax_residency: native quantized kernels unavailable (%s); one-token products of "
+    "quantized weights use XLA's code (slower on CPU). Set %s=0 to silence this.",
+    why,
+    ENV,
+  )
+
+
+def supports(scheme: str, parts: list[Any], x: Any) -> bool:
+  """Whether a kernel computes ``x @ rows.T`` for these parts: float32 ``x`` of the
+  rows' length, two-dimensional parts (no stack of units), widths the loops take."""
+  if scheme not in TARGETS or len(x.shape) != 1 or x.dtype != jnp.float32:
+    return False
+  codes, scale = parts[0], parts[1]
+  if codes.ndim != 2 or scale.ndim != 2 or codes.shape[-1] != x.shape[0]:
+    return False
+  if any(p.dtype != jnp.float32 for p in parts[1:]):
+    return False
+  if scheme == "int8":
+    return codes.shape[-1] % LANES == 0
+  group, rem = divmod(codes.shape[-1], scale.shape[-1])
+  return rem == 0 and group % LANES == 0
+
+
+def matvec(scheme: str, x: Any, parts: list[Any]) -> jax.Array:
+  """``y[r] = sum_i x[i] * w[r, i]`` for the matrix ``w`` the parts decode to (rows
+  along the input axis, `quant.schemes`), by the native kernel (`available` first)."""
+  rows = parts[1].shape[0]
+  out = jax.ShapeDtypeStruct((rows,), jnp.float32)
+  return jax.ffi.ffi_call(TARGETS[scheme], out)(x, *parts)

@@ -1,0 +1,146 @@
+"""The native one-row kernels for quantized matrices on CPU (quant/native.py, matvec.cc;
+docs/quantization.md, "Reading codes once"): built here with the machine's compiler,
+equal to the product of the decoded matrix to float32 rounding, called by a one-token
+step for every unit matrix in place of XLA's fused decode, never by a prefill or a step
+on several devices, and replaced by XLA's products where they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_residency as jr
+from jax_residency._src.quant import fused, native
+from jax_residency._src.quant.encoding import Encoding
+from jax_residency._src.quant.schemes import Quantization
+from jax_residency.toy import ToyConfig, ToyTransformer
+
+CFG = ToyConfig(vocab=256, d_model=256, n_heads=4, d_ff=512, n_layers=2)
+#: The unit matrices of the toy's layer (qkv, out, up, down) and its output head.
+MATRICES = 4
+
+pytestmark = pytest.mark.skipif(
+  native._compiler() is None, reason="no C++ compiler here to build the native kernels"
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> ToyTransformer:
+  return ToyTransformer(CFG, rngs=nnx.Rngs(0))
+
+
+def test_the_kernels_build_and_register_here():
+  assert native.enabled() and native.available(), native.build_error()
+  assert list(native.kernel_dir().glob("matvec-*.so"))
+
+
+@pytest.mark.parametrize(
+  "quant, shape",
+  [
+    ("int8", (64, 48)),
+    ("int8", (4160, 96)),  # more inputs than a decoded block (encoding.MATVEC_CHUNK)
+    ({"scheme": "int4", "group_size": 32}, (96, 64)),
+    ({"scheme": "int4", "group_size": 64}, (4096, 34)),
+    ({"scheme": "int4", "group_size": 128}, (256, 512)),
+  ],
+)
+def test_a_kernel_is_the_product_of_the_decoded_matrix(quant, shape):
+  """``x @ w`` for a kernel ``w`` (in, out) stored as rows: the kernel against float64
+  products of the decoded matrix, within float32 rounding of the sum."""
+  enc = Encoding(Quantization.of(quant), -2, "float32")
+  rng = np.random.default_rng(0)
+  parts = [jnp.asarray(p) for p in enc.encode(rng.standard_normal(shape).astype(np.float32))]
+  w = np.asarray(jax.jit(enc.decode)(tuple(parts)), np.float64)
+  x = jnp.asarray(rng.standard_normal(shape[0]), jnp.float32)
+  assert native.supports(enc.quantization.scheme, parts, x)
+  got = np.asarray(jax.jit(lambda x, p: native.matvec(enc.quantization.scheme, x, p))(x, parts))
+  want = np.asarray(x, np.float64) @ w
+  scale = np.abs(np.asarray(x, np.float64)) @ np.abs(w)  # the sum's magnitude, per output
+  assert got.shape == want.shape
+  assert np.all(np.abs(got - want) <= 1e-6 * scale), np.max(np.abs(got - want) / scale)
+
+
+def test_shapes_the_kernels_do_not_take_are_refused():
+  x = jnp.zeros(64, jnp.float32)
+  int4 = Encoding(Quantization.of({"scheme": "int4", "group_size": 32}), -2, "float32")
+  parts = [jnp.asarray(p) for p in int4.encode(np.ones((64, 8), np.float32))]
+  assert native.supports("int4", parts, x)
+  assert not native.supports("int4", parts, x.astype(jnp.bfloat16))  # a bfloat16 row
+  assert not native.supports("int4", parts, jnp.zeros(32, jnp.float32))  # another width
+  stacked = [p[None] for p in parts]  # a stack of units: one matrix at a time only
+  assert not native.supports("int4", stacked, x)
+  int8 = Encoding(Quantization.of("int8"), -2, "float32")
+  parts = [jnp.asarray(p) for p in int8.encode(np.ones((40, 8), np.float32))]
+  assert not native.supports("int8", parts, jnp.zeros(40, jnp.float32))  # 40 % 16 lanes
+
+
+def _custom_calls(hlo: str) -> list[str]:
+  return re.findall(r'custom_call_target="(jax_residency_\w+)"', hlo)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("policy", ["fully_resident", "dense"])
+def test_a_one_token_step_calls_a_kernel_for_each_unit_matrix(model, scheme, policy, tmp_path):
+  """The compiled one-token step calls the kernel for every unit matrix and reads no
+  codes outside it (no fusion converts them); a prefill's step decodes and runs XLA's
+  matmul; both equal the placement with the kernels off to float32 rounding, and every
+  policy's outputs are bit for bit the same."""
+  token = jnp.zeros((1, 1), jnp.int32)
+  prompt = jnp.arange(8, dtype=jnp.int32)[None] % CFG.vocab
+  path = str(tmp_path / "store")
+  jr.save(model, path, quantize=scheme)
+  make = {
+    "fully_resident": jr.FullyResident,
+    "dense": lambda: jr.DenseDiskStream(host_budget_bytes=0),
+  }[policy]
+  codes = "s8" if scheme == "int8" else "u8"
+  with jr.place(model, make(), store=path) as placed:
+    one, many = placed(token), placed(prompt)
+    if policy == "fully_resident":
+      hlo = placed.lower(token).compile().as_text()
+      calls = _custom_calls(hlo)
+      assert calls.count(f"jax_residency_{scheme}_matvec") >= MATRICES, calls
+      for line in hlo.splitlines():  # the codes go into the kernels, and nowhere else
+        assert not re.search(rf"convert\({codes}\[", line), line
+      assert not _custom_calls(placed.lower(prompt).compile().as_text())
+  with jr.place(model, jr.FullyResident(), store=path) as resident:
+    assert np.array_equal(resident(token), one) and np.array_equal(resident(prompt), many)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv(native.ENV, "0")
+    with jr.place(model, make(), store=path) as xla:
+      np.testing.assert_allclose(one, xla(token), rtol=1e-5, atol=1e-5)
+      np.testing.assert_array_equal(many, xla(prompt))
+
+
+def test_a_step_on_several_devices_keeps_xla_products():
+  """A custom call has no sharding rule: XLA would gather its operands on every device.
+  A step on a mesh of several devices keeps XLA's products."""
+  devices = jax.devices()
+  assert len(devices) > 1
+  assert fused.kernels_for(devices[:1])
+  assert not fused.kernels_for(devices[:2])
+
+
+def test_without_a_compiler_products_stay_xla_s_and_say_so(model, monkeypatch, caplog):
+  monkeypatch.setattr(native, "_state", {})
+  monkeypatch.setattr(native, "_compiler", lambda: None)
+  with caplog.at_level(logging.WARNING, logger="jax_residency"):
+    assert not native.available()
+  assert "no C++ compiler" in native.build_error()
+  assert "native quantized kernels unavailable" in caplog.text
+  token = jnp.zeros((1, 1), jnp.int32)
+  with jr.place(model, jr.FullyResident(), quantize="int8") as placed:
+    assert not _custom_calls(placed.lower(token).compile().as_text())
+    placed(token)
+
+
+def test_the_environment_variable_turns_them_off(monkeypatch):
+  monkeypatch.setenv(native.ENV, "0")
+  assert not native.enabled() and not native.available()
+  assert not fused.kernels_for(jax.devices()[:1])

@@ -174,7 +174,13 @@ def supports(scheme: str, parts: list[Any], x: Any) -> bool:
 
 def matvec(scheme: str, x: Any, parts: list[Any]) -> jax.Array:
   """``y[r] = sum_i x[i] * w[r, i]`` for the matrix ``w`` the parts decode to (rows
-  along the input axis, `quant.schemes`), by the native kernel (`available` first)."""
+  along the input axis, `quant.schemes`), by the native kernel.
+
+  Raises:
+    RuntimeError: the kernels are not available here (`build_error` says why).
+  """
+  if not available():
+    raise RuntimeError(f"the native kernels are not available: {build_error() or 'off'}")
   rows = parts[1].shape[0]
   out = jax.ShapeDtypeStruct((rows,), jnp.float32)
   return jax.ffi.ffi_call(TARGETS[scheme], out)(x, *parts)

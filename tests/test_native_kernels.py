@@ -21,7 +21,9 @@ from jax_residency._src.quant.encoding import Encoding
 from jax_residency._src.quant.schemes import Quantization
 from jax_residency.toy import ToyConfig, ToyTransformer
 
-CFG = ToyConfig(vocab=256, d_model=256, n_heads=4, d_ff=512, n_layers=2)
+#: Small (the kernels' loops take any width the checks below allow), with one int4 group
+#: of 64 inputs per row of the narrowest matrix.
+CFG = ToyConfig(vocab=128, d_model=64, n_heads=4, d_ff=128, n_layers=2)
 #: The unit matrices of the toy's layer (qkv, out, up, down) and its output head.
 MATRICES = 4
 
@@ -109,8 +111,9 @@ def test_a_one_token_step_calls_a_kernel_for_each_unit_matrix(model, scheme, pol
       for line in hlo.splitlines():  # the codes go into the kernels, and nowhere else
         assert not re.search(rf"convert\({codes}\[", line), line
       assert not _custom_calls(placed.lower(prompt).compile().as_text())
-  with jr.place(model, jr.FullyResident(), store=path) as resident:
-    assert np.array_equal(resident(token), one) and np.array_equal(resident(prompt), many)
+  if policy != "fully_resident":
+    with jr.place(model, jr.FullyResident(), store=path) as resident:
+      assert np.array_equal(resident(token), one) and np.array_equal(resident(prompt), many)
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv(native.ENV, "0")
     with jr.place(model, make(), store=path) as xla:

@@ -15,7 +15,12 @@ store would.
 ``jax.core.jaxpr_as_fun`` does, except for each ``dot_general`` with an operand
 decoded from codes:
 
-* when the other operand is a single row (one token), it is multiplied as a vector,
+* on one CPU device (``kernels``), a single row (one token) times one int8/int4
+  tensor's decode is the native kernel's product of the row and the tensor's parts
+  (`quant.native`, ``matvec.cc``: the codes read once, in 16-lane vector loops), under
+  ``lax.platform_dependent`` so that a program lowered for an accelerator gets the
+  product below instead;
+* otherwise, when the other operand is a single row, it is multiplied as a vector,
   and by each block of a kernel decoded in blocks of inputs
   (`encoding.Encoding.decode`) on its own, each a product XLA fuses with its block's
   decode; the products are summed in order;

@@ -143,6 +143,20 @@ def test_without_a_compiler_products_stay_xla_s_and_say_so(model, monkeypatch, c
     placed(token)
 
 
+def test_a_damaged_build_in_the_kernel_directory_is_built_again(monkeypatch, tmp_path):
+  """(A file this process has loaded is never rewritten in place: a build replaces it.
+  XLA takes one registration of a target per process: this test's is not passed on.)"""
+  monkeypatch.setenv(native.KERNEL_DIR_ENV, str(tmp_path))
+  monkeypatch.setattr(native, "_state", {})
+  registered = []
+  monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda name, *a, **k: registered.append(name))
+  path = native.library_path(native._compiler())
+  path.write_bytes(b"not a shared library")
+  assert native.available(), native.build_error()
+  assert path.read_bytes()[:4] == b"\x7fELF"
+  assert sorted(registered) == sorted(native.TARGETS.values())
+
+
 def test_the_environment_variable_turns_them_off(monkeypatch):
   monkeypatch.setenv(native.ENV, "0")
   assert not native.enabled() and not native.available()

@@ -109,24 +109,31 @@ def _load() -> ctypes.CDLL | None:
     _unavailable("no C++ compiler found ($CXX, c++, g++, clang++)")
     return None
   try:
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
-    key = hashlib.sha256(
-      b"\0".join(
-        s.encode()
-        for s in (SOURCE.read_text(), cxx, version.stdout, jaxlib.__version__, _cpu(), *_FLAGS)
-      )
-    ).hexdigest()[:16]
-    path = kernel_dir() / f"matvec-{key}.so"
+    path = library_path(cxx)
     if not path.exists():
       _build(cxx, path)
-    lib = ctypes.cdll.LoadLibrary(str(path))
+    try:
+      lib = ctypes.cdll.LoadLibrary(str(path))
+    except OSError:  # a damaged file in the kernel directory: built again, once
+      path.unlink(missing_ok=True)
+      _build(cxx, path)
+      lib = ctypes.cdll.LoadLibrary(str(path))
     for scheme, target in TARGETS.items():
       capsule = jax.ffi.pycapsule(getattr(lib, _SYMBOLS[scheme]))
       jax.ffi.register_ffi_target(target, capsule, platform="cpu")
-  except (OSError, subprocess.SubprocessError, AttributeError) as e:
+  except (OSError, subprocess.SubprocessError, AttributeError, jax.errors.JaxRuntimeError) as e:
     _unavailable(str(e))
     return None
   return lib
+
+
+def library_path(cxx: str) -> Path:
+  """Where the build for compiler ``cxx`` is kept: its name hashes the source, the
+  compiler, jaxlib's version, the CPU and the flags."""
+  version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+  parts = (SOURCE.read_text(), cxx, version.stdout, jaxlib.__version__, _cpu(), *_FLAGS)
+  key = hashlib.sha256(b"\0".join(p.encode() for p in parts)).hexdigest()[:16]
+  return kernel_dir() / f"matvec-{key}.so"
 
 
 def _build(cxx: str, path: Path) -> None:

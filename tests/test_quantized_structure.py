@@ -1,8 +1,9 @@
 """The programs a quantized store runs (docs/quantization.md, "Reading codes once"): on
-CPU, a one-token step decodes each unit matrix inside the fusion of the matmul that uses
-it, so the codes are read once and no float copy of the unit is written; lowered for
-``cuda`` (no GPU needed), the layer loop moves int8/uint8 codes to the device and the
-decode (convert, scale, transpose) feeds the matmul directly."""
+CPU with XLA's own products (the native kernels off; tests/test_native_kernels.py checks the
+programs that call them), a one-token step decodes each unit matrix inside the fusion of the
+matmul that uses it, so the codes are read once and no float copy of the unit is written;
+lowered for ``cuda`` (no GPU needed), the layer loop moves int8/uint8 codes to the device and
+the decode (convert, scale, transpose) feeds the matmul directly."""
 
 from __future__ import annotations
 

@@ -257,14 +257,17 @@ def rows_decode(eqn: Any) -> bool | None:
   """For a jaxpr equation that decodes one int8/int4 tensor from its parts (its inputs,
   rows along the input axis): whether the decoded matrix is a kernel (its first axis is
   the input axis) or a table (its last); None for any other equation."""
-  if eqn.primitive.name not in ("pjit", "jit"):
-    return None
-  return ROWS_DECODE_NAMES.get(eqn.params.get("name", ""))
+  return ROWS_DECODE_NAMES.get(_called(eqn) or "")
 
 
 def is_decode_call(eqn: Any) -> bool:
   """Whether a jaxpr equation is a call of `QuantizedTensor.decode`'s jitted program."""
-  return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == DECODE_JIT_NAME
+  return _called(eqn) == DECODE_JIT_NAME
+
+
+def _called(eqn: Any) -> str | None:
+  """The name of the jitted function a jaxpr equation calls; None for other equations."""
+  return eqn.params.get("name") if eqn.primitive.name in ("pjit", "jit") else None
 
 
 def is_quantized(x: Any) -> bool:

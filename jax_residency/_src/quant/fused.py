@@ -180,10 +180,10 @@ class _State:
         self.env[eqn.outvars[0]] = _product(eqn, self)
       elif from_codes and is_decode_call(eqn):
         self._inline(eqn)
-      elif from_codes and rows_decode(eqn) is not None:
+      elif from_codes and (kernel := rows_decode(eqn)) is not None:
         self._inline(eqn)
         scheme = "int8" if len(eqn.invars) == 2 else "int4"
-        source = (scheme, bool(rows_decode(eqn)), list(eqn.invars))
+        source = (scheme, kernel, list(eqn.invars))
         self.sources[self._resolve(eqn.outvars[0])] = source
       elif from_codes and name in DECODE_PRIMITIVES:
         self.decoded.update(eqn.outvars)

@@ -57,6 +57,11 @@ jax.config.update("jax_compilation_cache_dir", os.environ[XLA_CACHE_ENV])
 os.environ.setdefault(
   "JAX_RESIDENCY_KERNEL_DIR", os.path.join(os.environ[XLA_CACHE_ENV], "kernels")
 )
+# The library's cache directory (measurements a plan reads, the demo's stores) is the
+# session's too, beside the compiled programs: a test that measures or plans without a
+# directory of its own, and a script it runs with the suite's environment, never write
+# into the user's (``~/.cache/jax_residency``). Tests of the default path set their own.
+os.environ.setdefault("JAX_RESIDENCY_CACHE_DIR", os.path.join(os.environ[XLA_CACHE_ENV], "library"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_compilation_cache_max_size", 1 << 30)
 # JAX's LRU cache finds what to evict by listing and reading every entry's size and access
@@ -86,6 +91,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hlo import Mlir  # noqa: E402
 from store_files import store_digest  # noqa: E402 - after the sys.path entry above
+from user_env import user_zygote  # noqa: E402
 
 M = TypeVar("M")
 
@@ -307,6 +313,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
   """Removes the session's compilation cache (in the process that made it)."""
   if _OWNS_XLA_CACHE and not hasattr(config, "workerinput"):
     shutil.rmtree(os.environ.pop(XLA_CACHE_ENV), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+  """A process with the library imported that forks each script a test runs as a user
+  would (`user_env.run_script`; benchmarks/_zygote.py), started once per worker when a
+  test first asks; the environment of a user (`user_env.user_env`) naming it."""
+  with user_zygote(tmp_path_factory.mktemp("zygote")) as env:
+    yield env
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from user_env import user_env
+from user_env import run_script, user_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -44,30 +44,27 @@ _QUICK: dict[str, tuple[subprocess.CompletedProcess, dict]] = {}
 
 
 @pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-  """A process with the library imported that forks each quick run and its children
-  (`_zygote`: a fork skips the 2 s of imports that each fresh ``python`` pays)."""
-  tmp = tmp_path_factory.mktemp("zygote")
-  with _zygote.started(user_env(tmp), str(tmp)) as env:
-    yield env
-
-
-@pytest.fixture(scope="module")
 def quick(tmp_path_factory, zygote):
   """Runs a benchmark's ``--quick --json`` once per module (``--dist loadfile`` keeps a
-  module on one worker); returns the process and the result file's object."""
+  module on one worker), forked from the session's zygote (a fork skips the 2 s of imports
+  each fresh ``python`` pays); returns the process and the result file's object. The runs
+  share one user's cache directory, as one user's runs of the benchmarks would: what one
+  compiled, the next loads (compile_time.py times its cold and warm processes in caches
+  of its own)."""
+  user = tmp_path_factory.mktemp("quick-user")
 
   def run(name: str) -> tuple[subprocess.CompletedProcess, dict]:
     if name not in _QUICK:
       tmp = tmp_path_factory.mktemp(f"quick-{name}")
       out = tmp / "result.json"
-      proc = _zygote.run(
+      proc = run_script(
         [sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--json", "--result", str(out)],
+        zygote,
+        env=user_env(user),
         capture_output=True,
         text=True,
         timeout=QUICK_TIMEOUT,
         cwd=tmp,
-        env=user_env(tmp) | {_zygote.ZYGOTE_ENV: zygote[_zygote.ZYGOTE_ENV]},
       )
       tail = (proc.stdout[-3000:], proc.stderr[-3000:])
       assert proc.returncode == 0, tail

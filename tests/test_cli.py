@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from importlib import metadata
 
 import pytest
 from cli_call import call
+from user_env import run_script, user_env
 
 from jax_residency._src.cli import console
 from jax_residency._src.cli import demo as demo_mod
@@ -477,12 +477,13 @@ def test_run_needs_a_recorded_model_or_a_factory(store, tmp_path, monkeypatch):
 # --- the installed command ---------------------------------------------------
 
 
-def test_python_dash_m_runs_the_command(store):
-  done = subprocess.run(
+def test_python_dash_m_runs_the_command(store, zygote, tmp_path):
+  done = run_script(
     [sys.executable, "-m", "jax_residency", "inspect", store],
+    zygote,
+    env=user_env(tmp_path),
     capture_output=True,
     text=True,
-    check=False,
   )
   assert done.returncode == 0, done.stderr
   assert "streamable    yes" in done.stdout

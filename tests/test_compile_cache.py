@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import jax
 import pytest
 from jax._src import compilation_cache
+from user_env import run_script, user_env
 
 from jax_residency._src.cache_dir import CACHE_DIR_ENV, library_cache_dir
 from jax_residency._src.run import compile_cache
@@ -225,18 +225,21 @@ CHILD = textwrap.dedent(
 )
 
 
-def run_child(cache: Path, mode: str) -> dict:
-  env = {k: v for k, v in os.environ.items() if k != compile_cache.OPT_OUT_ENV}
+def run_child(cache: Path, mode: str, zygote: dict[str, str]) -> dict:
+  """``CHILD`` as a user's process (one device, the library's defaults) with the library
+  cache directory ``cache``, forked from the session's zygote (no backend, nothing
+  compiled: JAX's cache starts unset there, as in a fresh ``python``)."""
+  env = user_env(cache)
   env[CACHE_DIR_ENV] = str(cache)
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  done = subprocess.run(
+  done = run_script(
     [sys.executable, "-c", CHILD, mode],
+    zygote,
     cwd=ROOT,
     env=env,
     capture_output=True,
     text=True,
     timeout=240,
-    check=False,
   )
   assert done.returncode == 0, done.stdout + done.stderr
   line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
@@ -244,11 +247,11 @@ def run_child(cache: Path, mode: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory) -> tuple[Path, dict, dict]:
+def two_processes(tmp_path_factory, zygote) -> tuple[Path, dict, dict]:
   """Two processes, one after the other, with one cache directory: the first leaves the
   cache to place() (as a user does), the second turns it on itself before compiling."""
   cache = tmp_path_factory.mktemp("compile_cache")
-  return cache, run_child(cache, "via-place"), run_child(cache, "explicit")
+  return cache, run_child(cache, "via-place", zygote), run_child(cache, "explicit", zygote)
 
 
 def test_place_turns_the_cache_on(two_processes):

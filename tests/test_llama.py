@@ -25,7 +25,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from user_env import run_script, user_env
 
 import jax_residency as jr
 from jax_residency import models
@@ -522,13 +522,15 @@ def test_sliding_layers_decode_as_the_full_forward_and_place_the_same():
 
 
 @requires_safetensors
-def test_the_example_generates_from_a_prompt(tmp_path):
+def test_the_example_generates_from_a_prompt(tmp_path, zygote):
   tied = FIXTURES / "llama_tiny_tied"
   ref = reference("llama_tiny_tied")
   example = ref["tokenizer_example"]
   cmd = [sys.executable, str(REPO / "examples" / "llm_generate.py"), str(tied), "--policy"]
-  proc = subprocess.run(
+  proc = run_script(
     [*cmd, "dense", "--store", str(tmp_path / "store"), "--prompt", example["text"], "-n", "6"],
+    zygote,
+    env=user_env(tmp_path),
     capture_output=True,
     text=True,
     timeout=240,

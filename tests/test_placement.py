@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import collections
 import gc
-import os
 import pathlib
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +24,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 from policies import one_program
+from user_env import run_script, user_env
 
 import jax_residency as jr
 from jax_residency import testing
@@ -596,22 +595,17 @@ def test_closed_model_refuses_to_lower(nnx_toy, mesh1, tokens):
 # --- the example -------------------------------------------------------------------
 
 
-def _run_example(*args: str) -> subprocess.CompletedProcess[str]:
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-  return subprocess.run(
-    [sys.executable, str(REPO / "examples" / "layerwise_host.py"), *args],
+def test_example_runs_and_matches(zygote, tmp_path):
+  """examples/layerwise_host.py (LayerwiseHost, prefetch_depth=2) prints its check and exits 0."""
+  proc = run_script(
+    [sys.executable, str(REPO / "examples" / "layerwise_host.py")],
+    zygote,
+    env=user_env(tmp_path),
     capture_output=True,
     text=True,
     timeout=120,
-    env=env,
     cwd=REPO,
   )
-
-
-def test_example_runs_and_matches():
-  """examples/layerwise_host.py (LayerwiseHost, prefetch_depth=2) prints its check and exits 0."""
-  proc = _run_example()
   assert proc.returncode == 0, proc.stdout + proc.stderr
   out = proc.stdout
   assert "policy: layerwise_host, prefetch_depth=2" in out

@@ -8,6 +8,7 @@ rechunks; a save killed (SIGKILL) at several moments leaves the old store or the
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from flax import nnx
 from policies import REMOTE_POLICIES
 from test_object_store_commits import _top_keys
 from toy_fixtures import toy_fixtures
+from user_env import run_script, user_env
 
 import jax_residency as jr
 from jax_residency._src.store import pointers
@@ -168,7 +170,9 @@ jr.save(model, f"s3://{bucket}/{{name}}", progress=False, overwrite=True)
 _AFTER_KILL = {"mid-write": 1, "before-switch": 1, "after-switch": 2}
 
 
-def test_a_save_killed_at_any_moment_leaves_the_old_store_or_the_new(s3, seeded_nnx, tokens):
+def test_a_save_killed_at_any_moment_leaves_the_old_store_or_the_new(
+  s3, seeded_nnx, tokens, zygote, tmp_path
+):
   models = {
     seed: seeded_nnx(lambda: ToyTransformer(CFG, rngs=nnx.Rngs(0)), seed=seed) for seed in (1, 2)
   }
@@ -176,12 +180,15 @@ def test_a_save_killed_at_any_moment_leaves_the_old_store_or_the_new(s3, seeded_
     jr.save(models[1], f"s3://{BUCKET}/killed-{moment}", progress=False)
   tests = os.path.dirname(os.path.abspath(__file__))
   script = _KILLED_SAVE.format(cfg=CFG.__dict__, bucket=BUCKET, tests=tests)
-  children = {  # the three run at once
-    moment: subprocess.Popen([sys.executable, "-c", script, f"killed-{moment}", moment])
-    for moment in _AFTER_KILL
-  }
-  for moment, child in children.items():
-    assert child.wait(timeout=300) == -signal.SIGKILL, moment
+  env = user_env(tmp_path)  # the S3 settings; the script's conftest import sets the rest
+
+  def kill_a_save(moment: str) -> int:  # forked from the zygote (no 2-3 s of imports each)
+    cmd = [sys.executable, "-c", script, f"killed-{moment}", moment]
+    return run_script(cmd, zygote, env=env, timeout=300).returncode
+
+  with concurrent.futures.ThreadPoolExecutor(len(_AFTER_KILL)) as pool:  # the three at once
+    codes = dict(zip(_AFTER_KILL, pool.map(kill_a_save, _AFTER_KILL), strict=True))
+  assert codes == dict.fromkeys(_AFTER_KILL, -signal.SIGKILL), codes
   for moment, seed in _AFTER_KILL.items():
     url = f"s3://{BUCKET}/killed-{moment}"
     assert len(_top_keys(url)) == 3, moment  # the pointer, the old and the new generation

@@ -4,7 +4,6 @@ what is not; the example test file under ``examples/`` passes with the plugin.""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -13,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from user_env import run_script
 
 import jax_residency as jr
 from jax_residency import testing
@@ -94,9 +94,9 @@ def test_within_budgets_passes_and_fails_on_a_pass_over_the_plan(toy_model):
     testing.assert_within_budgets(forgot)
 
 
-def test_the_example_user_test_file_passes_with_the_plugin():
+def test_the_example_user_test_file_passes_with_the_plugin(zygote):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the plugin sets 8 devices
-  done = subprocess.run(
+  done = run_script(  # forked from the zygote: JAX imported, no backend yet
     [
       sys.executable,
       "-m",
@@ -108,12 +108,12 @@ def test_the_example_user_test_file_passes_with_the_plugin():
       "jax_residency.testing.plugin",
       "examples/test_user_model.py",
     ],
+    zygote,
     cwd=ROOT,
     env=env,
     capture_output=True,
     text=True,
     timeout=280,
-    check=False,
   )
   assert done.returncode == 0, done.stdout + done.stderr
   assert "4 passed" in done.stdout and "skipped" not in done.stdout

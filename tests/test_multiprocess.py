@@ -7,6 +7,7 @@ devices own, and the outputs must match the plain model.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -17,6 +18,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from user_env import run_script, user_env
 
 from jax_residency.toy import ToyConfig
 
@@ -35,7 +37,7 @@ HOST_UNITS = (0, 2)
 
 
 @pytest.fixture(scope="module")
-def outputs(toy_model, saved_store, tmp_path_factory):
+def outputs(toy_model, saved_store, tmp_path_factory, zygote):
   """One pair of worker processes places the store under every budget of HOST_UNITS in
   turn; returns the plain model's output and the directory of what the workers wrote."""
   mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -44,27 +46,18 @@ def outputs(toy_model, saved_store, tmp_path_factory):
   tokens = np.arange(12, dtype=np.int32).reshape(2, 6) % CFG.vocab
   expected = np.asarray(model(tokens))
   out_dir = tmp_path_factory.mktemp("multiprocess")
-  env = dict(os.environ)
+  env = user_env(out_dir)  # the worker sets its own four devices
   env["TOY_CONFIG"] = json.dumps(dataclasses.asdict(CFG))
   env["HOST_BUDGETS"] = ",".join(str(units * CFG.unit_bytes()) for units in HOST_UNITS)
-  env.pop("XLA_FLAGS", None)
   port = _free_port()
-  procs = [
-    subprocess.Popen(
-      [sys.executable, WORKER, str(pid), str(port), store, str(out_dir)],
-      env=env,
-      stdout=subprocess.DEVNULL,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for pid in range(2)
-  ]
-  try:
-    errors = [p.communicate(timeout=240)[1] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  assert [p.returncode for p in procs] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+
+  def worker(pid: int) -> subprocess.CompletedProcess:  # forked from the zygote, side by side
+    cmd = [sys.executable, WORKER, str(pid), str(port), store, str(out_dir)]
+    return run_script(cmd, zygote, env=env, capture_output=True, text=True, timeout=240)
+
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    done = list(pool.map(worker, range(2)))
+  assert [d.returncode for d in done] == [0, 0], done[0].stderr[-2000:] + done[1].stderr[-2000:]
   return expected, out_dir
 
 

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,6 +27,7 @@ import pytest
 from damage import chunk_extent, delete_chunk_file, flip_bit, truncate_chunk_file
 from flax import nnx
 from policies import dense
+from user_env import run_script
 
 import jax_residency as jr
 from jax_residency import testing
@@ -167,12 +167,10 @@ print(json.dumps(results))
 
 
 def _reader_env() -> dict[str, str]:
-  """The reader's environment: this one, on one CPU device (the suite's eight cost
-  seconds of compiling in a new process, and the command line uses one)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
-  return env
+  """The reader's environment: this one, on one device (the suite's eight cost seconds of
+  compiling in a new process, and the command line uses one): the session's zygote's
+  (conftest.py), so the reader is a fork of it."""
+  return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
 def _reachable(directory: str | None) -> bool:
@@ -199,7 +197,7 @@ def _open_up(path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def unreadable(store, tmp_path_factory):
+def unreadable(store, tmp_path_factory, zygote):
   """Reads two copies of the store that the reader may not read, in one child process:
   ``unreadable-file`` (the data file of unit 2 of `KERNEL`) and ``unreadable-dir`` (the
   store's directory). Returns {kind: {"path", "library": None or [error classes,
@@ -229,7 +227,7 @@ def unreadable(store, tmp_path_factory):
     for path, mode in closed.items():
       os.chmod(path, mode)
     try:
-      done = subprocess.run(
+      done = run_script(
         [
           sys.executable,
           "-c",
@@ -239,6 +237,7 @@ def unreadable(store, tmp_path_factory):
           store,
           "drop" if as_root else "keep",
         ],
+        zygote,
         capture_output=True,
         text=True,
         timeout=240,
@@ -705,14 +704,15 @@ MOMENTS = {
 }
 
 
-def test_sigint_or_sigterm_during_a_write_removes_its_temporary_store(tmp_path):
+def test_sigint_or_sigterm_during_a_write_removes_its_temporary_store(tmp_path, zygote):
   """`jr.save`, `models.convert_hf` and `rechunk` over an existing store, interrupted by
   SIGINT or SIGTERM at several moments, in a fresh process (where SIGTERM has its
   default action): each stops (KeyboardInterrupt; SystemExit(143) for SIGTERM), leaves
   no temporary beside the store, and the path holds a store that places."""
   hf = os.path.join(ROOT, "tests", "fixtures", "llama_tiny_untied")
-  done = subprocess.run(
+  done = run_script(  # a fork of the zygote: SIGINT and SIGTERM as in a fresh `python`
     [sys.executable, "-c", _INTERRUPTER, str(tmp_path), hf, json.dumps(MOMENTS)],
+    zygote,
     capture_output=True,
     text=True,
     timeout=240,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import shutil
+import time
 
 import jax
 import numpy as np
@@ -17,6 +19,7 @@ from jax_residency import testing
 from jax_residency._src.store import fault_in, mapped
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store.buffers import release_dropped_buffers
+from jax_residency._src.stream.stack_units import StackUnits
 from jax_residency.toy import ToyConfig
 
 # Kernels of 16-64 KiB: stored out of line in the OCDBT data files, so mappable.
@@ -149,6 +152,73 @@ def test_stream_parity_and_accounting_with_and_without_mapping(
     assert 0 < report.total.mapped_bytes <= moved
   else:
     assert report.total.mapped_bytes == 0
+
+
+def test_steps_take_mapped_units_in_place_on_one_cpu_device(model, tokens, store, monkeypatch):
+  """docs/design.md, section 4.2: on one CPU device the stream hands a step its unit's
+  aligned host arrays as they are, the mapped ones included (no ``device_put``)."""
+  handed: list[tuple[dict, list]] = []
+  to_device = StackUnits.to_device
+
+  def logged(self, host, **kw):
+    arrays = to_device(self, host, **kw)
+    handed.append((dict(host), arrays))
+    return arrays
+
+  monkeypatch.setattr(StackUnits, "to_device", logged)
+  policy = jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(device_budget_bytes=2**30, host_budget_bytes=0)
+  )
+  with jr.place(model, policy, store=store, mesh=MESH1) as placed:
+    np.testing.assert_array_equal(placed(tokens), model(tokens))
+    units = placed._placed()._engine._stacks  # type: ignore[attr-defined]
+  assert len(handed) == CFG.n_layers
+  in_place = jax.default_backend() == "cpu" and all(u.host_is_device for u in units)
+  mapped_ones = 0
+  for host, arrays in handed:
+    for path, array in zip(units[0].rel_paths, arrays, strict=True):
+      assert (array is host[path]) == in_place, path
+      mapped_ones += fault_in.region_of(host[path]) is not None
+  assert mapped_ones > 0
+
+
+def test_a_compiled_cpu_call_uses_an_aligned_host_array_in_place():
+  """What `StackUnits.to_device(in_place=True)` relies on: a compiled call on one CPU
+  device takes an aligned NumPy argument without a copy, and so costs a small part of
+  the same call on the same bytes 4 bytes off alignment, which XLA must copy first. An
+  unaligned tensor goes through ``device_put``."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA's CPU client only")
+  region = mmap.mmap(-1, (64 << 20) + 64)
+  aligned = np.frombuffer(region, np.float32, 16 << 20, 0).reshape(4096, -1)
+  shifted = np.frombuffer(region, np.float32, 16 << 20, 4).reshape(4096, -1)
+  corner = jax.jit(lambda x: x[0, 0]).lower(aligned).compile()
+
+  def best(x: np.ndarray) -> float:
+    times = []
+    for _ in range(5):
+      start = time.perf_counter()
+      corner(x).block_until_ready()
+      times.append(time.perf_counter() - start)
+    return min(times)
+
+  assert best(aligned) < 0.1 * best(shifted)
+  device = jax.sharding.SingleDeviceSharding(MESH1.devices.flat[0])
+  unit = StackUnits(
+    name="layers",
+    count=1,
+    rel_paths=(("a",), ("b",)),
+    shapes=(aligned.shape, shifted.shape),
+    shardings=(device, device),
+    read_index=None,
+    host_bytes=0,
+    device_bytes=0,
+    host_is_device=True,
+  )
+  got = unit.to_device({("a",): aligned, ("b",): shifted}, alias=True, in_place=True)
+  assert got[0] is aligned and isinstance(got[1], jax.Array)
+  np.testing.assert_array_equal(got[1], shifted)
+  del got, aligned, shifted
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")

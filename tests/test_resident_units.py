@@ -120,10 +120,11 @@ def test_a_host_resident_unit_moves_to_the_cpu_device_in_place(model, tokens, st
   moved: list[tuple[list[int], list[int]]] = []
   to_device = StackUnits.to_device
 
-  def logged(self, host, *, alias):
-    arrays = to_device(self, host, alias=alias)
+  def logged(self, host, **kw):
+    arrays = to_device(self, host, **kw)
     sources = [host[p].ctypes.data for p in self.rel_paths]
-    moved.append((sources, [a.unsafe_buffer_pointer() for a in arrays]))
+    # A step takes an aligned host array as it is on one CPU device (`in_place`).
+    moved.append((sources, [_address(a) for a in arrays]))
     return arrays
 
   monkeypatch.setattr(StackUnits, "to_device", logged)
@@ -136,6 +137,10 @@ def test_a_host_resident_unit_moves_to_the_cpu_device_in_place(model, tokens, st
   (sources, targets), *_ = [m for m in moved if set(m[0]) == ours]
   if jax.default_backend() == "cpu":
     assert targets == sources
+
+
+def _address(a: np.ndarray | jax.Array) -> int:
+  return a.ctypes.data if isinstance(a, np.ndarray) else a.unsafe_buffer_pointer()
 
 
 def test_budget_errors_name_the_kept_units(model, store):

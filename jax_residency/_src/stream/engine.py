@@ -336,7 +336,7 @@ class DenseStreamEngine:
 
   # --- moving units ------------------------------------------------------------
 
-  def _load_device(self, i: int) -> list[jax.Array]:
+  def _load_device(self, i: int) -> list[Any]:
     """Reads (or takes from the host tier) unit ``i`` and moves it to the device tier.
 
     The device bytes are reserved first, so the unit that makes room is gone
@@ -357,7 +357,7 @@ class DenseStreamEngine:
         self._from_disk = self._advised() != asked or i in self._asked_ahead
         self._asked_ahead.discard(i)
         source = "disk"
-      arrays = st.to_device(host, alias=True)
+      arrays = st.to_device(host, alias=True, in_place=True)
       del host
       reservation.commit(arrays)
     with self._counters_lock:

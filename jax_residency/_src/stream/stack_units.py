@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_residency._src.plan.budget import StackMetadata
 from jax_residency._src.plan.split import SplitModel, Stack
+from jax_residency._src.store.mapped import ALIGNMENT
 from jax_residency._src.stream.boxes import addressable_box, box_nbytes, from_local_box
 from jax_residency._src.typing import ParamPath
 
@@ -36,6 +37,8 @@ class StackUnits:
       reads (``None`` when every device is this process's).
     host_bytes: bytes of one unit as this process reads and holds it.
     device_bytes: bytes of one unit on one device.
+    host_is_device: every tensor goes to one CPU device, whose memory is host memory
+      (`to_device` may hand a step the host arrays themselves).
   """
 
   name: str
@@ -46,6 +49,7 @@ class StackUnits:
   read_index: dict[ParamPath, tuple[slice, ...]] | None
   host_bytes: int
   device_bytes: int
+  host_is_device: bool = False
 
   @classmethod
   def of(
@@ -78,25 +82,59 @@ class StackUnits:
       read_index=read_index,
       host_bytes=host_bytes,
       device_bytes=meta.device_unit_bytes,
+      host_is_device=all(_one_cpu_device(s.device_set) for s in shardings),
     )
 
-  def to_device(self, host: Mapping[ParamPath, np.ndarray], *, alias: bool) -> list[jax.Array]:
+  def to_device(
+    self, host: Mapping[ParamPath, np.ndarray], *, alias: bool, in_place: bool = False
+  ) -> list[Any]:
     """One unit's tensors, as read (``host``), put on the devices. With ``alias``, on a
     CPU backend a page-aligned host buffer becomes the device array without a copy;
-    accelerators copy host to device either way."""
+    accelerators copy host to device either way.
+
+    With ``in_place`` too, where the unit goes to one CPU device (`host_is_device`),
+    the aligned host arrays are returned as they are, for a step to take as
+    arguments: XLA's CPU client uses an aligned NumPy argument of a compiled call in
+    place, as ``device_put(..., may_alias=True)`` would, without ``device_put``'s
+    Python work per array (tens of microseconds each, 240 arrays a pass for the
+    decode benchmark's int4 decoder; `tests/test_stack_units.py` checks that a step
+    copies none of them).
+    """
     if self.read_index is None:
       # A tensor the read left out (an expert tensor, `expert_cache`) is None.
-      there = [k for k, p in enumerate(self.rel_paths) if p in host]
-      placed = jax.device_put(
-        [np.asarray(host[self.rel_paths[k]]) for k in there],
-        [self.shardings[k] for k in there],
-        may_alias=alias,
-      )
       out: list[Any] = [None] * len(self.rel_paths)
-      for k, a in zip(there, placed, strict=True):
-        out[k] = a
+      put = []
+      for k, p in enumerate(self.rel_paths):
+        if p not in host:
+          continue
+        a = np.asarray(host[p])
+        if alias and in_place and self.host_is_device and _usable_in_place(a):
+          out[k] = a
+        else:
+          put.append((k, a))
+      if put:
+        placed = jax.device_put(
+          [a for _, a in put], [self.shardings[k] for k, _ in put], may_alias=alias
+        )
+        for (k, _), a in zip(put, placed, strict=True):
+          out[k] = a
       return out
     return [
       from_local_box(np.asarray(host[p]), shape, s, self.read_index[p])
       for p, shape, s in zip(self.rel_paths, self.shapes, self.shardings, strict=True)
     ]
+
+
+def _one_cpu_device(devices: Any) -> bool:
+  devices = list(devices)
+  return len(devices) == 1 and devices[0].platform == "cpu"
+
+
+def _usable_in_place(a: np.ndarray) -> bool:
+  """Whether a compiled CPU call takes ``a`` without a copy: C-contiguous, aligned, and
+  of a dtype JAX keeps as it is (no 64-bit type narrowed)."""
+  return (
+    a.flags.c_contiguous
+    and a.ctypes.data % ALIGNMENT == 0
+    and jax.dtypes.canonicalize_dtype(a.dtype) == a.dtype
+  )

@@ -115,6 +115,7 @@ class UnitMapper:
     self._use_ocdbt = use_ocdbt
     self._tensors = dict(tensors)
     self._extents: dict[str, Extent] | None = None
+    self._unit_extents: dict[int, list[tuple[ParamPath, Extent, int]]] = {}
     self._lock = threading.Lock()
     self._mapped = 0
     self._count_lock = threading.Lock()
@@ -167,17 +168,22 @@ class UnitMapper:
     the arrays must not be used before every check has passed.
     """
     out, checks = {}, []
-    raw = self._raw_extents(unit)
-    # Chunks out of the page cache are faulted in from disk in pieces, side by side on
-    # the fill threads, as huge folios (`fault_in.fill`); cached ones right here.
-    cold = self._find_cold([extent for _, extent, _ in raw])
+    # Each chunk's file is opened once: whether its pages are all cached, then its
+    # mapping. Chunks out of the page cache are faulted in from disk in pieces, side by
+    # side on the fill threads, as huge folios (`fault_in.fill`); cached ones right here.
     fills: list[tuple[ParamPath, list[concurrent.futures.Future]]] = []
-    for rel, extent, nbytes in raw:
+    cold_bytes = 0
+    for rel, extent, nbytes in self._raw_extents(unit):
       name, shape, dtype, _ = self._tensors[rel]
-      mapped = self._map(extent, shape, dtype, extent not in cold)
+      mapped = self._map(extent, shape, dtype)
       if mapped is None:
         continue
       array, identity, was_resident = mapped
+      if not was_resident:
+        self.verified.mark_cold(extent)
+        cold_bytes += extent.length
+      if array is None:
+        continue
       out[rel] = array
       if not was_resident:
         start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
@@ -186,6 +192,8 @@ class UnitMapper:
         fills.append((rel, fault_in.fill(region, start)))
       if extent.length > nbytes and self.verified.needs_check(extent, identity, was_resident):
         checks.append((rel, extent, nbytes, name, identity))
+    with self._count_lock:
+      self.advised_bytes += cold_bytes
     # A piece that answers False (no populate: macOS, Linux before 5.14) leaves its
     # pages to fault in as the step reads them; an unreadable chunk is read instead,
     # and the read reports it.
@@ -227,8 +235,15 @@ class UnitMapper:
 
   def _raw_extents(self, unit: int) -> list[tuple[ParamPath, Extent, int]]:
     """``(tensor, extent, data bytes)`` of unit ``unit``'s chunks stored raw: their data
-    alone, or their data and a checksum."""
-    return [(rel, *raw) for rel in self._tensors if (raw := self._raw_extent(rel, unit))]
+    alone, or their data and a checksum. Kept per unit for an OCDBT store, whose index
+    is read once."""
+    raw = self._unit_extents.get(unit)
+    if raw is None:
+      raw = [(rel, *one) for rel in self._tensors if (one := self._raw_extent(rel, unit))]
+      if self._use_ocdbt:
+        with self._lock:
+          self._unit_extents[unit] = raw
+    return raw
 
   def _raw_extent(self, rel: ParamPath, unit: int) -> tuple[Extent, int] | None:
     """Unit ``unit``'s chunk of tensor ``rel`` and its data bytes, if stored raw as one
@@ -337,27 +352,30 @@ class UnitMapper:
     )
 
   def _map(
-    self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype, resident: bool
-  ) -> tuple[np.ndarray, Any, bool] | None:
-    """Maps one chunk (its checksum too, if any) and returns its data as an array
-    viewing the mapping, its file's identity, and ``resident``: whether all of its
-    pages were in the page cache before any read-ahead (None: read it instead). A
-    resident chunk's mapping is populated here; a cold one's is left to the caller
-    (`fault_in.fill`)."""
+    self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype
+  ) -> tuple[np.ndarray | None, Any, bool] | None:
+    """Opens one chunk's file and maps the chunk (its checksum too, if any). Returns its
+    data as an array viewing the mapping (None where XLA could not use it in place:
+    read it instead), its file's identity, and whether all of its pages were in the
+    page cache before any read-ahead; None if the file cannot be opened or is shorter
+    than the extent. A resident chunk's mapping is populated here; a cold one's is left
+    to the caller (`fault_in.fill`)."""
     start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
     skip = extent.offset - start
-    if skip % ALIGNMENT:
-      return None
     try:
       fd = os.open(extent.file, os.O_RDONLY)
     except OSError:
       return None
     try:
+      resident = residency.resident_in_file(fd, extent.offset, extent.length)
       # A file shorter than the extent (truncated, replaced) would fault with
       # SIGBUS on access: such chunks are read instead, and the read reports it.
       stat = os.fstat(fd)
       if stat.st_size < extent.offset + extent.length:
         return None
+      identity = residency.file_identity(stat)
+      if skip % ALIGNMENT:
+        return None, identity, resident
       span = skip + extent.length
       region = mmap.mmap(fd, span, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=start)
       if resident and not residency.populate(region):  # a kernel before 5.14
@@ -375,11 +393,10 @@ class UnitMapper:
       self._take_back_locked()
       self._mapped += size
       self.total_bytes += extent.length
-    count = math.prod(shape)
-    array = np.frombuffer(region, dtype, count, skip).reshape(shape)
+    array = np.frombuffer(region, dtype, math.prod(shape), skip).reshape(shape)
     done = weakref.finalize(region, self._unmapped, size)
     done.atexit = False
-    return array, residency.file_identity(stat), resident
+    return array, identity, resident
 
   def _unmapped(self, size: int) -> None:
     # Runs from a finalizer, possibly inside a garbage collection on a thread

@@ -109,9 +109,11 @@ Targets (docs/benchmarks.md), evaluated on the medians over ``--repeat`` runs:
   unit cached (``jr host all``);
 * at host 0, the quantized decode step against the float32 one: int8 <= 0.6x
   (page cache) and <= 0.35x (disk); int4 <= 0.45x and <= 0.25x;
-* each int8 row: disk decode tokens/s >= 10x Accelerate's (disk), with
+* each int8 row: decode tokens/s >= 10x Accelerate's in each regime, with
   anonymous-memory growth after the load <= Accelerate's and peak RSS growth
-  after the load <= the plan.
+  after the load <= the plan. The disk regime's check also prints the read
+  bandwidth 10x would take (the row's disk reads a step in a tenth of
+  Accelerate's step) beside the 4-thread raw read from disk measured here.
 
 The script prints every check with its measured value and exits 1 when a
 parity gate fails or a target is missed (``--quick``: parity gates only).
@@ -196,7 +198,7 @@ DECODE_OVER_ACCELERATE = 3.0  # target: page-cache decode tokens/s >= 3x Acceler
 HOST0_OVER_ACCELERATE = {"page-cache": 4.5, "disk": 1.5}
 DISK_OVER_RAW_READ = 1.1  # target: host 0 disk step <= 1.1x the units' 4-thread raw read
 PAGE_CACHE_SLACK = 1.25  # target: page-cache decode step <= 1.25x max(resident, bytes / bw)
-INT8_DISK_OVER_ACCELERATE = 10.0  # target: int8 disk-regime decode tokens/s >= 10x Accelerate's
+INT8_OVER_ACCELERATE = 10.0  # target: int8 decode tokens/s >= 10x Accelerate's, both regimes
 #: Targets at host 0: a quantized decode step against the float32 one, per regime.
 QUANT_STEP_RATIO = {
   "int8": {"page-cache": 0.6, "disk": 0.35},
@@ -1063,6 +1065,17 @@ def drop_check(checks: list[dict], fig: dict, weights: float) -> None:
   )
 
 
+def _disk_bound(mine: dict, theirs: dict, bandwidth: dict) -> str:
+  """What 10x Accelerate's disk-regime step takes of the disk: the row's reads a step
+  (``/proc/self/io``) in a tenth of Accelerate's step, against the raw read from disk."""
+  need = mine["io_read_per_step_bytes"] / (theirs["decode_step_s"] / INT8_OVER_ACCELERATE)
+  return (
+    f"; {INT8_OVER_ACCELERATE:g}x takes {fmt_bytes(mine['io_read_per_step_bytes'])} a step "
+    f"at {need / 1e9:.2f} GB/s, the raw read from disk here "
+    f"{bandwidth['cold_bytes_per_s'] / 1e9:.2f} GB/s"
+  )
+
+
 def derive(run: dict, args: argparse.Namespace, unit_bytes_total: int) -> dict:
   """Rates, RSS growths, checks of the targets and ratios of one run of the rows it has.
 
@@ -1172,16 +1185,19 @@ def derive(run: dict, args: argparse.Namespace, unit_bytes_total: int) -> dict:
       fig = run[name]
       growth, plan = fig["rss_growth_after_load_bytes"], fig["plan_bytes"]
       if acc_fig is not None:
-        speed = fig["regimes"]["disk"]["decode_tokens_per_s"] / acc["disk"]["decode_tokens_per_s"]
+        for regime in REGIMES:
+          mine, theirs = fig["regimes"][regime], acc[regime]
+          speed = mine["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+          bound = _disk_bound(mine, theirs, run["bandwidth"]) if regime == "disk" else ""
+          check(
+            f"{label(name)}: {regime} decode tok/s >= {INT8_OVER_ACCELERATE:g}x "
+            f"{label(acc_fig['name'])}'s",
+            speed >= INT8_OVER_ACCELERATE,
+            f"{speed:.2f}x{bound}",
+          )
         anon, acc_anon = (
           fig["anon_growth_after_load_bytes"],
           acc_fig["anon_growth_after_load_bytes"],
-        )
-        check(
-          f"{label(name)}: disk decode tok/s >= {INT8_DISK_OVER_ACCELERATE:g}x "
-          f"{label(acc_fig['name'])}'s",
-          speed >= INT8_DISK_OVER_ACCELERATE,
-          f"{speed:.2f}x",
         )
         check(
           f"{label(name)}: RssAnon growth after the load <= {label(acc_fig['name'])}'s",

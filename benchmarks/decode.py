@@ -1188,7 +1188,8 @@ def derive(run: dict, args: argparse.Namespace, unit_bytes_total: int) -> dict:
         for regime in REGIMES:
           mine, theirs = fig["regimes"][regime], acc[regime]
           speed = mine["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
-          bound = _disk_bound(mine, theirs, run["bandwidth"]) if regime == "disk" else ""
+          reads = regime == "disk" and mine["io_read_per_step_bytes"] > 0
+          bound = _disk_bound(mine, theirs, run["bandwidth"]) if reads else ""
           check(
             f"{label(name)}: {regime} decode tok/s >= {INT8_OVER_ACCELERATE:g}x "
             f"{label(acc_fig['name'])}'s",

@@ -97,6 +97,8 @@ def summary(result: dict[str, Any]) -> str:
   out = []
   for kind in (_result.PARITY, _result.TARGET):
     of = [c for c in result["checks"] if c["kind"] == kind]
+    if not of:  # a benchmark without targets (or gates) says nothing of them
+      continue
     held = [c for c in of if c["ok"]]
     missed = [c["name"] for c in of if not c["ok"]]
     line = f"{len(held)} of {len(of)} {kind} checks held"

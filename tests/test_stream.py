@@ -443,6 +443,7 @@ def test_the_host_dispatches_each_unit_step_before_it_waits_on_the_one_before(
   from jax_residency._src.stream import staged
 
   events: list[tuple[str, int]] = []
+  held: list[object] = []
   compile_step = staged._compile_step
 
   class Logged:
@@ -455,6 +456,7 @@ def test_the_host_dispatches_each_unit_step_before_it_waits_on_the_one_before(
     def __call__(self, *step_args):
       carry, ys = self._body(*step_args)
       events.append(("dispatch", id(carry)))
+      held.append(carry)  # alive until the end: no later object reuses its id
       return carry, ys
 
   def logged_compile(*args, **kwargs):
@@ -464,6 +466,7 @@ def test_the_host_dispatches_each_unit_step_before_it_waits_on_the_one_before(
 
   def logged_wait(x):
     events.append(("wait", id(x)))
+    held.append(x)
     return wait(x)
 
   monkeypatch.setattr(staged, "_compile_step", logged_compile)
@@ -472,6 +475,7 @@ def test_the_host_dispatches_each_unit_step_before_it_waits_on_the_one_before(
   with jr.place(model, policy, store=path, mesh=MESH1) as placed:
     placed(tokens)  # compiles the steps
     events.clear()
+    held.clear()
     np.testing.assert_array_equal(placed(tokens), model(tokens))
   dispatched = [key for kind, key in events if kind == "dispatch"]
   assert len(dispatched) == CFG.n_layers

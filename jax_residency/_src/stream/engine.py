@@ -288,7 +288,7 @@ class DenseStreamEngine:
 
   # --- the unit loop's callbacks --------------------------------------------
 
-  def _fetch(self, i: int, upcoming: Sequence[int]) -> list[jax.Array]:
+  def _fetch(self, i: int, upcoming: Sequence[int]) -> list[Any]:
     arrays = self._kept.on_device(i)
     if arrays is None:
       self.ledger.protect(Tier.DEVICE, (i, *self._next_in_stack(i, upcoming)))

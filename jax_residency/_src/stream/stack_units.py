@@ -97,8 +97,8 @@ class StackUnits:
     arguments: XLA's CPU client uses an aligned NumPy argument of a compiled call in
     place, as ``device_put(..., may_alias=True)`` would, without ``device_put``'s
     Python work per array (tens of microseconds each, 240 arrays a pass for the
-    decode benchmark's int4 decoder; `tests/test_stack_units.py` checks that a step
-    copies none of them).
+    decode benchmark's int4 decoder; `tests/test_mapped.py` checks that a stream hands
+    its steps the mapped arrays and that such a call copies nothing).
     """
     if self.read_index is None:
       # A tensor the read left out (an expert tensor, `expert_cache`) is None.

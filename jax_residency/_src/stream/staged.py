@@ -32,11 +32,12 @@ from jax_residency._src.stream.expert_steps import (
 )
 from jax_residency._src.stream.static_decode import StaticDecodes, plan_static_decodes
 
-#: ``fetch(u, upcoming) -> unit leaves`` in its stack's leaf order. ``u`` is a
+#: ``fetch(u, upcoming) -> unit leaves`` in its stack's leaf order (device arrays, or on
+#: one CPU device host arrays a step takes in place, `StackUnits.to_device`). ``u`` is a
 #: unit id (stacks number their units one after another, `split.Stack.units`);
 #: ``upcoming`` the ids the forward runs after ``u``: the rest of this loop, then
 #: the loops that follow it.
-Fetch = Callable[[int, Sequence[int]], Sequence[jax.Array]]
+Fetch = Callable[[int, Sequence[int]], Sequence[Any]]
 #: ``after_step(u, upcoming)``, called once step ``u`` has been dispatched and
 #: the step before it has finished (to start moving the units that come next).
 AfterStep = Callable[[int, Sequence[int]], None]

@@ -182,6 +182,69 @@ def test_steps_take_mapped_units_in_place_on_one_cpu_device(model, tokens, store
   assert mapped_ones > 0
 
 
+def test_retired_mappings_count_as_gone_and_still_read_their_bytes(store):
+  """`UnitMapper.retire` drops a unit's mapped pages while its arrays live on: the
+  mapper counts them gone at once (never twice), other arrays are left alone, and a
+  read after it faults the file's pages in again, with the same bytes."""
+  opened = st.UnitStore.open(store)
+  assert opened.use_mapped_reads()
+  want = {k: np.array(v) for k, v in opened.read_unit(2).items()}
+  unit = opened.read_unit(2)
+  mapper = opened._stacks[0].mapper
+  assert mapper is not None and mapper.mapped_bytes > 0
+  elsewhere = [np.ones(1024, np.float32)]
+  assert opened.retire_mapped([*unit.values(), *elsewhere]) > 0
+  assert mapper.mapped_bytes == 0
+  assert opened.retire_mapped(list(unit.values())) == 0  # once only
+  for key, value in want.items():
+    np.testing.assert_array_equal(unit[key], value)
+  del unit
+  assert _unit_bytes_alive(opened) == 0 and mapper.mapped_bytes == 0
+  opened.close()
+
+
+@pytest.mark.parametrize("host_units", [0, 4])
+def test_a_stream_unmaps_each_finished_unit_as_it_leaves_the_window(
+  model, tokens, store, host_units, monkeypatch
+):
+  """docs/design.md, section 4.2: XLA holds a unit a step took in place until the step
+  queued after it has run, so as a unit whose step is done leaves the window the stream
+  unmaps it (`UnitMapper.retire`), unless a host cache holds it: each load from the
+  third on retires the unit run two steps before it, and every mapping it retires counts
+  as gone at once."""
+  from jax_residency._src.stream import engine
+
+  retired: list[tuple[int, int]] = []
+  retire = engine.retire_finished
+
+  def logged(source, arrays):
+    before = source.buffer_bytes
+    retire(source, arrays)
+    retired.append((len(arrays), before - source.buffer_bytes))
+
+  monkeypatch.setattr(engine, "retire_finished", logged)
+  policy = jr.DenseDiskStream(
+    jr.DenseDiskStreamLoadOptions(
+      device_budget_bytes=2**30,
+      host_budget_bytes=host_units * UNIT,
+      host_lookahead=min(2, host_units),
+      background_queue_capacity=2 if host_units else 0,
+    )
+  )
+  with jr.place(model, policy, store=store, mesh=MESH1) as placed:
+    for _ in range(2):
+      retired.clear()
+      np.testing.assert_array_equal(placed(tokens), model(tokens))
+    testing.assert_within_budgets(placed)
+  if host_units:
+    assert retired == []  # the host cache holds every unit
+    return
+  # Units 2 .. n-1 are loaded after a step is done; each evicts the unit two before it.
+  assert len(retired) == CFG.n_layers - 2
+  mapped_bytes = [gone for _, gone in retired]
+  assert all(gone > 0 for gone in mapped_bytes), mapped_bytes
+
+
 def test_a_compiled_cpu_call_uses_an_aligned_host_array_in_place():
   """What `StackUnits.to_device(in_place=True)` relies on: a compiled call on one CPU
   device takes an aligned NumPy argument without a copy, and so costs a small part of

@@ -54,11 +54,10 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from jax_residency._src import errors
 from jax_residency._src.store import fault_in, residency
 from jax_residency._src.store.buffers import padded_nbytes
 from jax_residency._src.store.extents import Extent, chunk_key, ocdbt_extents
-from jax_residency._src.store.raw_chunks import CHECKSUM_BYTES
+from jax_residency._src.store.raw_chunks import CHECKSUM_BYTES, corrupt_chunk_error
 from jax_residency._src.typing import ParamPath, tensor_nbytes
 
 _log = logging.getLogger(__name__)
@@ -116,6 +115,8 @@ class UnitMapper:
     self._tensors = dict(tensors)
     self._extents: dict[str, Extent] | None = None
     self._unit_extents: dict[int, list[tuple[ParamPath, Extent, int]]] = {}
+    # Each live mapping's finalizer, by the mapping's id (`retire` undoes one early).
+    self._finalizers: dict[int, weakref.finalize] = {}
     self._lock = threading.Lock()
     self._mapped = 0
     self._count_lock = threading.Lock()
@@ -168,9 +169,8 @@ class UnitMapper:
     the arrays must not be used before every check has passed.
     """
     out, checks = {}, []
-    # Each chunk's file is opened once: whether its pages are all cached, then its
-    # mapping. Chunks out of the page cache are faulted in from disk in pieces, side by
-    # side on the fill threads, as huge folios (`fault_in.fill`); cached ones right here.
+    # Chunks out of the page cache are faulted in from disk in pieces, side by side on
+    # the fill threads, as huge folios (`fault_in.fill`); cached ones right here.
     fills: list[tuple[ParamPath, list[concurrent.futures.Future]]] = []
     cold_bytes = 0
     for rel, extent, nbytes in self._raw_extents(unit):
@@ -354,12 +354,10 @@ class UnitMapper:
   def _map(
     self, extent: Extent, shape: tuple[int, ...], dtype: np.dtype
   ) -> tuple[np.ndarray | None, Any, bool] | None:
-    """Opens one chunk's file and maps the chunk (its checksum too, if any). Returns its
-    data as an array viewing the mapping (None where XLA could not use it in place:
-    read it instead), its file's identity, and whether all of its pages were in the
-    page cache before any read-ahead; None if the file cannot be opened or is shorter
-    than the extent. A resident chunk's mapping is populated here; a cold one's is left
-    to the caller (`fault_in.fill`)."""
+    """Maps one chunk (its checksum too, if any), opening its file once: returns its data
+    as an array viewing the mapping (None if unaligned: read it), its file's identity,
+    and whether all its pages were cached (a resident chunk is populated here, a cold
+    one by the caller: `fault_in.fill`); None if the file cannot be opened or is short."""
     start = extent.offset - extent.offset % mmap.ALLOCATIONGRANULARITY
     skip = extent.offset - start
     try:
@@ -394,14 +392,33 @@ class UnitMapper:
       self._mapped += size
       self.total_bytes += extent.length
     array = np.frombuffer(region, dtype, math.prod(shape), skip).reshape(shape)
-    done = weakref.finalize(region, self._unmapped, size)
+    done = weakref.finalize(region, self._unmapped, size, id(region))
     done.atexit = False
+    self._finalizers[id(region)] = done
     return array, identity, resident
 
-  def _unmapped(self, size: int) -> None:
-    # Runs from a finalizer, possibly inside a garbage collection on a thread
-    # that holds `_count_lock`: it only appends (atomic); locked methods count it.
+  def _unmapped(self, size: int, key: int) -> None:
+    # Runs from a finalizer, possibly inside a garbage collection on a thread that
+    # holds `_count_lock`: it only pops and appends (atomic); locked methods count it.
+    self._finalizers.pop(key, None)
     self._unmapped_sizes.append(size)
+
+  def retire(self, arrays: Any) -> int:
+    """Drops the pages of this mapper's mappings that ``arrays`` view (a unit whose last
+    step is done, which XLA holds a step longer: docs/design.md 4.2) and counts them
+    gone; returns their bytes. ``MADV_DONTNEED`` on a private read-only mapping: a
+    later read faults the same bytes in again. The mapping goes with the arrays."""
+    retired = 0
+    for array in arrays if hasattr(mmap, "MADV_DONTNEED") else ():
+      region = fault_in.region_of(array) if isinstance(array, np.ndarray) else None
+      done = None if region is None else self._finalizers.pop(id(region), None)
+      detached = None if done is None else done.detach()
+      if region is None or detached is None:  # not ours, or its finalizer has run
+        continue
+      region.madvise(mmap.MADV_DONTNEED)
+      self._unmapped(*detached[2])
+      retired += detached[2][0]
+    return retired
 
 
 #: Threads that read chunks straight from data files (`UnitMapper.read_into`): the
@@ -456,24 +473,9 @@ def _read_extent(
   if trailer and (mapper is None or mapper.verified.needs_check(extent, identity, was_resident)):
     stored, computed = int.from_bytes(tail, "little"), crc32c.crc32c(data)
     if computed != stored:
-      raise _corrupt(where, tensor, unit, extent, stored, computed)
+      raise corrupt_chunk_error(where, tensor, unit, extent, stored, computed)
     if mapper is not None:
       mapper._passed(extent, identity, len(data))
-
-
-def _corrupt(
-  where: str, tensor: str, unit: int, extent: Extent, stored: int, computed: int
-) -> errors.StoreCorruptionError:
-  return errors.StoreCorruptionError(
-    f"Unit {unit} of tensor {tensor!r} in the store {where} is corrupt: its data "
-    f"does not match its checksum (stored CRC-32C {stored:#010x}, computed "
-    f"{computed:#010x}; the chunk at byte {extent.offset} of {extent.file}). The file "
-    "changed after the store was written: write the store again from the original "
-    "model or checkpoint (`jax-residency verify PATH` lists every damaged tensor).",
-    store=where,
-    tensor=tensor,
-    unit=unit,
-  )
 
 
 def _check_mapped(
@@ -490,4 +492,4 @@ def _check_mapped(
     with view[start : start + nbytes] as data:
       computed = crc32c.crc32c(data)
   if computed != stored:
-    raise _corrupt(where, tensor, unit, extent, stored, computed)
+    raise corrupt_chunk_error(where, tensor, unit, extent, stored, computed)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from jax_residency._src import errors
+from jax_residency._src.store.extents import Extent
+
 #: Bytes of the zarr3 ``crc32c`` codec's trailer: the CRC-32C of the chunk's
 #: data, little-endian, after the data.
 CHECKSUM_BYTES = 4
@@ -46,3 +49,19 @@ def mappable(meta: Any) -> bool:
   """Whether zarr3 array metadata stores each chunk as raw native-order bytes
   (with or without a checksum after them)."""
   return chunk_trailer(meta) is not None
+
+
+def corrupt_chunk_error(
+  where: str, tensor: str, unit: int, extent: Extent, stored: int, computed: int
+) -> errors.StoreCorruptionError:
+  """The error for a raw chunk whose data does not match its CRC-32C trailer."""
+  return errors.StoreCorruptionError(
+    f"Unit {unit} of tensor {tensor!r} in the store {where} is corrupt: its data "
+    f"does not match its checksum (stored CRC-32C {stored:#010x}, computed "
+    f"{computed:#010x}; the chunk at byte {extent.offset} of {extent.file}). The file "
+    "changed after the store was written: write the store again from the original "
+    "model or checkpoint (`jax-residency verify PATH` lists every damaged tensor).",
+    store=where,
+    tensor=tensor,
+    unit=unit,
+  )

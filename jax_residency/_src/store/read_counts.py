@@ -64,6 +64,11 @@ class ReadCounts:
     since `reset_buffer_peak`."""
     return self._pool.peak_bytes
 
+  def retire_mapped(self, arrays: Any) -> int:
+    """Unmaps the pages of mapped unit arrays whose last step has completed, before the
+    arrays themselves go (`mapped.UnitMapper.retire`); returns the bytes retired."""
+    return sum(m.retire(arrays) for m in self._mappers)
+
   def reset_buffer_peak(self) -> None:
     """Starts `buffer_peak_bytes` over from the buffers held now."""
     self._pool.reset_peak()

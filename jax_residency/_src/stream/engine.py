@@ -52,7 +52,13 @@ from jax_residency._src.stream.ledger import Eviction, Reservation, ResidencyLed
 from jax_residency._src.stream.prefetch import CancelToken, PrefetchWorker
 from jax_residency._src.stream.stack_units import StackUnits
 from jax_residency._src.stream.staged import StackSpan, StagedForward, run_staged, trace
-from jax_residency._src.stream.unit_source import UnitSource, read_unit, start_read
+from jax_residency._src.stream.unit_source import (
+  UnitSource,
+  read_unit,
+  retire_finished,
+  start_read,
+  tune_source,
+)
 from jax_residency._src.typing import ParamPath
 
 #: Platforms whose unit steps run inside a one-trip while loop. On CPU that
@@ -116,7 +122,13 @@ class DenseStreamEngine:
       eviction_policy=opts.eviction_policy,
       on_evict=self._on_evict,
     )
-    self._tune_source(staging)
+    tune_source(
+      source,
+      metadata,
+      staging=staging,
+      unit_bytes=self._host_unit_bytes,
+      multiprocess=self._multiprocess,
+    )
     # Direct loading hints the kernel to read the unit after next while reads come from
     # disk (`_after_step`); a source without local raw chunks has nothing to hint.
     self._advise = None if self._host_enabled else getattr(source, "advise_unit", None)
@@ -152,24 +164,6 @@ class DenseStreamEngine:
   def _ordinary_on_device(self, unit: int) -> list[jax.Array] | None:
     kept = self._kept.on_device(unit)
     return kept if kept is not None else self.ledger.peek(Tier.DEVICE, unit)
-
-  def _tune_source(self, staging: int) -> None:
-    """Bounds the source's read buffers by the plan, and maps reads where it can."""
-    source, metadata = self._source, self._metadata
-    # Idle read buffers are kept for reuse only while every buffer, live or idle,
-    # fits what the plan gives host-side unit buffers: the host cache, the
-    # staging unit, and (CPU) the device window, whose arrays are read buffers.
-    limit_buffers = getattr(source, "limit_buffers", None)
-    if limit_buffers is not None:
-      window = metadata.device_window_units if metadata.device_is_host else 0
-      cached = metadata.item_bytes("host cache") + staging
-      units = window + (cached // self._host_unit_bytes if self._host_unit_bytes else 0)
-      limit_buffers(units, reclaim=release_dropped_buffers)
-    # Where device memory is host memory, whole units are mapped from the store's
-    # files instead of copied (see `mapped`): the page cache is the read buffer.
-    use_mapped = getattr(source, "use_mapped_reads", None)
-    if use_mapped is not None and metadata.device_is_host and not self._multiprocess:
-      use_mapped()
 
   # --- a pass ----------------------------------------------------------------
 
@@ -236,6 +230,7 @@ class DenseStreamEngine:
     return PassCounters(stacks={st.name: StackPass() for st in self._stacks})
 
   def _begin_pass(self) -> None:
+    self._ran: tuple[int | None, int | None] = (None, None)  # see `_fetch`
     self.ledger.begin_pass()
     if self._experts is not None:
       self._experts.begin_pass()
@@ -290,6 +285,7 @@ class DenseStreamEngine:
 
   def _fetch(self, i: int, upcoming: Sequence[int]) -> list[Any]:
     arrays = self._kept.on_device(i)
+    self._ran = (self._ran[1], i)  # the unit run before this one, and this one
     if arrays is None:
       self.ledger.protect(Tier.DEVICE, (i, *self._next_in_stack(i, upcoming)))
       arrays = self.ledger.get(Tier.DEVICE, i)
@@ -332,19 +328,24 @@ class DenseStreamEngine:
     for j in self._next_in_stack(i, upcoming):
       if not self.ledger.contains(Tier.DEVICE, j):
         self.ledger.protect(Tier.DEVICE, (i, j))
-        self._load_device(j)
+        self._load_device(j, finished=self._ran[0])  # its step is done (run_staged)
 
   # --- moving units ------------------------------------------------------------
 
-  def _load_device(self, i: int) -> list[Any]:
+  def _load_device(self, i: int, finished: int | None = None) -> list[Any]:
     """Reads (or takes from the host tier) unit ``i`` and moves it to the device tier.
 
     The device bytes are reserved first, so the unit that makes room is gone
     before the read lands: on CPU the read buffer is the device array (no copy),
-    and the device tier never holds more than its window, reads included.
+    and the device tier never holds more than its window, reads included. An evicted
+    ``finished`` unit (its step done) no host cache holds is unmapped now (`retire_finished`).
     """
     st = self._owner[i]
+    done = None if finished is None else self.ledger.peek(Tier.DEVICE, finished)
     with self.ledger.reserve(Tier.DEVICE, i, st.device_bytes) as reservation:
+      if finished in reservation.evicted and not self.ledger.contains(Tier.HOST, finished):
+        retire_finished(self._source, done)
+      del done
       if reservation.evicted:
         release_dropped_buffers()
       kept = self._kept.in_host(i)

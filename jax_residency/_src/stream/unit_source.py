@@ -15,6 +15,7 @@ from typing import Any, NoReturn, Protocol
 import numpy as np
 
 from jax_residency._src.errors import ClosedError, StoreError
+from jax_residency._src.store.buffers import release_dropped_buffers
 from jax_residency._src.typing import ParamPath
 
 Index = Mapping[ParamPath, tuple[Any, ...]] | None
@@ -76,3 +77,35 @@ def raise_read_error(i: int, e: Exception) -> NoReturn:
   if isinstance(e, StoreError | ClosedError):  # already says what happened, and where
     raise e
   raise StoreError(f"reading unit {i} from the store failed: {type(e).__name__}: {e}") from e
+
+
+def tune_source(
+  source: Any, metadata: Any, *, staging: int, unit_bytes: int, multiprocess: bool
+) -> None:
+  """Bounds ``source``'s read buffers by the plan (``metadata``: `ModelMetadata`), and
+  maps reads where it can.
+
+  Idle read buffers are kept for reuse only while every buffer, live or idle, fits
+  what the plan gives host-side unit buffers: the host cache, the ``staging`` unit,
+  and (CPU) the device window, whose arrays are read buffers. Where device memory is
+  host memory, whole units are mapped from the store's files instead of copied (see
+  `mapped`): the page cache is the read buffer.
+  """
+  limit_buffers = getattr(source, "limit_buffers", None)
+  if limit_buffers is not None:
+    window = metadata.device_window_units if metadata.device_is_host else 0
+    cached = metadata.item_bytes("host cache") + staging
+    units = window + (cached // unit_bytes if unit_bytes else 0)
+    limit_buffers(units, reclaim=release_dropped_buffers)
+  use_mapped = getattr(source, "use_mapped_reads", None)
+  if use_mapped is not None and metadata.device_is_host and not multiprocess:
+    use_mapped()
+
+
+def retire_finished(source: Any, arrays: Any) -> None:
+  """Unmaps the pages of a unit's mapped arrays whose last step has completed, before
+  XLA lets go of them (`mapped.UnitMapper.retire`); nothing for other arrays or
+  sources."""
+  retire = getattr(source, "retire_mapped", None)
+  if retire is not None and arrays is not None:
+    retire(arrays)

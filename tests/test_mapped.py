@@ -124,14 +124,9 @@ def test_mapped_arrays_keep_their_values_when_the_store_is_replaced(model, tmp_p
     np.testing.assert_array_equal(unit[key], value)
 
 
-@pytest.mark.parametrize("host_units", [0, 2, 4])
-@pytest.mark.parametrize("enabled", [True, False], ids=["mapped", "copied"])
-def test_stream_parity_and_accounting_with_and_without_mapping(
-  model, tokens, store, host_units, enabled, monkeypatch
-):
-  if not enabled:
-    monkeypatch.setenv(mapped.MAPPED_READS_ENV, "0")
-  policy = jr.DenseDiskStream(
+def _stream(host_units: int) -> jr.DenseDiskStream:
+  """A dense stream with a host cache of ``host_units`` units (0: none)."""
+  return jr.DenseDiskStream(
     jr.DenseDiskStreamLoadOptions(
       device_budget_bytes=2**30,
       host_budget_bytes=host_units * UNIT,
@@ -139,6 +134,16 @@ def test_stream_parity_and_accounting_with_and_without_mapping(
       background_queue_capacity=2 if host_units else 0,
     )
   )
+
+
+@pytest.mark.parametrize("host_units", [0, 2, 4])
+@pytest.mark.parametrize("enabled", [True, False], ids=["mapped", "copied"])
+def test_stream_parity_and_accounting_with_and_without_mapping(
+  model, tokens, store, host_units, enabled, monkeypatch
+):
+  if not enabled:
+    monkeypatch.setenv(mapped.MAPPED_READS_ENV, "0")
+  policy = _stream(host_units)
   expected = model(tokens)
   with jr.place(model, policy, store=store, mesh=MESH1) as placed:
     for _ in range(2):
@@ -166,9 +171,7 @@ def test_steps_take_mapped_units_in_place_on_one_cpu_device(model, tokens, store
     return arrays
 
   monkeypatch.setattr(StackUnits, "to_device", logged)
-  policy = jr.DenseDiskStream(
-    jr.DenseDiskStreamLoadOptions(device_budget_bytes=2**30, host_budget_bytes=0)
-  )
+  policy = _stream(0)
   with jr.place(model, policy, store=store, mesh=MESH1) as placed:
     np.testing.assert_array_equal(placed(tokens), model(tokens))
     units = placed._placed()._engine._stacks  # type: ignore[attr-defined]
@@ -223,14 +226,7 @@ def test_a_stream_unmaps_each_finished_unit_as_it_leaves_the_window(
     retired.append((len(arrays), before - source.buffer_bytes))
 
   monkeypatch.setattr(engine, "retire_finished", logged)
-  policy = jr.DenseDiskStream(
-    jr.DenseDiskStreamLoadOptions(
-      device_budget_bytes=2**30,
-      host_budget_bytes=host_units * UNIT,
-      host_lookahead=min(2, host_units),
-      background_queue_capacity=2 if host_units else 0,
-    )
-  )
+  policy = _stream(host_units)
   with jr.place(model, policy, store=store, mesh=MESH1) as placed:
     for _ in range(2):
       retired.clear()
@@ -302,9 +298,7 @@ def test_direct_loading_from_disk_asks_for_the_unit_after_next(
     return nbytes
 
   monkeypatch.setattr(st.UnitStore, "advise_unit", advise)
-  policy = jr.DenseDiskStream(
-    jr.DenseDiskStreamLoadOptions(device_budget_bytes=2**30, host_budget_bytes=0)
-  )
+  policy = _stream(0)
   expected = model(tokens)
   with jr.place(model, policy, store=copy, mesh=MESH1) as placed:
     drop_pages(copy)

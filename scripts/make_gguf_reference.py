@@ -26,18 +26,18 @@ The two fixtures (hidden 256 and intermediate 256, so K-quant rows are whole
   (``tokenizer.ggml.model = "gpt2"``, ``pre = "llama-bpe"``: Llama 3's split
   regex) of about 300 tokens trained with ``tokenizers`` on ``TEXT``, with
   merges and three control tokens, BOS added. Types: token_embd Q8_0, output
-  Q6_K, attn_q Q4_K, attn_k Q6_K, attn_v Q8_0, attn_output Q4_0, ffn_gate Q4_1,
+  Q6_K, attn_q Q4_K, attn_k Q5_K, attn_v Q5_0, attn_output Q4_0, ffn_gate Q4_1,
   ffn_up F16, ffn_down BF16, norms F32.
 * ``gguf_tiny_tied``: no ``output.weight`` (the head is the embedding); a
   SentencePiece-style tokenizer (``tokenizer.ggml.model = "llama"``: ``<unk>``,
   ``<s>``, ``</s>``, the 256 byte tokens ``<0x00>``.. ``<0xFF>``, then pieces
   with scores and no merges, so the merges are derived from the scores), a
   user-defined token. Types: token_embd Q4_K, attn_q Q4_0, attn_k Q8_0, attn_v
-  Q4_1, attn_output BF16, ffn_gate Q6_K, ffn_up Q4_K, ffn_down F32, norms F16;
+  Q4_1, attn_output BF16, ffn_gate Q6_K, ffn_up Q5_1, ffn_down F32, norms F16;
   rope_theta 500000 and ``attention.key_length`` written.
 
-F16, BF16, Q8_0, Q4_0 and Q4_1 tensors are seeded normal weights quantized with
-``gguf.quants.quantize``; gguf-py cannot quantize Q4_K and Q6_K, so those are
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 tensors are seeded normal weights quantized
+with ``gguf.quants.quantize``; gguf-py cannot quantize Q4_K, Q5_K and Q6_K, so those are
 seeded random blocks whose float16 scales are set (finite, positive, scaled so
 the decoded weights have the standard deviation asked for). RMSNorm weights are
 drawn from U(0.5, 1.5), and the final norm's are multiplied by ``logit_scale``
@@ -125,8 +125,8 @@ CONFIGS = {
       token_embd=Q.Q8_0,
       output=Q.Q6_K,
       attn_q=Q.Q4_K,
-      attn_k=Q.Q6_K,
-      attn_v=Q.Q8_0,
+      attn_k=Q.Q5_K,
+      attn_v=Q.Q5_0,
       attn_output=Q.Q4_0,
       ffn_gate=Q.Q4_1,
       ffn_up=Q.F16,
@@ -151,7 +151,7 @@ CONFIGS = {
       attn_v=Q.Q4_1,
       attn_output=Q.BF16,
       ffn_gate=Q.Q6_K,
-      ffn_up=Q.Q4_K,
+      ffn_up=Q.Q5_1,
       ffn_down=Q.F32,
       norm=Q.F16,
     ),
@@ -210,15 +210,17 @@ def sentencepiece_vocab() -> dict:
 
 
 def k_quant_blocks(rng, qtype: Q, rows: int, cols: int, std: float) -> np.ndarray:
-  """Random ``qtype`` (Q4_K / Q6_K) rows whose decoded values have standard deviation ``std``."""
+  """Random ``qtype`` (Q4_K / Q5_K / Q6_K) rows, their decoded values of standard
+  deviation ``std``."""
   block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
   raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
 
   def set_scales(scale: float) -> None:
     shape = raw.shape[:-1]
     d = (scale * rng.uniform(0.5, 1.5, shape)).astype(np.float16)
-    if qtype == Q.Q4_K:  # d and dmin lead the block; dmin ~ 7.5 d centres (c * sc - mn)
-      dmin = (scale * 7.5 * rng.uniform(0.5, 1.5, shape)).astype(np.float16)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d and dmin lead the block; dmin ~ (the mean code) d
+      centre = 7.5 if qtype == Q.Q4_K else 15.5  # centres (c * sc - mn)
+      dmin = (scale * centre * rng.uniform(0.5, 1.5, shape)).astype(np.float16)
       raw[..., 0:2] = d[..., None].view(np.uint8)
       raw[..., 2:4] = dmin[..., None].view(np.uint8)
     else:  # Q6_K: d closes the block
@@ -236,7 +238,7 @@ def k_quant_blocks(rng, qtype: Q, rows: int, cols: int, std: float) -> np.ndarra
 
 def tensor_data(rng, qtype: Q, shape: tuple[int, ...], std: float) -> np.ndarray:
   """Weights of numpy ``shape`` (rows, cols) in ``qtype``, as GGUFWriter takes them."""
-  if qtype in (Q.Q4_K, Q.Q6_K):
+  if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
     return k_quant_blocks(rng, qtype, shape[0], shape[1], std)
   values = (rng.standard_normal(shape) * std).astype(np.float32)
   return gguf.quants.quantize(values, qtype)

@@ -35,12 +35,15 @@ SCALE_FIELDS: dict[str, tuple[int, ...]] = {
   "Q8_0": (0,),
   "Q4_0": (0,),
   "Q4_1": (0, 2),
+  "Q5_0": (0,),
+  "Q5_1": (0, 2),
   "Q4_K": (0, 2),
+  "Q5_K": (0, 2),
   "Q6_K": (208,),
 }
 
 #: The types gguf's Python package can quantize to.
-QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 _jit_decode = jax.jit(decode, static_argnums=1)
 
@@ -139,8 +142,8 @@ def test_decoding_compiles_once_per_shape():
 @pytest.mark.parametrize(
   ("value", "fragment"),
   [
-    ("Q5_K", "GGML type 'Q5_K' is not supported"),
-    (6, "GGML type 6 is not supported"),  # Q5_0
+    ("Q3_K", "GGML type 'Q3_K' is not supported"),
+    (10, "GGML type 10 is not supported"),  # Q2_K
     (99, "GGML type 99 is not supported"),
     (True, "GGML type True is not supported"),
     (None, "GGML type None is not supported"),

@@ -6,14 +6,15 @@ random Llama GGUF file each, with ``reference.json``) were written by
 (``from_pretrained(dir, gguf_file=...)``, float32, eager attention): logits of a
 prompt, 8 greedy tokens and the tokenizer's ids of 20 strings. Together their
 tensors cover every GGML type the library decodes (F32, F16, BF16, Q8_0, Q4_0,
-Q4_1, Q4_K, Q6_K), a tied and an untied head, and both tokenizer models
+Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; checked below), a tied and an untied head,
+and both tokenizer models
 (byte-level BPE, ``gpt2``; SentencePiece-style, ``llama``). The tests need
 neither torch nor transformers, only ``gguf`` (the test extra).
 
 Each converted store is placed under FullyResident, LayerwiseHost and
 DenseDiskStream(host_budget_bytes=0). Logits are held to `MAX_ABS_DIFF`, an
-absolute bound (max |logit| is 3.8 and 4.9; transformers' own float32 logits are
-2.2e-6 and 9.5e-6 from its float64 ones). Measured: 3.6e-6 untied, 1.3e-5 tied.
+absolute bound (max |logit| is 3.1 and 4.8; transformers' own float32 logits are
+3.4e-6 and 1.4e-5 from its float64 ones). Measured: 3.3e-6 untied, 1.3e-5 tied.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jax_residency import models
 from jax_residency._src.cli import main as cli
 from jax_residency._src.models import gguf_convert
 from jax_residency._src.models.gguf_convert import permute_rows, unpermute_rows
+from jax_residency._src.quant import ggml
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -87,6 +89,12 @@ def test_logits_and_greedy_tokens_match_transformers(name, policy, stores):
   want = np.asarray(ref["logits"], np.float32)
   assert float(np.abs(logits - want).max()) <= MAX_ABS_DIFF
   np.testing.assert_array_equal(np.asarray(tokens)[0], ref["greedy"])
+
+
+def test_the_fixtures_hold_every_supported_type():
+  """So the comparison with transformers above reaches every type the converter keeps."""
+  used = {t for name in NAMES for t in reference(name)["tensor_types"].values()}
+  assert used == {t.name for t in ggml.GGML_TYPES}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -231,8 +239,8 @@ def test_bad_files_are_refused_by_name_and_nothing_is_written(tmp_path):
   magic = tmp_path / "magic.gguf"
   magic.write_bytes(b"GGML" + whole[4:])
   _refuses(magic, out, jr.StoreError, "not a GGUF file", "b'GGML'")
-  q5 = write_small_gguf(tmp_path / "q5.gguf", types={"blk.1.attn_v.weight": Q.Q5_0})
-  _refuses(q5, out, jr.errors.ModelConfigError, "blk.1.attn_v.weight: Q5_0", "Q4_K")
+  mx = write_small_gguf(tmp_path / "mxfp4.gguf", types={"blk.1.attn_v.weight": Q.MXFP4})
+  _refuses(mx, out, jr.errors.ModelConfigError, "blk.1.attn_v.weight: MXFP4", "Q5_K")
   mixed = {"blk.1.ffn_down.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_0}
   mixed_file = write_small_gguf(tmp_path / "mixed.gguf", types=mixed)
   _refuses(

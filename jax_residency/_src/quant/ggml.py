@@ -24,6 +24,10 @@ Every multi-byte field is little-endian; "half" below is an IEEE float16 scale.
   (``sc``) and ``k`` (``mn``). The codes come in four runs of 32 bytes: run
   ``r`` holds sub-block ``2r`` in its low nibbles and ``2r + 1`` in its high
   ones. A code ``c`` means ``(d * sc) * c - dmin * mn``.
+* ``Q5_K`` (256 values, 176 bytes): ``Q4_K``'s halves and 12 scale bytes, then 32
+  bytes ``qh`` of fifth bits, then ``Q4_K``'s 128 code bytes. Value ``l`` of
+  sub-block ``k`` takes its low four bits as in ``Q4_K`` and its top bit from bit
+  ``k`` of ``qh[l]``; a code ``c`` in ``[0, 31]`` means ``(d * sc) * c - dmin * mn``.
 * ``Q6_K`` (256 values, 210 bytes): 128 bytes of low nibbles ``ql``, 64 bytes of
   high bit pairs ``qh``, 16 signed byte scales ``sc`` (one per 16 values), then a
   half ``d``. Each half-block of 128 values uses 64 bytes of ``ql`` and 32 of
@@ -37,7 +41,7 @@ operation by operation, in float32. Every product there is exact in float32: a
 half has at most 11 significant bits and the integers it is multiplied by (a
 sub-block scale times a code) at most 12 together, within float32's 24, and no
 product leaves float32's normal range. So each decoded value has at most one
-rounding, in the final add or subtract (Q4_1, Q4_K), and the result is
+rounding, in the final add or subtract (Q4_1, Q5_1, Q4_K, Q5_K), and the result is
 bit-identical to llama.cpp's whether or not XLA reorders the products or contracts
 a multiply and an add into an FMA.
 """
@@ -86,8 +90,11 @@ GGML_TYPES: tuple[GgmlType, ...] = (
   GgmlType(name="F16", type_id=1, block_size=1, block_bytes=2),
   GgmlType(name="Q4_0", type_id=2, block_size=32, block_bytes=18),
   GgmlType(name="Q4_1", type_id=3, block_size=32, block_bytes=20),
+  GgmlType(name="Q5_0", type_id=6, block_size=32, block_bytes=22),
+  GgmlType(name="Q5_1", type_id=7, block_size=32, block_bytes=24),
   GgmlType(name="Q8_0", type_id=8, block_size=32, block_bytes=34),
   GgmlType(name="Q4_K", type_id=12, block_size=QK_K, block_bytes=144),
+  GgmlType(name="Q5_K", type_id=13, block_size=QK_K, block_bytes=176),
   GgmlType(name="Q6_K", type_id=14, block_size=QK_K, block_bytes=210),
   GgmlType(name="BF16", type_id=30, block_size=1, block_bytes=2),
 )
@@ -149,8 +156,8 @@ def decode(
   Traceable under `jax.jit`; the bytes are reinterpreted with
   `jax.lax.bitcast_convert_type`, so decoding runs where ``raw`` lives. Computed
   in float32 and then cast to ``dtype``. The order of operations is the C
-  reference's: ``q * d`` (Q8_0, Q4_0), ``q * d + m`` (Q4_1), ``(d * sc) * q -
-  dmin * mn`` (Q4_K) and ``(d * sc) * q`` (Q6_K). XLA may contract the Q4_1 and
+  reference's: ``q * d`` (Q8_0, Q4_0, Q5_0), ``q * d + m`` (Q4_1, Q5_1), ``(d *
+  sc) * q - dmin * mn`` (Q4_K, Q5_K) and ``(d * sc) * q`` (Q6_K). XLA may contract the Q4_1 and
   Q4_K multiply-adds into FMAs; since their products are exact in float32, the
   results are the same bits either way (see the module docstring).
 
@@ -248,6 +255,26 @@ def _q4_1(blocks: jax.Array) -> jax.Array:
   return q * d + m
 
 
+def _fifth_bits(qh: jax.Array) -> jax.Array:
+  """Bit ``i`` of the little-endian 32-bit word in ``qh`` (last axis, 4 bytes) at
+  position 4 of value ``i``, for ``i`` in 0..31: the top bits of a Q5_0/Q5_1 block."""
+  bits = _uint(qh, jnp.uint32)[..., None] >> jnp.arange(32, dtype=jnp.uint32)
+  return ((bits & 1) << 4).astype(jnp.int32)
+
+
+def _q5_0(blocks: jax.Array) -> jax.Array:
+  d = _half(blocks[..., 0:2])[..., None]
+  q = (_nibbles(blocks[..., 6:22]) | _fifth_bits(blocks[..., 2:6])) - 16
+  return q.astype(jnp.float32) * d
+
+
+def _q5_1(blocks: jax.Array) -> jax.Array:
+  d = _half(blocks[..., 0:2])[..., None]
+  m = _half(blocks[..., 2:4])[..., None]
+  q = (_nibbles(blocks[..., 8:24]) | _fifth_bits(blocks[..., 4:8])).astype(jnp.float32)
+  return q * d + m
+
+
 def _q4_k_scales(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The 8 six-bit scales and minimums of a Q4_K block from its 12 scale bytes."""
   a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
@@ -256,13 +283,32 @@ def _q4_k_scales(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
   return sc.astype(jnp.float32), mn.astype(jnp.float32)
 
 
+def _k_codes(runs: jax.Array) -> jax.Array:
+  """The 4-bit codes of a Q4_K/Q5_K block's 128 code bytes, as ``(..., 8, 32)`` int32:
+  run ``r`` holds sub-block ``2r`` in its low nibbles and ``2r + 1`` in its high ones."""
+  runs = runs.reshape(*runs.shape[:-1], 4, 32)
+  q = jnp.stack([runs & 0xF, runs >> 4], axis=-2)  # (..., run, nibble, 32)
+  return q.reshape(*runs.shape[:-2], 8, 32).astype(jnp.int32)
+
+
 def _q4_k(blocks: jax.Array) -> jax.Array:
+  return _k_decode(blocks, _k_codes(blocks[..., 16:144]))
+
+
+def _q5_k(blocks: jax.Array) -> jax.Array:
+  # Bit k of qh[l] is the top bit of value l of sub-block k.
+  qh = blocks[..., 16:48][..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]
+  top = ((qh & 1) << 4).astype(jnp.int32)  # (..., 8, 32)
+  return _k_decode(blocks, _k_codes(blocks[..., 48:176]) | top)
+
+
+def _k_decode(blocks: jax.Array, codes: jax.Array) -> jax.Array:
+  """``(d * sc) * c - dmin * mn`` for the ``(..., 8, 32)`` codes of Q4_K/Q5_K blocks,
+  whose first 16 bytes are ``d``, ``dmin`` and the packed scales."""
   d = _half(blocks[..., 0:2])[..., None]
   dmin = _half(blocks[..., 2:4])[..., None]
   sc, mn = _q4_k_scales(blocks[..., 4:16])
-  runs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)
-  q = jnp.stack([runs & 0xF, runs >> 4], axis=-2)  # (..., run, nibble, 32)
-  q = q.reshape(*blocks.shape[:-1], 8, 32).astype(jnp.float32)
+  q = codes.astype(jnp.float32)
   scale = (d * sc)[..., None]
   low = (dmin * mn)[..., None]
   return (scale * q - low).reshape(*blocks.shape[:-1], QK_K)
@@ -290,6 +336,9 @@ _DECODERS: dict[str, Callable[[jax.Array], jax.Array]] = {
   "Q8_0": _q8_0,
   "Q4_0": _q4_0,
   "Q4_1": _q4_1,
+  "Q5_0": _q5_0,
+  "Q5_1": _q5_1,
   "Q4_K": _q4_k,
+  "Q5_K": _q5_k,
   "Q6_K": _q6_k,
 }

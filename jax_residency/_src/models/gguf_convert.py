@@ -431,10 +431,9 @@ def convert_gguf(
 
   Each matrix is stored as the file's rows of blocks and decoded in the step that
   uses it (`quant.ggml`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-  Q6_K); a layer
-  stack is read and written one unit at a time. The store carries a Hugging Face
-  ``config.json`` derived from the metadata, so ``models.load(store)`` gives the
-  model, and a ``tokenizer.json`` when the file describes its tokenizer.
+  Q6_K); a layer stack is read and written one unit at a time. The store carries a
+  Hugging Face ``config.json`` derived from the metadata, so ``models.load(store)``
+  gives the model, and a ``tokenizer.json`` when the file describes its tokenizer.
 
   Args:
     path: the ``.gguf`` file (one file; split files are not read).

@@ -157,9 +157,10 @@ def decode(
   `jax.lax.bitcast_convert_type`, so decoding runs where ``raw`` lives. Computed
   in float32 and then cast to ``dtype``. The order of operations is the C
   reference's: ``q * d`` (Q8_0, Q4_0, Q5_0), ``q * d + m`` (Q4_1, Q5_1), ``(d *
-  sc) * q - dmin * mn`` (Q4_K, Q5_K) and ``(d * sc) * q`` (Q6_K). XLA may contract the Q4_1 and
-  Q4_K multiply-adds into FMAs; since their products are exact in float32, the
-  results are the same bits either way (see the module docstring).
+  sc) * q - dmin * mn`` (Q4_K, Q5_K) and ``(d * sc) * q`` (Q6_K). XLA may contract
+  the multiply-adds of Q4_1, Q5_1, Q4_K and Q5_K into FMAs; since their products
+  are exact in float32, the results are the same bits either way (see the module
+  docstring).
 
   Args:
     raw: ``uint8``, shaped ``(..., rows, row_bytes)``: any leading axes (a stack

@@ -32,14 +32,14 @@ The two fixtures (hidden 256 and intermediate 256, so K-quant rows are whole
   SentencePiece-style tokenizer (``tokenizer.ggml.model = "llama"``: ``<unk>``,
   ``<s>``, ``</s>``, the 256 byte tokens ``<0x00>``.. ``<0xFF>``, then pieces
   with scores and no merges, so the merges are derived from the scores), a
-  user-defined token. Types: token_embd Q4_K, attn_q Q4_0, attn_k Q8_0, attn_v
+  user-defined token. Types: token_embd IQ4_XS, attn_q Q4_0, attn_k IQ4_NL, attn_v
   Q4_1, attn_output BF16, ffn_gate Q6_K, ffn_up Q5_1, ffn_down F32, norms F16;
   rope_theta 500000 and ``attention.key_length`` written.
 
 F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 tensors are seeded normal weights quantized
-with ``gguf.quants.quantize``; gguf-py cannot quantize Q4_K, Q5_K and Q6_K, so those are
-seeded random blocks whose float16 scales are set (finite, positive, scaled so
-the decoded weights have the standard deviation asked for). RMSNorm weights are
+with ``gguf.quants.quantize``; gguf-py cannot quantize Q4_K, Q5_K, Q6_K, IQ4_NL and
+IQ4_XS, so those are seeded random blocks whose float16 scales are set (finite,
+positive, scaled so the decoded weights have the standard deviation asked for). RMSNorm weights are
 drawn from U(0.5, 1.5), and the final norm's are multiplied by ``logit_scale``
 to keep the logits near 1-3 (see scripts/make_llama_reference.py for why).
 
@@ -145,9 +145,9 @@ CONFIGS = {
     logit_scale=0.125,
     key_length=True,
     types=dict(
-      token_embd=Q.Q4_K,
+      token_embd=Q.IQ4_XS,
       attn_q=Q.Q4_0,
-      attn_k=Q.Q8_0,
+      attn_k=Q.IQ4_NL,
       attn_v=Q.Q4_1,
       attn_output=Q.BF16,
       ffn_gate=Q.Q6_K,
@@ -209,9 +209,9 @@ def sentencepiece_vocab() -> dict:
 # --- weights ----------------------------------------------------------------------
 
 
-def k_quant_blocks(rng, qtype: Q, rows: int, cols: int, std: float) -> np.ndarray:
-  """Random ``qtype`` (Q4_K / Q5_K / Q6_K) rows, their decoded values of standard
-  deviation ``std``."""
+def random_blocks(rng, qtype: Q, rows: int, cols: int, std: float) -> np.ndarray:
+  """Random ``qtype`` (a type gguf-py cannot quantize: Q4_K, Q5_K, Q6_K, IQ4_NL,
+  IQ4_XS) rows, their decoded values of standard deviation ``std``."""
   block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
   raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
 
@@ -223,8 +223,10 @@ def k_quant_blocks(rng, qtype: Q, rows: int, cols: int, std: float) -> np.ndarra
       dmin = (scale * centre * rng.uniform(0.5, 1.5, shape)).astype(np.float16)
       raw[..., 0:2] = d[..., None].view(np.uint8)
       raw[..., 2:4] = dmin[..., None].view(np.uint8)
-    else:  # Q6_K: d closes the block
+    elif qtype == Q.Q6_K:  # d closes the block
       raw[..., 208:210] = d[..., None].view(np.uint8)
+    else:  # IQ4_NL, IQ4_XS: d leads the block
+      raw[..., 0:2] = d[..., None].view(np.uint8)
 
   set_scales(1e-3)
   got = gguf.quants.dequantize(raw.reshape(rows, -1), qtype).std()
@@ -236,10 +238,14 @@ def k_quant_blocks(rng, qtype: Q, rows: int, cols: int, std: float) -> np.ndarra
   return out
 
 
+#: The types written as random blocks (`random_blocks`): gguf-py cannot quantize them.
+RANDOM_BLOCK_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+
+
 def tensor_data(rng, qtype: Q, shape: tuple[int, ...], std: float) -> np.ndarray:
   """Weights of numpy ``shape`` (rows, cols) in ``qtype``, as GGUFWriter takes them."""
-  if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-    return k_quant_blocks(rng, qtype, shape[0], shape[1], std)
+  if qtype in RANDOM_BLOCK_TYPES:
+    return random_blocks(rng, qtype, shape[0], shape[1], std)
   values = (rng.standard_normal(shape) * std).astype(np.float32)
   return gguf.quants.quantize(values, qtype)
 

@@ -40,6 +40,8 @@ SCALE_FIELDS: dict[str, tuple[int, ...]] = {
   "Q4_K": (0, 2),
   "Q5_K": (0, 2),
   "Q6_K": (208,),
+  "IQ4_NL": (0,),
+  "IQ4_XS": (0,),
 }
 
 #: The types gguf's Python package can quantize to.

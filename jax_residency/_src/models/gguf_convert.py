@@ -431,7 +431,7 @@ def convert_gguf(
 
   Each matrix is stored as the file's rows of blocks and decoded in the step that
   uses it (`quant.ggml`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-  Q6_K); a layer stack is read and written one unit at a time. The store carries a
+  Q6_K, IQ4_NL, IQ4_XS); a layer stack is read and written one unit at a time. The store carries a
   Hugging Face ``config.json`` derived from the metadata, so ``models.load(store)``
   gives the model, and a ``tokenizer.json`` when the file describes its tokenizer.
 
@@ -465,7 +465,7 @@ def convert_gguf(
     >>> src = Path(jr.__file__).parents[1] / "tests" / "fixtures" / "gguf_tiny_tied" / "model.gguf"
     >>> info = convert_gguf(src, tempfile.mkdtemp() + "/store", progress=False)
     >>> info.quantization.tensors[0].encoding.ggml_type, [s.count for s in info.stacks]
-    ('Q4_K', [2])
+    ('IQ4_XS', [2])
   """
   f = _read(Path(path))
   hf = _hf_config(f)

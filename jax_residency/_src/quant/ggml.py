@@ -24,6 +24,14 @@ Every multi-byte field is little-endian; "half" below is an IEEE float16 scale.
   (``sc``) and ``k`` (``mn``). The codes come in four runs of 32 bytes: run
   ``r`` holds sub-block ``2r`` in its low nibbles and ``2r + 1`` in its high
   ones. A code ``c`` means ``(d * sc) * c - dmin * mn``.
+* ``IQ4_NL`` (32 values, 18 bytes): ``Q4_0``'s layout, but a code ``c`` means
+  ``d * K[c]``, ``K`` the 16 non-uniform levels `IQ4_LEVELS`.
+* ``IQ4_XS`` (256 values, 136 bytes): a half ``d``, a 16-bit word ``sh``, 4 bytes
+  ``sl``, then 128 code bytes. Sub-block ``k`` (32 values) has a 6-bit scale
+  ``ls``: its low 4 bits the low (``k`` even) or high nibble of ``sl[k // 2]``, its
+  top 2 bits bits ``2k`` and ``2k + 1`` of ``sh``; its values are the low, then the
+  high nibbles of code bytes ``16k`` to ``16k + 15``. A code ``c`` means
+  ``(d * (ls - 32)) * K[c]``.
 * ``Q5_K`` (256 values, 176 bytes): ``Q4_K``'s halves and 12 scale bytes, then 32
   bytes ``qh`` of fifth bits, then ``Q4_K``'s 128 code bytes. Value ``l`` of
   sub-block ``k`` takes its low four bits as in ``Q4_K`` and its top bit from bit
@@ -39,8 +47,8 @@ Every multi-byte field is little-endian; "half" below is an IEEE float16 scale.
 The arithmetic follows llama.cpp's reference dequantization (``ggml-quants.c``),
 operation by operation, in float32. Every product there is exact in float32: a
 half has at most 11 significant bits and the integers it is multiplied by (a
-sub-block scale times a code) at most 12 together, within float32's 24, and no
-product leaves float32's normal range. So each decoded value has at most one
+sub-block scale times a code, or an IQ4 level) at most 12 together, within
+float32's 24, and no product leaves float32's normal range. So each decoded value has at most one
 rounding, in the final add or subtract (Q4_1, Q5_1, Q4_K, Q5_K), and the result is
 bit-identical to llama.cpp's whether or not XLA reorders the products or contracts
 a multiply and an add into an FMA.
@@ -61,6 +69,9 @@ from jax_residency._src.errors import InvalidPolicyValueError
 
 #: Values per block of the K-quants.
 QK_K = 256
+
+#: The 16 levels an IQ4_NL or IQ4_XS code picks (llama.cpp's ``kvalues_iq4nl``).
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,6 +107,8 @@ GGML_TYPES: tuple[GgmlType, ...] = (
   GgmlType(name="Q4_K", type_id=12, block_size=QK_K, block_bytes=144),
   GgmlType(name="Q5_K", type_id=13, block_size=QK_K, block_bytes=176),
   GgmlType(name="Q6_K", type_id=14, block_size=QK_K, block_bytes=210),
+  GgmlType(name="IQ4_NL", type_id=20, block_size=32, block_bytes=18),
+  GgmlType(name="IQ4_XS", type_id=23, block_size=QK_K, block_bytes=136),
   GgmlType(name="BF16", type_id=30, block_size=1, block_bytes=2),
 )
 _BY_NAME = {t.name: t for t in GGML_TYPES}
@@ -157,7 +170,8 @@ def decode(
   `jax.lax.bitcast_convert_type`, so decoding runs where ``raw`` lives. Computed
   in float32 and then cast to ``dtype``. The order of operations is the C
   reference's: ``q * d`` (Q8_0, Q4_0, Q5_0), ``q * d + m`` (Q4_1, Q5_1), ``(d *
-  sc) * q - dmin * mn`` (Q4_K, Q5_K) and ``(d * sc) * q`` (Q6_K). XLA may contract
+  sc) * q - dmin * mn`` (Q4_K, Q5_K), ``(d * sc) * q`` (Q6_K), ``d * K[q]``
+  (IQ4_NL) and ``(d * (ls - 32)) * K[q]`` (IQ4_XS). XLA may contract
   the multiply-adds of Q4_1, Q5_1, Q4_K and Q5_K into FMAs; since their products
   are exact in float32, the results are the same bits either way (see the module
   docstring).
@@ -276,6 +290,31 @@ def _q5_1(blocks: jax.Array) -> jax.Array:
   return q * d + m
 
 
+def _levels(codes: jax.Array) -> jax.Array:
+  """float32 `IQ4_LEVELS` picked by 4-bit ``codes`` (an elementwise select: no gather)."""
+  cases = [jnp.full(codes.shape, v, jnp.float32) for v in IQ4_LEVELS]
+  return jax.lax.select_n(codes, *cases)
+
+
+def _iq4_nl(blocks: jax.Array) -> jax.Array:
+  d = _half(blocks[..., 0:2])[..., None]
+  return d * _levels(_nibbles(blocks[..., 2:18]))
+
+
+def _iq4_xs(blocks: jax.Array) -> jax.Array:
+  lead = blocks.shape[:-1]
+  d = _half(blocks[..., 0:2])[..., None]
+  k = jnp.arange(8, dtype=jnp.uint32)
+  high = (_uint(blocks[..., 2:4], jnp.uint32)[..., None] >> (2 * k)) & 3  # (..., 8)
+  low = _nibbles(blocks[..., 4:8])  # (..., 8): low nibbles of sl, then high ones
+  low = low.reshape(*lead, 2, 4).swapaxes(-1, -2).reshape(*lead, 8)  # sub-block order
+  ls = (low | (high.astype(jnp.int32) << 4)) - 32
+  dl = (d * ls.astype(jnp.float32))[..., None]  # (..., 8, 1)
+  runs = blocks[..., 8:136].reshape(*lead, 8, 16)
+  codes = jnp.concatenate([runs & 0xF, runs >> 4], axis=-1).astype(jnp.int32)  # (..., 8, 32)
+  return (dl * _levels(codes)).reshape(*lead, QK_K)
+
+
 def _q4_k_scales(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The 8 six-bit scales and minimums of a Q4_K block from its 12 scale bytes."""
   a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
@@ -342,4 +381,6 @@ _DECODERS: dict[str, Callable[[jax.Array], jax.Array]] = {
   "Q4_K": _q4_k,
   "Q5_K": _q5_k,
   "Q6_K": _q6_k,
+  "IQ4_NL": _iq4_nl,
+  "IQ4_XS": _iq4_xs,
 }

@@ -48,10 +48,10 @@ The arithmetic follows llama.cpp's reference dequantization (``ggml-quants.c``),
 operation by operation, in float32. Every product there is exact in float32: a
 half has at most 11 significant bits and the integers it is multiplied by (a
 sub-block scale times a code, or an IQ4 level) at most 12 together, within
-float32's 24, and no product leaves float32's normal range. So each decoded value has at most one
-rounding, in the final add or subtract (Q4_1, Q5_1, Q4_K, Q5_K), and the result is
-bit-identical to llama.cpp's whether or not XLA reorders the products or contracts
-a multiply and an add into an FMA.
+float32's 24, and no product leaves float32's normal range. So each decoded value
+has at most one rounding, in the final add or subtract (Q4_1, Q5_1, Q4_K, Q5_K),
+and the result is bit-identical to llama.cpp's whether or not XLA reorders the
+products or contracts a multiply and an add into an FMA.
 """
 
 from __future__ import annotations

@@ -79,16 +79,22 @@ def stores(converted) -> dict[str, str]:
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("name", NAMES)
-def test_logits_and_greedy_tokens_match_transformers(name, policy, stores):
+def test_logits_and_greedy_tokens_match_transformers(name, policy, stores, converted):
   ref = reference(name)
   model = models.load(stores[name])
   ids = jnp.asarray([ref["input_ids"]], jnp.int32)
   with jr.place(model, POLICIES[policy](), store=stores[name]) as placed:
     logits = np.asarray(placed(ids))[0]
     tokens = models.generate_llm(placed, ids, ref["max_new_tokens"], config=model.config)
+    decode_temps = placed.report().decode.step_temp_bytes
   want = np.asarray(ref["logits"], np.float32)
   assert float(np.abs(logits - want).max()) <= MAX_ABS_DIFF
   np.testing.assert_array_equal(np.asarray(tokens)[0], ref["greedy"])
+  if policy == "dense_direct":  # one-token steps decode every type inside its product:
+    # their temporaries hold less than the smallest of the unit's matrices decoded
+    unit = [t for t in converted[name][1].quantization.tensors if t.path[0] == "layers"]
+    smallest = min(4 * int(np.prod(t.shape[-2:])) for t in unit)
+    assert 0 < decode_temps < smallest, (decode_temps, smallest)
 
 
 def test_the_fixtures_hold_every_supported_type():

@@ -26,15 +26,18 @@ The two fixtures (hidden 256 and intermediate 256, so K-quant rows are whole
   (``tokenizer.ggml.model = "gpt2"``, ``pre = "llama-bpe"``: Llama 3's split
   regex) of about 300 tokens trained with ``tokenizers`` on ``TEXT``, with
   merges and three control tokens, BOS added. Types: token_embd Q8_0, output
-  Q6_K, attn_q Q4_K, attn_k Q5_K, attn_v Q5_0, attn_output Q4_0, ffn_gate Q4_1,
-  ffn_up F16, ffn_down BF16, norms F32.
+  Q6_K, attn_q Q4_K, attn_k Q5_K, attn_v Q5_0 in layer 0 and Q6_K in layer 1,
+  attn_output Q4_0, ffn_gate Q4_1, ffn_up F16, ffn_down Q6_K then Q4_K (a tensor
+  name with two types across layers, as llama.cpp's Q4_K_M writes attn_v and
+  ffn_down), norms F32.
 * ``gguf_tiny_tied``: no ``output.weight`` (the head is the embedding); a
   SentencePiece-style tokenizer (``tokenizer.ggml.model = "llama"``: ``<unk>``,
   ``<s>``, ``</s>``, the 256 byte tokens ``<0x00>``.. ``<0xFF>``, then pieces
   with scores and no merges, so the merges are derived from the scores), a
-  user-defined token. Types: token_embd IQ4_XS, attn_q Q4_0, attn_k IQ4_NL, attn_v
-  Q4_1, attn_output BF16, ffn_gate Q6_K, ffn_up Q5_1, ffn_down F32, norms F16;
-  rope_theta 500000 and ``attention.key_length`` written.
+  user-defined token. Types: token_embd IQ4_XS, attn_q Q4_0, attn_k IQ4_NL then
+  Q5_K (mixed rows un-permuted), attn_v Q4_1, attn_output BF16, ffn_gate Q6_K,
+  ffn_up Q5_1, ffn_down F32, norms F16; rope_theta 500000 and
+  ``attention.key_length`` written.
 
 F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 tensors are seeded normal weights quantized
 with ``gguf.quants.quantize``; gguf-py cannot quantize Q4_K, Q5_K, Q6_K, IQ4_NL and
@@ -126,11 +129,11 @@ CONFIGS = {
       output=Q.Q6_K,
       attn_q=Q.Q4_K,
       attn_k=Q.Q5_K,
-      attn_v=Q.Q5_0,
+      attn_v=(Q.Q5_0, Q.Q6_K),  # a type per layer
       attn_output=Q.Q4_0,
       ffn_gate=Q.Q4_1,
       ffn_up=Q.F16,
-      ffn_down=Q.BF16,
+      ffn_down=(Q.Q6_K, Q.Q4_K),
       norm=Q.F32,
     ),
   ),
@@ -147,7 +150,7 @@ CONFIGS = {
     types=dict(
       token_embd=Q.IQ4_XS,
       attn_q=Q.Q4_0,
-      attn_k=Q.IQ4_NL,
+      attn_k=(Q.IQ4_NL, Q.Q5_K),
       attn_v=Q.Q4_1,
       attn_output=Q.BF16,
       ffn_gate=Q.Q6_K,
@@ -329,7 +332,8 @@ def write_gguf(name: str, path: Path) -> dict:
   for i in range(SIZES["layers"]):
     put(f"blk.{i}.attn_norm.weight", norm_data(rng, types["norm"], h), types["norm"])
     for role in TENSOR_ROLES:
-      put(f"blk.{i}.{role}.weight", tensor_data(rng, types[role], shapes[role], std), types[role])
+      qtype = types[role][i] if isinstance(types[role], tuple) else types[role]
+      put(f"blk.{i}.{role}.weight", tensor_data(rng, qtype, shapes[role], std), qtype)
     put(f"blk.{i}.ffn_norm.weight", norm_data(rng, types["norm"], h), types["norm"])
   final = norm_data(rng, types["norm"], h, spec["logit_scale"])
   put("output_norm.weight", final, types["norm"])

@@ -3,8 +3,9 @@
 Every supported type decodes random blocks, and blocks that gguf's own quantizer
 wrote, to the same float32 bits as ``gguf.quants.dequantize`` (which follows
 llama.cpp's ``dequantize_row_*``): equality is exact, not within a tolerance,
-eagerly and under `jax.jit`. Bad types and bad row lengths raise typed errors
-that name the value.
+eagerly and under `jax.jit`; so does every row of a mixed tensor (rows of several
+types, as llama.cpp's Q4_K_M writes a layer stack), whole or by ranges of inputs.
+Bad types and bad row lengths raise typed errors that name the value.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 from jax_residency._src.errors import InvalidPolicyValueError  # noqa: E402
+from jax_residency._src.quant.encoding import MATVEC_CHUNK, Encoding  # noqa: E402
 from jax_residency._src.quant.ggml import (  # noqa: E402
   GGML_TYPES,
   GgmlType,
@@ -26,6 +28,12 @@ from jax_residency._src.quant.ggml import (  # noqa: E402
   ggml_type,
   row_bytes,
 )
+from jax_residency._src.quant.ggml_mixed import (  # noqa: E402
+  decode_mixed,
+  mixed_inputs,
+  mixed_row_bytes,
+)
+from jax_residency._src.quant.schemes import Quantization  # noqa: E402
 
 NAMES = [t.name for t in GGML_TYPES]
 
@@ -136,6 +144,89 @@ def test_decoding_compiles_once_per_shape():
   for seed in range(3):
     step(jnp.asarray(random_rows(t, 2, 1, blocks=1, seed=seed))).block_until_ready()
   assert len(traces) == 1
+
+
+# --- mixed tensors --------------------------------------------------------------------
+
+#: Mixes: llama.cpp's Q4_K_M and Q5_K_M pairs, a 32-value type beside a K-quant (its
+#: fallback for rows that are not whole 256-value blocks), float types, three at once.
+MIXES = [
+  ("Q4_K", "Q6_K"),
+  ("Q5_K", "Q6_K"),
+  ("Q5_0", "Q6_K"),
+  ("IQ4_NL", "IQ4_XS"),
+  ("F32", "Q8_0"),
+  ("BF16", "Q4_K", "Q4_1"),
+]
+
+
+def mixed_rows(types: tuple[str, ...], which: np.ndarray, n: int, seed: int):
+  """A mixed tensor's raw rows (row ``r`` of type ``types[which[r]]``, padded, then
+  its type byte) and gguf's values of each row's own blocks."""
+  raw = np.zeros((*which.shape, mixed_row_bytes(types, n)), np.uint8)
+  want = np.zeros((*which.shape, n), np.float32)
+  for k, name in enumerate(types):
+    t = ggml_type(name)
+    rows = random_rows(t, *which.shape, blocks=n // t.block_size, seed=seed + k)
+    with np.errstate(all="ignore"):  # F32/BF16 bytes may be inf or nan
+      values = gguf_dequantize(rows, GGMLQuantizationType[name])
+    mine = which == k
+    raw[mine, : rows.shape[-1]] = rows[mine]
+    raw[mine, -1] = k
+    want[mine] = values[mine]
+  return raw, want
+
+
+@pytest.mark.parametrize("types", MIXES, ids="+".join)
+def test_mixed_rows_decode_to_each_types_bits_whole_and_by_range(types):
+  n = 512
+  which = np.random.default_rng(3).integers(0, len(types), (2, 5))  # layers of rows
+  which[0, :] = 0  # a layer of one type, as llama.cpp's files have
+  which[1, : len(types)] = np.arange(len(types))  # and every type in one layer
+  raw, want = mixed_rows(types, which, n, seed=len(types))
+  assert mixed_inputs(types, raw.shape[-1]) == n
+  assert_same_bits(decode_mixed(raw, types), want)
+  jitted = jax.jit(decode_mixed, static_argnums=1, static_argnames=("start", "stop"))
+  assert_same_bits(jitted(jnp.asarray(raw), types), want)
+  assert_same_bits(decode_mixed(raw, types, start=256, stop=512), want[..., 256:])
+  assert_same_bits(decode_mixed(raw[1, 2], types), want[1, 2])  # one row
+
+
+def test_a_mixed_kernel_decodes_by_blocks_of_inputs_as_whole():
+  """A kernel of more than `MATVEC_CHUNK` inputs is decoded a block of inputs at a time
+  (each type from its own bytes of the block), to the same bits as at once."""
+  types = ("Q4_K", "Q6_K")
+  n_in, n_out = 3 * MATVEC_CHUNK, 4
+  which = np.array([[0] * n_out, [1] * n_out])  # per layer, as a Q4_K_M ffn_down
+  raw, want = mixed_rows(types, which, n_in, seed=9)
+  enc = Encoding(Quantization.of({"scheme": "gguf"}), -2, "float32", "Q4_K+Q6_K", True)
+  assert enc.ggml_types == types
+  ((shape, _),) = enc.part_shapes((2, n_in, n_out))
+  assert shape == raw.shape == (2, n_out, row_bytes("Q6_K", n_in) + 1)
+  assert_same_bits(jax.jit(enc.decode)((jnp.asarray(raw),)), want.swapaxes(-1, -2))
+  assert Encoding.from_dict(enc.to_dict()) == enc
+  with pytest.raises(InvalidPolicyValueError, match="GGML type 'Q3_K' is not supported"):
+    Encoding.from_dict({**enc.to_dict(), "ggml_type": "Q4_K+Q3_K"})
+
+
+@pytest.mark.parametrize(
+  ("call", "fragment"),
+  [
+    (lambda: decode_mixed(np.zeros((2, 35), np.uint8), ["Q8_0"]), "1 types"),
+    (lambda: decode_mixed(np.zeros((2, 35), np.int8), ["Q8_0", "Q4_0"]), "raw int8"),
+    (lambda: decode_mixed(np.zeros((2, 36), np.uint8), ["Q8_0", "Q4_0"]), "row_bytes=36"),
+    (lambda: mixed_inputs(["Q4_K", "Q8_0"], 34), "row_bytes=34 is not the length of a row"),
+    (
+      lambda: decode_mixed(np.zeros((1, 273), np.uint8), ["Q6_K", "Q8_0"], start=32),
+      "start=32, stop=256: a range of a Q6_K+Q8_0 row of 256 values",
+    ),
+    (lambda: mixed_row_bytes(["Q4_K", "Q8_0"], 96), "n=96: a row of Q4_K"),
+  ],
+)
+def test_bad_mixed_rows_raise(call, fragment):
+  with pytest.raises(InvalidPolicyValueError) as info:
+    call()
+  assert fragment in str(info.value)
 
 
 # --- bad input ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import jax_residency as jr
-from jax_residency._src.quant import fused, native
+from jax_residency._src.quant import fused, ggml, ggml_mixed, native
 from jax_residency._src.quant.encoding import Encoding
 from jax_residency._src.quant.schemes import Quantization
 from jax_residency.toy import ToyConfig, ToyTransformer
@@ -80,6 +80,68 @@ def test_shapes_the_kernels_do_not_take_are_refused():
   int8 = Encoding(Quantization.of("int8"), -2, "float32")
   parts = [jnp.asarray(p) for p in int8.encode(np.ones((40, 8), np.float32))]
   assert not native.supports("int8", parts, jnp.zeros(40, jnp.float32))  # 40 % 16 lanes
+
+
+def ggml_rows(types: tuple[str, ...], rows: int, n: int, seed: int) -> np.ndarray:
+  """Random rows of GGML blocks, row ``r`` of ``types[r % len(types)]`` (a mixed tensor's
+  layout where there are several: padded rows, then the type byte), their float16
+  scales finite, of both signs, down to subnormals."""
+  rng = np.random.default_rng(seed)
+  width = ggml_mixed.mixed_row_bytes(types, n) if len(types) > 1 else ggml.row_bytes(types[0], n)
+  raw = np.zeros((rows, width), np.uint8)
+  scales = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+  for r in range(rows):
+    k = r % len(types)
+    t = ggml.ggml_type(types[k])
+    blocks = rng.integers(0, 256, (n // t.block_size, t.block_bytes), dtype=np.uint8)
+    for at in scales.get(t.name, (0,)):
+      d = rng.choice([-1.0, 1.0], len(blocks)) * np.exp2(rng.uniform(-20, 2, len(blocks)))
+      blocks[:, at : at + 2] = d.astype(np.float16)[:, None].view(np.uint8)
+    raw[r, : blocks.size] = blocks.reshape(-1)
+    raw[r, -1] = k if len(types) > 1 else raw[r, -1]
+  return raw
+
+
+@pytest.mark.parametrize(
+  "types, shape",
+  [
+    *[((t,), (4352, 40)) for t in native.GGML_TYPES],  # over a decoded block of inputs
+    (("Q4_K", "Q6_K"), (2048, 48)),  # llama.cpp's Q4_K_M mix
+    (("Q4_0", "Q4_1", "Q8_0", "Q5_K"), (512, 64)),
+  ],
+  ids=lambda v: "+".join(v) if isinstance(v[0], str) else "x".join(map(str, v)),
+)
+def test_a_ggml_kernel_is_the_product_of_the_decoded_matrix(types, shape):
+  """The GGML kernel (``jr_ggml_matvec``) for a GGUF kernel (in, out) of each type it
+  takes, and of mixed stacks (each row by its own type), against float64 products of
+  the matrix `quant.ggml` decodes (llama.cpp's bits), within float32 rounding."""
+  n, rows = shape
+  raw = jnp.asarray(ggml_rows(types, rows, n, seed=len(types)))
+  enc = Encoding(Quantization.of({"scheme": "gguf"}), -2, "float32", "+".join(types), True)
+  w = np.asarray(jax.jit(enc.decode)((raw,)), np.float64)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal(n), jnp.float32)
+  scheme = f"ggml:{enc.ggml_type}"
+  assert native.supports(scheme, [raw], x)
+  got = np.asarray(jax.jit(lambda x, p: native.matvec(scheme, x, p))(x, [raw]))
+  want = np.asarray(x, np.float64) @ w
+  scale = np.abs(np.asarray(x, np.float64)) @ np.abs(w)
+  assert got.shape == want.shape == (rows,)
+  assert np.all(np.abs(got - want) <= 1e-6 * scale), np.max(np.abs(got - want) / scale)
+
+
+def test_ggml_rows_the_kernel_does_not_take_are_refused():
+  x = jnp.zeros(256, jnp.float32)
+  q4k = jnp.asarray(ggml_rows(("Q4_K",), 4, 256, seed=0))
+  assert native.supports("ggml:Q4_K", [q4k], x)
+  assert not native.supports("ggml:Q4_K", [q4k], jnp.zeros(512, jnp.float32))  # a width
+  assert not native.supports("ggml:Q4_K", [q4k[None]], x)  # a stack of units
+  assert not native.supports("ggml:Q6_K", [q4k], x)  # another type's rows
+  iq4 = jnp.zeros((4, ggml.row_bytes("IQ4_NL", 256)), jnp.uint8)
+  assert not native.supports("ggml:IQ4_NL", [iq4], x)  # a type without a kernel: XLA's
+  mixed = jnp.asarray(ggml_rows(("Q4_K", "Q6_K"), 4, 256, seed=0))
+  assert native.supports("ggml:Q4_K+Q6_K", [mixed], x)
+  assert not native.supports("ggml:Q4_K+Q6_K", [mixed[:, :-1]], x)  # no type byte
 
 
 def _custom_calls(hlo: str) -> list[str]:

@@ -197,3 +197,42 @@ def test_a_prefill_decodes_one_matrix_at_a_time_and_a_wide_one_in_slices(scheme,
   temp, out = temp_and_value()
   assert temp < decoded  # slices of a quarter of the outputs
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("types", [("Q4_K",), ("Q8_0",), ("Q4_K", "Q6_K")], ids="+".join)
+def test_a_wide_ggml_kernel_is_multiplied_block_by_block_each_block_fused(types):
+  """A GGUF tensor's decode (`quant.ggml`, one type or a mixed stack's several) is
+  followed like an int8 one: a one-token product over 4352 inputs is three products
+  (2048, 2048 and 256 inputs), each fused with its block's decode, and no float copy of
+  the matrix is written."""
+  from jax_residency._src.quant import fused, ggml
+  from jax_residency._src.quant.encoding import Encoding, QuantizedTensor, decode_tree
+  from jax_residency._src.quant.schemes import Quantization
+
+  n_in, n_out = 4352, 64
+  rng = np.random.default_rng(0)
+  raw = np.zeros((n_out, max(ggml.row_bytes(t, n_in) for t in types) + (len(types) > 1)), np.uint8)
+  for r in range(n_out):  # each row one type's random blocks, a finite float16 scale
+    k = r % len(types)
+    t = ggml.ggml_type(types[k])
+    blocks = rng.integers(0, 256, (n_in // t.block_size, t.block_bytes), dtype=np.uint8)
+    for at in {"Q6_K": (208,), "Q4_K": (0, 2)}.get(t.name, (0,)):  # d (and dmin)
+      blocks[:, at : at + 2] = np.full((len(blocks), 1), 0.01, np.float16).view(np.uint8)
+    raw[r, : ggml.row_bytes(t, n_in)] = blocks.reshape(-1)
+    raw[r, -1] = k if len(types) > 1 else raw[r, -1]
+  enc = Encoding(Quantization.of({"scheme": "gguf"}), -2, "float32", "+".join(types), True)
+  t = QuantizedTensor((jnp.asarray(raw),), enc)
+  x = jnp.asarray(rng.standard_normal((1, n_in)), jnp.float32)
+  run = jax.jit(lambda t, x: fused.fenced(lambda t, x: x @ decode_tree(t), t, x))
+  compiled = run.lower(t, x).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < 4 * 256 * n_out  # not one block
+  codes = re.compile(rf"= u8\[{n_out},{raw.shape[1]}\]\S* parameter\(")
+  fused_bodies = [
+    body
+    for name, body in _computations(compiled.as_text()).items()
+    if ("fused" in name or "wrapped" in name) and codes.search(body)
+  ]
+  assert len(fused_bodies) == 3 and all(" dot(" in body for body in fused_bodies)
+  w = jax.jit(enc.decode)(t.parts)
+  scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(w))  # the sum's size, term by term
+  assert (np.abs(np.asarray(compiled(t, x) - x @ w)) <= 1e-5 * scale).all()  # rounding

@@ -14,9 +14,10 @@ from the ``tokenizer.ggml.*`` metadata (`gguf_tokenizer`).
 llama.cpp's converter reorders the rows of ``attn_q`` and ``attn_k`` within each
 head (Hugging Face's rotary layout, a head's two halves, becomes GGML's adjacent
 pairs); `unpermute_rows` puts them back, as transformers does. Rows are whole
-blocks, so this moves bytes and is exact. A layer stack is one array, so a tensor
-name must have one GGML type in every layer (llama.cpp's ``_M`` / ``_L`` mixes give
-some layers another; ``llama-quantize --pure`` writes files without).
+blocks, so this moves bytes and is exact. A layer stack is one array: where llama.cpp's
+``_S`` / ``_M`` / ``_L`` presets give a tensor name another type in some layers, its
+rows are padded to the widest type's and each ends in a byte naming its own type
+(`quant.ggml_mixed.decode_mixed`), the padding the one cost.
 """
 
 from __future__ import annotations
@@ -151,14 +152,20 @@ class _Lazy:
   """One parameter's stored array, read from the mapped file when the writer asks: a
   layer stack's unit ``a[i]``, a static tensor whole or a range of its rows.
 
-  Matrices are their file's rows (``blocks``, uint8), Q/K rows un-permuted;
-  vectors are floats of ``dtype``.
+  Matrices are their file's rows (``blocks``, uint8), Q/K rows un-permuted; a mixed
+  stack's rows (``types``: its GGML types, two or more) padded to ``shape[-1] - 1``
+  bytes, then the index of their type. Vectors are floats of ``dtype``.
   """
 
   def __init__(
-    self, tensors: list[Any], spec: GgufTensor, shape: tuple[int, ...], dtype: np.dtype
+    self,
+    tensors: list[Any],
+    spec: GgufTensor,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    types: tuple[str, ...] = (),
   ) -> None:
-    self._tensors, self._spec = tensors, spec
+    self._tensors, self._spec, self._types = tensors, spec, types
     self._stacked = len(tensors) > 1 or "{i}" in spec.name
     self.shape, self.dtype, self.ndim = shape, dtype, len(shape)
     self.chunk_shape: tuple[int, ...] | None = None
@@ -171,8 +178,13 @@ class _Lazy:
       return _vector(t, self.dtype)
     raw = _raw_rows(t)
     if self._spec.heads is not None:
-      return unpermute_rows(raw, self._spec.heads)
-    return np.array(raw[rows])
+      raw = unpermute_rows(raw, self._spec.heads)
+    if len(self._types) < 2:
+      return np.array(raw[rows])
+    out = np.zeros((raw.shape[0], self.shape[-1]), np.uint8)
+    out[:, : raw.shape[1]] = raw
+    out[:, -1] = self._types.index(t.tensor_type.name)
+    return out[rows]
 
   def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
     if self._stacked:
@@ -306,9 +318,8 @@ def _check_tensors(f: _GgufFile, static: dict, unit: dict, layers: int) -> None:
 
   Raises:
     StoreError: tensors are missing.
-    ModelConfigError: tensors the model does not read (rotary factors, biases...),
-      types `quant.ggml` does not decode, or a tensor name with more than one type
-      across layers; each error lists every such tensor.
+    ModelConfigError: tensors the model does not read (rotary factors, biases...), or
+      types `quant.ggml` does not decode; each error lists every such tensor.
   """
   names = [s.name for s in static.values()]
   names += [s.name.format(i=i) for s in unit.values() for i in range(layers)]
@@ -337,25 +348,6 @@ def _check_tensors(f: _GgufFile, static: dict, unit: dict, layers: int) -> None:
       f"{'; '.join(bad[:20])}. Supported: {', '.join(supported)} (vectors: "
       f"{', '.join(VECTOR_TYPES)}); requantize the file with llama-quantize to one of them."
     )
-  _check_one_type_per_name(f, unit, layers)
-
-
-def _check_one_type_per_name(f: _GgufFile, unit: dict, layers: int) -> None:
-  mixed = []
-  for spec in unit.values():
-    by_type: dict[str, list[int]] = {}
-    for i in range(layers):
-      by_type.setdefault(f.tensors[spec.name.format(i=i)].tensor_type.name, []).append(i)
-    if len(by_type) > 1:
-      groups = "; ".join(f"{t} in layers {ls}" for t, ls in by_type.items())
-      mixed.append(f"{spec.name.replace('{i}', '*')}: {groups}")
-  if mixed:
-    raise ModelConfigError(
-      f"{f.path}: a tensor name has more than one GGML type across layers (llama.cpp's "
-      "_S/_M/_L mixes do this); this version stores each layer stack as one array and "
-      "needs one type per tensor name. Requantize with `llama-quantize --pure`, or use "
-      f"a file of one type (Q4_0, Q8_0...); nothing was written:\n  " + "\n  ".join(mixed)
-    )
 
 
 def _array(
@@ -377,9 +369,12 @@ def _array(
   if len(one) == 1:
     return _Lazy(tensors, spec, leaf.shape, dtype), None
   axis = -2 if spec.transpose else -1
-  enc = Encoding(_SCHEME, axis, dtype.name, tensors[0].tensor_type.name, spec.transpose)
+  ids = {ggml.ggml_type(t.tensor_type.name) for t in tensors}
+  types = tuple(t.name for t in sorted(ids, key=lambda t: t.type_id))
+  enc = Encoding(_SCHEME, axis, dtype.name, "+".join(types), spec.transpose)
   ((stored, _),) = enc.part_shapes(leaf.shape)
-  return _Lazy(tensors, spec, stored, np.dtype(np.uint8)), QuantizedLeaf(leaf.path, leaf.shape, enc)
+  array = _Lazy(tensors, spec, stored, np.dtype(np.uint8), types)
+  return array, QuantizedLeaf(leaf.path, leaf.shape, enc)
 
 
 def _lazy_arrays(f: _GgufFile, hf: dict[str, Any], dtype: Any) -> tuple[dict, dict, QuantPlan]:
@@ -431,9 +426,13 @@ def convert_gguf(
 
   Each matrix is stored as the file's rows of blocks and decoded in the step that
   uses it (`quant.ggml`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-  Q6_K, IQ4_NL, IQ4_XS); a layer stack is read and written one unit at a time. The store carries a
-  Hugging Face ``config.json`` derived from the metadata, so ``models.load(store)``
-  gives the model, and a ``tokenizer.json`` when the file describes its tokenizer.
+  Q6_K, IQ4_NL, IQ4_XS); a layer stack is read and written one unit at a time. A
+  tensor name with several types across layers (llama.cpp's Q4_K_M and other mixed
+  presets) keeps each layer's type: its rows are padded to the widest type's, plus
+  a byte naming their type, and its encoding names the types (``"Q4_K+Q6_K"``).
+  The store carries a Hugging Face ``config.json`` derived from the metadata, so
+  ``models.load(store)`` gives the model, and a ``tokenizer.json`` when the file
+  describes its tokenizer.
 
   Args:
     path: the ``.gguf`` file (one file; split files are not read).
@@ -453,9 +452,8 @@ def convert_gguf(
     StoreError: not a GGUF file, a truncated or damaged one, or tensors missing or
       misshapen (each named); nothing is written.
     ModelConfigError: an architecture other than ``llama``, math the decoder does
-      not implement, a GGML type it does not decode, a tensor name with several
-      types across layers, or a tokenizer model other than ``gpt2`` / ``llama``
-      (each named); nothing is written.
+      not implement, a GGML type it does not decode, or a tokenizer model other than
+      ``gpt2`` / ``llama`` (each named); nothing is written.
 
   Example:
     >>> import tempfile

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_residency._src.errors import QuantizationError
-from jax_residency._src.quant import ggml
+from jax_residency._src.quant import ggml, ggml_mixed
 from jax_residency._src.quant.schemes import Quantization, Quantized, dequantize, quantize
 
 #: A matrix is quantized only if both of its dimensions are at least this.
@@ -87,7 +87,10 @@ class Encoding:
     ggml_type: for a tensor kept as a GGUF file held it (scheme ``"gguf"``): its
       GGML type (``"Q4_K"``, ``"F16"``, ...). Its one part, ``blocks``, holds the
       file's rows of blocks (uint8), a row along the last axis of the decoded
-      tensor, or along its input axis when ``transpose`` is set.
+      tensor, or along its input axis when ``transpose`` is set. A layer stack whose
+      layers have different types (llama.cpp's ``_M`` presets) names them all, joined
+      by ``+`` in GGML id order (``"Q4_K+Q6_K"``): its rows are padded to the widest
+      type's and end in a byte naming their own type (`ggml_mixed.decode_mixed`).
     transpose: the file's rows run along the tensor's input axis (a GGUF matrix is
       ``(out, in)``; a Flax kernel ``(in, out)``): the decode swaps the last two axes.
   """
@@ -97,6 +100,11 @@ class Encoding:
   dtype: str
   ggml_type: str | None = None
   transpose: bool = False
+
+  @property
+  def ggml_types(self) -> tuple[str, ...]:
+    """The GGML types of a GGUF tensor (two or more for a mixed one); () for int8/int4."""
+    return tuple(self.ggml_type.split("+")) if self.ggml_type is not None else ()
 
   @property
   def part_names(self) -> tuple[str, ...]:
@@ -109,8 +117,10 @@ class Encoding:
   def part_shapes(self, shape: Sequence[int]) -> list[tuple[tuple[int, ...], np.dtype]]:
     """Shape and dtype of each part of a tensor of ``shape`` (units stacked or not)."""
     if self.ggml_type is not None:
-      rows = self.rows_shape(shape)
-      return [((*rows[:-1], ggml.row_bytes(self.ggml_type, rows[-1])), np.dtype(np.uint8))]
+      rows, types = self.rows_shape(shape), self.ggml_types
+      nbytes = ggml.row_bytes(types[0], rows[-1]) if len(types) == 1 else None
+      nbytes = nbytes or ggml_mixed.mixed_row_bytes(types, rows[-1])
+      return [((*rows[:-1], nbytes), np.dtype(np.uint8))]
     q, rows = self.quantization, self.rows_shape(shape)
     lead, n_rows, n_in = rows[:-2], rows[-2], rows[-1]
     if q.scheme == "int8":
@@ -147,31 +157,42 @@ class Encoding:
     input rows, concatenated: `quant.fused` then multiplies a one-token step's row by
     each block on its own, which XLA fuses with the block's decode.
     """
+    # One named call (`rows_source`): `quant.fused` finds the parts of a matrix it
+    # multiplies by, for the native one-row kernels (`quant.native`).
     if self.ggml_type is None:
-      # One named call (`rows_decode`): `quant.fused` finds the parts of a matrix it
-      # multiplies by, for the native one-row kernels (`quant.native`).
       decode = _decode_kernel_rows if self.kernel else _decode_table_rows
       return decode(tuple(parts), self)
-    return self._decode_blocks(parts)
+    return _ggml_rows(self.ggml_type, self.kernel)(tuple(parts), self)
 
   def _decode_blocks(self, parts: Sequence[Any]) -> jax.Array:
     n_in = np.shape(parts[0])[-1] if self.ggml_type is None else self._ggml_inputs(parts[0])
     if not self.kernel or n_in <= MATVEC_CHUNK:
       return self._decode(parts)
     blocks = [
-      self._decode(self._inputs(parts, start, min(start + MATVEC_CHUNK, n_in)))
+      self._decode(parts, (start, min(start + MATVEC_CHUNK, n_in)))
       for start in range(0, n_in, MATVEC_CHUNK)
     ]
     return jnp.concatenate(blocks, axis=-2)
 
-  def _decode(self, parts: Sequence[Any]) -> jax.Array:
-    if self.ggml_type is not None:
-      values = ggml.decode(parts[0], self.ggml_type)
-      return (jnp.swapaxes(values, -1, -2) if self.transpose else values).astype(self.dtype)
-    return dequantize(Quantized(*parts), self.quantization, axis=self.axis, dtype=self.dtype)
+  def _decode(self, parts: Sequence[Any], inputs: tuple[int, int] | None = None) -> jax.Array:
+    """The tensor, or a kernel's input rows ``inputs`` (start, stop)."""
+    types = self.ggml_types
+    if len(types) > 1:  # each type decoded from its own bytes of the range
+      start, stop = inputs or (0, None)
+      values = ggml_mixed.decode_mixed(parts[0], types, start=start, stop=stop)
+    elif inputs is not None:
+      return self._decode(self._inputs(parts, *inputs))
+    elif types:
+      values = ggml.decode(parts[0], types[0])
+    else:
+      return dequantize(Quantized(*parts), self.quantization, axis=self.axis, dtype=self.dtype)
+    return (jnp.swapaxes(values, -1, -2) if self.transpose else values).astype(self.dtype)
 
   def _ggml_inputs(self, blocks: Any) -> int:
-    t = ggml.ggml_type(self.ggml_type or "")
+    types = self.ggml_types
+    if len(types) > 1:
+      return ggml_mixed.mixed_inputs(types, np.shape(blocks)[-1])
+    t = ggml.ggml_type(types[0])
     return np.shape(blocks)[-1] // t.block_bytes * t.block_size
 
   def _inputs(self, parts: Sequence[Any], start: int, stop: int) -> tuple[Any, ...]:
@@ -202,8 +223,8 @@ class Encoding:
   def from_dict(cls, d: dict[str, Any]) -> Encoding:
     q = Quantization.of({k: d[k] for k in ("scheme", "group_size") if k in d})
     ggml_type = d.get("ggml_type")
-    if ggml_type is not None:
-      ggml_type = ggml.ggml_type(ggml_type).name  # raises for a type this version lacks
+    if ggml_type is not None:  # raises for a type this version lacks
+      ggml_type = "+".join(ggml.ggml_type(t).name for t in str(ggml_type).split("+"))
     return cls(q, int(d["axis"]), str(d["dtype"]), ggml_type, bool(d.get("transpose", False)))
 
 
@@ -251,18 +272,42 @@ DECODE_JIT_NAME = "_decode_jit"
 #: The names of an int8/int4 tensor's decode, by whether its rows are the decoded
 #: matrix's columns (a kernel, ``(in, out)``) or its rows (a table).
 ROWS_DECODE_NAMES = {"_decode_kernel_rows": True, "_decode_table_rows": False}
+#: The start of the name of a GGUF tensor's decode: then ``kernel_`` or ``table_``, and
+#: its `Encoding.ggml_type` (``"_ggml_rows_kernel_Q4_K+Q6_K"``).
+GGML_ROWS_PREFIX = "_ggml_rows_"
 
 
-def rows_decode(eqn: Any) -> bool | None:
-  """For a jaxpr equation that decodes one int8/int4 tensor from its parts (its inputs,
-  rows along the input axis): whether the decoded matrix is a kernel (its first axis is
-  the input axis) or a table (its last); None for any other equation."""
-  return ROWS_DECODE_NAMES.get(_called(eqn) or "")
+@functools.cache
+def _ggml_rows(ggml_type: str, kernel: bool) -> Any:
+  """The jitted decode of GGUF tensors of ``ggml_type``, named for `rows_source`."""
+
+  def decode(parts: tuple[Any, ...], encoding: Encoding) -> jax.Array:
+    return encoding._decode_blocks(parts)
+
+  decode.__name__ = decode.__qualname__ = (
+    f"{GGML_ROWS_PREFIX}{'kernel' if kernel else 'table'}_{ggml_type}"
+  )
+  return jax.jit(decode, static_argnums=1)
+
+
+def rows_source(eqn: Any) -> tuple[str, bool] | None:
+  """For a jaxpr equation that decodes one quantized tensor from its parts (its inputs,
+  rows along the input axis): its scheme (``"int8"``, ``"int4"``, or ``"ggml:"`` and its
+  GGML types, ``"ggml:Q4_K+Q6_K"``) and whether the decoded matrix is a kernel (its
+  first axis is the input axis) or a table (its last); None for any other equation."""
+  name = _called(eqn) or ""
+  if name in ROWS_DECODE_NAMES:
+    return ("int8" if len(eqn.invars) == 2 else "int4"), ROWS_DECODE_NAMES[name]
+  if name.startswith(GGML_ROWS_PREFIX):
+    shape, _, types = name.removeprefix(GGML_ROWS_PREFIX).partition("_")
+    return f"ggml:{types}", shape == "kernel"
+  return None
 
 
 def is_decode_call(eqn: Any) -> bool:
-  """Whether a jaxpr equation is a call of `QuantizedTensor.decode`'s jitted program."""
-  return _called(eqn) == DECODE_JIT_NAME
+  """Whether a jaxpr equation is a call of `QuantizedTensor.decode`'s jitted program or of
+  a GGML decode's (`ggml.DECODE_JIT_NAMES`)."""
+  return _called(eqn) in (DECODE_JIT_NAME, *ggml.DECODE_JIT_NAMES)
 
 
 def _called(eqn: Any) -> str | None:

@@ -52,7 +52,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from jax_residency._src.quant import native
-from jax_residency._src.quant.encoding import is_decode_call, rows_decode
+from jax_residency._src.quant.encoding import is_decode_call, rows_source
 
 #: Primitives a decode is made of: what carries "decoded from codes" to its outputs.
 DECODE_PRIMITIVES = frozenset(
@@ -180,11 +180,10 @@ class _State:
         self.env[eqn.outvars[0]] = _product(eqn, self)
       elif from_codes and is_decode_call(eqn):
         self._inline(eqn)
-      elif from_codes and (kernel := rows_decode(eqn)) is not None:
+      elif from_codes and (found := rows_source(eqn)) is not None:
         self._inline(eqn)
-        scheme = "int8" if len(eqn.invars) == 2 else "int4"
-        source = (scheme, kernel, list(eqn.invars))
-        self.sources[self._resolve(eqn.outvars[0])] = source
+        scheme, kernel = found
+        self.sources[self._resolve(eqn.outvars[0])] = (scheme, kernel, list(eqn.invars))
       elif from_codes and name in DECODE_PRIMITIVES:
         self.decoded.update(eqn.outvars)
         self.pending.update(dict.fromkeys(eqn.outvars, eqn))

@@ -44,6 +44,8 @@ Every multi-byte field is little-endian; "half" below is an IEEE float16 scale.
   top two bits, bits ``2k`` and ``2k + 1`` of ``qh[l]``. The 6-bit code ``c``
   means ``(d * sc) * (c - 32)``.
 
+A layer stack whose layers have different types is decoded by `ggml_mixed`.
+
 The arithmetic follows llama.cpp's reference dequantization (``ggml-quants.c``),
 operation by operation, in float32. Every product there is exact in float32: a
 half has at most 11 significant bits and the integers it is multiplied by (a
@@ -113,6 +115,9 @@ GGML_TYPES: tuple[GgmlType, ...] = (
 )
 _BY_NAME = {t.name: t for t in GGML_TYPES}
 _BY_ID = {t.type_id: t for t in GGML_TYPES}
+#: The names the jitted programs of `decode` and `ggml_mixed.decode_mixed` carry in a
+#: jaxpr, which `quant.fused` follows inside like the decodes a step traces in place.
+DECODE_JIT_NAMES = ("_ggml_decode", "_ggml_decode_mixed")
 
 
 def ggml_type(name_or_id: str | int | GgmlType) -> GgmlType:
@@ -210,16 +215,16 @@ def decode(
       f"row_bytes={nbytes} (raw shape {raw.shape}) is not a multiple of {t.name}'s "
       f"{t.block_bytes} bytes per block."
     )
-  return _decode_blocks(raw, t.name, np.dtype(dtype).name)
+  return _ggml_decode(raw, t.name, np.dtype(dtype).name)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _decode_blocks(raw: jax.Array, name: str, dtype: str) -> jax.Array:
+def _ggml_decode(raw: jax.Array, name: str, dtype: str) -> jax.Array:
   """`decode`'s arithmetic as one program (inlined in a jitted step; compiled once per
   shape and type when called eagerly, instead of dispatching each of its ops)."""
   t = _BY_NAME[name]
   blocks = raw.reshape(*raw.shape[:-1], raw.shape[-1] // t.block_bytes, t.block_bytes)
-  values = _DECODERS[name](blocks)
+  values = DECODERS[name](blocks)
   return values.reshape(*raw.shape[:-1], -1).astype(dtype)
 
 
@@ -369,7 +374,9 @@ def _q6_k(blocks: jax.Array) -> jax.Array:
   return ((d * sc)[..., None] * q).reshape(*lead, QK_K)
 
 
-_DECODERS: dict[str, Callable[[jax.Array], jax.Array]] = {
+#: Each type's decode of ``(..., blocks, block_bytes)`` raw blocks to ``(..., blocks,
+#: block_size)`` float32 values, by name.
+DECODERS: dict[str, Callable[[jax.Array], jax.Array]] = {
   "F32": _f32,
   "F16": _half,
   "BF16": _bf16,

@@ -127,6 +127,153 @@ void int8_rows(const float* x, const int8_t* codes, const float* scale, float* y
   }
 }
 
+// --- GGML rows (quant/ggml.py has the layouts) ------------------------------------
+// A row is n / block_size blocks; each type's dot product with x takes the sums on
+// the codes as they are and scales them once a block or sub-block, as llama.cpp's own
+// CPU dot products do: sum_i x[i] * (s * c[i] - m) = s * sum_i x[i] * c[i] - m * sum_i x[i].
+
+// IEEE half to float, exactly (normal, subnormal, infinite and NaN halves).
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    do {
+      mant <<= 1;
+      ++e;
+    } while (!(mant & 0x400));
+    bits = sign | uint32_t(112 - e) << 23 | ((mant & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Type ids (GGUF's), as quant/ggml.py's table gives them.
+enum GgmlId : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+float dot_q8_0(const float* x, const uint8_t* b, int64_t n) {
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += 32, b += 34) {
+    const vf part = load<vf>(x + i) * widen_s8((const int8_t*)b + 2) +
+                    load<vf>(x + i + 16) * widen_s8((const int8_t*)b + 18);
+    acc += part * half(b);
+  }
+  return lanes_sum(acc);
+}
+
+// Q4_0 (c - 8) * d and Q4_1 c * d + m: 16 code bytes, value j low nibble, j + 16 high.
+template <bool kOffset>
+float dot_q4_01(const float* x, const uint8_t* b, int64_t n) {
+  constexpr int64_t kBytes = kOffset ? 20 : 18;
+  const vf eight = vf{} + 8.0f;
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += 32, b += kBytes) {
+    const vu8 q = load<vu8>(b + (kOffset ? 4 : 2));
+    const vf x0 = load<vf>(x + i), x1 = load<vf>(x + i + 16);
+    if (kOffset) {
+      acc += (x0 * widen(vu8(q & 15)) + x1 * widen(vu8(q >> 4))) * half(b) + (x0 + x1) * half(b + 2);
+    } else {
+      acc += (x0 * (widen(vu8(q & 15)) - eight) + x1 * (widen(vu8(q >> 4)) - eight)) * half(b);
+    }
+  }
+  return lanes_sum(acc);
+}
+
+// The 6-bit scale and minimum of sub-block k of a Q4_K/Q5_K block (12 packed bytes).
+inline void k_scale(const uint8_t* s, int k, float* sc, float* mn) {
+  if (k < 4) {
+    *sc = float(s[k] & 63);
+    *mn = float(s[k + 4] & 63);
+  } else {
+    *sc = float((s[k + 4] & 0xF) | ((s[k - 4] >> 6) << 4));
+    *mn = float((s[k + 4] >> 4) | ((s[k] >> 6) << 4));
+  }
+}
+
+// Q4_K and Q5_K: (d * sc) * c - dmin * mn over 8 sub-blocks of 32; run r of the code
+// bytes holds sub-block 2r in its low nibbles and 2r + 1 in its high ones; Q5_K's top
+// bit of value l of sub-block k is bit k of qh[l].
+template <bool kFifth>
+float dot_q45_k(const float* x, const uint8_t* b, int64_t n) {
+  constexpr int64_t kBytes = kFifth ? 176 : 144;
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += 256, b += kBytes) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    const vu8 h0 = kFifth ? load<vu8>(b + 16) : vu8{}, h1 = kFifth ? load<vu8>(b + 32) : vu8{};
+    for (int r = 0; r < 4; ++r) {
+      const vu8 q0 = load<vu8>(qs + 32 * r), q1 = load<vu8>(qs + 32 * r + 16);
+      for (int half_ = 0; half_ < 2; ++half_) {  // sub-block 2r (low nibbles), 2r + 1
+        const int k = 2 * r + half_;
+        vu8 c0 = half_ ? vu8(q0 >> 4) : vu8(q0 & 15), c1 = half_ ? vu8(q1 >> 4) : vu8(q1 & 15);
+        if (kFifth) {
+          c0 |= vu8(((h0 >> k) & 1) << 4);
+          c1 |= vu8(((h1 >> k) & 1) << 4);
+        }
+        const float* xs = x + i + 32 * k;
+        const vf x0 = load<vf>(xs), x1 = load<vf>(xs + 16);
+        float sc, mn;
+        k_scale(b + 4, k, &sc, &mn);
+        acc += (x0 * widen(c0) + x1 * widen(c1)) * (d * sc) - (x0 + x1) * (dmin * mn);
+      }
+    }
+  }
+  return lanes_sum(acc);
+}
+
+// Q6_K: (d * sc) * (c - 32), a signed byte scale a 16 values; value 32k + l of a
+// half-block takes the low (k < 2) or high nibble of ql[l + 32 (k % 2)] and bits 2k,
+// 2k + 1 of qh[l].
+float dot_q6_k(const float* x, const uint8_t* b, int64_t n) {
+  const vf off = vf{} + 32.0f;
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += 256, b += 210) {
+    const float d = half(b + 208);
+    const int8_t* sc = (const int8_t*)(b + 192);
+    for (int h = 0; h < 2; ++h) {
+      for (int k = 0; k < 4; ++k) {
+        for (int l0 = 0; l0 < 32; l0 += 16) {
+          const vu8 ql = load<vu8>(b + 64 * h + l0 + 32 * (k % 2));
+          const vu8 qh = load<vu8>(b + 128 + 32 * h + l0);
+          const vu8 c = vu8((ql >> (4 * (k / 2))) & 15) | vu8(((qh >> (2 * k)) & 3) << 4);
+          const vf xv = load<vf>(x + i + 128 * h + 32 * k + l0);
+          acc += xv * (widen(c) - off) * (d * float(sc[8 * h + 2 * k + l0 / 16]));
+        }
+      }
+    }
+  }
+  return lanes_sum(acc);
+}
+
+typedef float (*RowDot)(const float*, const uint8_t*, int64_t);
+
+struct RowType {
+  RowDot dot;
+  int64_t block_size, block_bytes;
+};
+
+// A type id's dot product and block; a null `dot` for a type without one.
+RowType row_type(int32_t id) {
+  switch (id) {
+    case kQ8_0: return {dot_q8_0, 32, 34};
+    case kQ4_0: return {dot_q4_01<false>, 32, 18};
+    case kQ4_1: return {dot_q4_01<true>, 32, 20};
+    case kQ4_K: return {dot_q45_k<false>, 256, 144};
+    case kQ5_K: return {dot_q45_k<true>, 256, 176};
+    case kQ6_K: return {dot_q6_k, 256, 210};
+    default: return {nullptr, 1, 0};
+  }
+}
+
 // Runs body(start, stop) over [0, total) in chunks, on the calling thread and on
 // XLA's intra-op threads. Helpers take chunks from a shared counter; the caller
 // waits only for chunks some thread has taken, so a helper that starts late (its
@@ -201,7 +348,48 @@ ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// y[r] = x . row r, each row of GGML blocks of `types` (GGUF type ids). With one type,
+// every row is that type's; with several (a mixed stack, quant/ggml_mixed.py), a row's
+// last byte is the index of its type in `types`.
+ffi::Error GgmlMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
+                      ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int32_t> types) {
+  const auto bd = blocks.dimensions();
+  const int64_t n = x.element_count(), count = int64_t(types.size());
+  if (bd.size() != 2 || int64_t(y->element_count()) != bd[0] || count == 0 || count > 8) {
+    return ffi::Error::InvalidArgument("jr_ggml_matvec: operand shapes do not agree");
+  }
+  const int64_t rows = bd[0], width = bd[1];
+  RowDot dots[8];
+  for (int64_t t = 0; t < count; ++t) {  // every type's row of n values fits in a row
+    const RowType rt = row_type(types[t]);
+    if (rt.dot == nullptr || n % rt.block_size != 0 ||
+        n / rt.block_size * rt.block_bytes > width - (count > 1)) {
+      return ffi::Error::InvalidArgument("jr_ggml_matvec: a type or row length it does not take");
+    }
+    dots[t] = rt.dot;
+  }
+  const float* xp = x.typed_data();
+  const uint8_t* bp = blocks.typed_data();
+  float* yp = y->typed_data();
+  parallel_chunks(pool, rows, 16, [=](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const uint8_t* row = bp + r * width;
+      const int64_t t = count == 1 ? 0 : row[width - 1];
+      yp[r] = t < count ? dots[t](xp, row, n) : __builtin_nanf("");
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JrGgmlMatvec, GgmlMatvec,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int32_t>>("types"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JrInt4Matvec, Int4Matvec,
                               ffi::Ffi::Bind()

@@ -34,17 +34,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from jax_residency._src.cache_dir import library_cache_dir
+from jax_residency._src.quant import ggml, ggml_mixed
 
 #: ``0`` turns the native kernels off (products are XLA's).
 ENV = "JAX_RESIDENCY_NATIVE_KERNELS"
 #: Where built kernels are kept (default: ``kernels/`` in the library's cache directory).
 KERNEL_DIR_ENV = "JAX_RESIDENCY_KERNEL_DIR"
-#: The FFI targets, by scheme.
-TARGETS = {"int4": "jax_residency_int4_matvec", "int8": "jax_residency_int8_matvec"}
+#: The FFI targets, by scheme (``"ggml"``: a GGUF tensor of `GGML_TYPES`).
+TARGETS = {
+  "int4": "jax_residency_int4_matvec",
+  "int8": "jax_residency_int8_matvec",
+  "ggml": "jax_residency_ggml_matvec",
+}
 #: The handler symbols ``matvec.cc`` exports, by scheme.
-_SYMBOLS = {"int4": "JrInt4Matvec", "int8": "JrInt8Matvec"}
+_SYMBOLS = {"int4": "JrInt4Matvec", "int8": "JrInt8Matvec", "ggml": "JrGgmlMatvec"}
+#: The GGML types ``matvec.cc`` multiplies by (a mixed tensor's, each of its types): the
+#: types of llama.cpp's Q4_0, Q4_1, Q8_0, Q4_K_*, Q5_K_* and Q6_K presets. Others stay
+#: XLA's products.
+GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 #: Vector lanes of the kernels' loops: the input dimension (int8) and the group size
 #: (int4) must be multiples of it.
 LANES = 16
@@ -165,8 +175,13 @@ def _unavailable(why: str) -> None:
 
 def supports(scheme: str, parts: list[Any], x: Any) -> bool:
   """Whether a kernel computes ``x @ rows.T`` for these parts: float32 ``x`` of the
-  rows' length, two-dimensional parts (no stack of units), widths the loops take."""
-  if scheme not in TARGETS or len(x.shape) != 1 or x.dtype != jnp.float32:
+  rows' length, two-dimensional parts (no stack of units), widths the loops take.
+  ``scheme``: ``"int8"``, ``"int4"``, or ``"ggml:"`` and a GGUF tensor's types."""
+  if len(x.shape) != 1 or x.dtype != jnp.float32:
+    return False
+  if scheme.startswith("ggml:"):
+    return _supports_ggml(scheme.removeprefix("ggml:").split("+"), parts, x.shape[0])
+  if scheme not in TARGETS:
     return False
   codes, scale = parts[0], parts[1]
   if codes.ndim != 2 or scale.ndim != 2 or codes.shape[-1] != x.shape[0]:
@@ -179,6 +194,19 @@ def supports(scheme: str, parts: list[Any], x: Any) -> bool:
   return rem == 0 and group % LANES == 0
 
 
+def _supports_ggml(types: list[str], parts: list[Any], n: int) -> bool:
+  """Whether the GGML kernel takes rows of ``types`` (`GGML_TYPES`, at most 8) of ``n``
+  values each, as ``parts`` (one 2-D uint8 array) hold them."""
+  blocks = parts[0]
+  if len(parts) != 1 or blocks.ndim != 2 or blocks.dtype != jnp.uint8 or len(types) > 8:
+    return False
+  if any(t not in GGML_TYPES or n % ggml.ggml_type(t).block_size for t in types):
+    return False
+  if len(types) == 1:
+    return blocks.shape[1] == ggml.row_bytes(types[0], n)
+  return blocks.shape[1] == ggml_mixed.mixed_row_bytes(types, n)
+
+
 def matvec(scheme: str, x: Any, parts: list[Any]) -> jax.Array:
   """``y[r] = sum_i x[i] * w[r, i]`` for the matrix ``w`` the parts decode to (rows
   along the input axis, `quant.schemes`), by the native kernel.
@@ -188,6 +216,10 @@ def matvec(scheme: str, x: Any, parts: list[Any]) -> jax.Array:
   """
   if not available():
     raise RuntimeError(f"the native kernels are not available: {build_error() or 'off'}")
+  if scheme.startswith("ggml:"):
+    ids = [ggml.ggml_type(t).type_id for t in scheme.removeprefix("ggml:").split("+")]
+    out = jax.ShapeDtypeStruct((parts[0].shape[0],), jnp.float32)
+    return jax.ffi.ffi_call(TARGETS["ggml"], out)(x, *parts, types=np.array(ids, np.int32))
   rows = parts[1].shape[0]
   out = jax.ShapeDtypeStruct((rows,), jnp.float32)
   return jax.ffi.ffi_call(TARGETS[scheme], out)(x, *parts)

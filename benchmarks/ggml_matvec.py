@@ -6,7 +6,8 @@ in a fresh process: the native kernel (``matvec.cc``'s ``jr_ggml_matvec``, what 
 on one CPU device calls), XLA's product with the decode fused into it (what a step on a
 mesh, or lowered for an accelerator, runs), and XLA's float32 product by the decoded
 matrix (what a float32 store's step runs). Each type the native kernel takes is timed,
-and llama.cpp's Q4_K_M mix (rows of Q4_K and Q6_K in one tensor, `quant.ggml_mixed`).
+and a Q4_K layer of a stack in llama.cpp's Q4_K_M mix (``Q4_K+Q6_K``: Q4_K rows padded
+to Q6_K's and a type byte, `quant.ggml_mixed`; the other layers' rows are Q6_K's).
 The blocks are random with finite float16 scales; the median of ``--iters`` calls per
 process, the median of ``--repeat`` processes.
 
@@ -40,27 +41,21 @@ QUICK = {"n": 512, "rows": 256, "iters": 5, "repeat": 1}
 
 
 def random_rows(types: list[str], rows: int, n: int, seed: int):
-  """Row ``r`` of ``types[r % len(types)]`` (with several, `quant.ggml_mixed`'s layout),
-  random codes and float16 scales of both signs, 2**-8 to 2**-4."""
+  """Rows of ``types[0]`` (with several, in `quant.ggml_mixed`'s layout: one layer of a
+  mixed stack), random codes and float16 scales of both signs, 2**-8 to 2**-4."""
   import numpy as np
 
   from jax_residency._src.quant import ggml, ggml_mixed
 
   rng = np.random.default_rng(seed)
-  mixed = len(types) > 1
-  width = ggml_mixed.mixed_row_bytes(types, n) if mixed else ggml.row_bytes(types[0], n)
-  raw = np.zeros((rows, width), np.uint8)
-  scales = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-  for k, name in enumerate(types):
-    t = ggml.ggml_type(name)
-    mine = np.arange(k, rows, len(types))
-    blocks = rng.integers(0, 256, (len(mine), n // t.block_size, t.block_bytes), dtype=np.uint8)
-    for at in scales.get(name, (0,)):
-      d = rng.choice([-1.0, 1.0], blocks.shape[:2]) * np.exp2(rng.uniform(-8, -4, blocks.shape[:2]))
-      blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
-    raw[mine, : ggml.row_bytes(name, n)] = blocks.reshape(len(mine), -1)
-    if mixed:
-      raw[mine, -1] = k
+  t = ggml.ggml_type(types[0])
+  width = ggml_mixed.mixed_row_bytes(types, n) if len(types) > 1 else ggml.row_bytes(t, n)
+  raw = np.zeros((rows, width), np.uint8)  # a mixed row's type byte: 0, types[0]
+  blocks = rng.integers(0, 256, (rows, n // t.block_size, t.block_bytes), dtype=np.uint8)
+  for at in {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(t.name, (0,)):
+    d = rng.choice([-1.0, 1.0], blocks.shape[:2]) * np.exp2(rng.uniform(-8, -4, blocks.shape[:2]))
+    blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+  raw[:, : ggml.row_bytes(t, n)] = blocks.reshape(rows, -1)
   return raw
 
 

@@ -20,7 +20,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -132,10 +132,14 @@ void int8_rows(const float* x, const int8_t* codes, const float* scale, float* y
 // the codes as they are and scales them once a block or sub-block, as llama.cpp's own
 // CPU dot products do: sum_i x[i] * (s * c[i] - m) = s * sum_i x[i] * c[i] - m * sum_i x[i].
 
-// IEEE half to float, exactly (normal, subnormal, infinite and NaN halves).
+// IEEE half to float, exactly (normal, subnormal, infinite and NaN halves): one
+// instruction where the CPU converts halves (F16C), else by the bits.
 inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
   if (exp == 0x1f) {

@@ -118,8 +118,10 @@ class Encoding:
     """Shape and dtype of each part of a tensor of ``shape`` (units stacked or not)."""
     if self.ggml_type is not None:
       rows, types = self.rows_shape(shape), self.ggml_types
-      nbytes = ggml.row_bytes(types[0], rows[-1]) if len(types) == 1 else None
-      nbytes = nbytes or ggml_mixed.mixed_row_bytes(types, rows[-1])
+      if len(types) == 1:
+        nbytes = ggml.row_bytes(types[0], rows[-1])
+      else:  # a mixed stack's rows: the widest type's, and a byte naming their own
+        nbytes = ggml_mixed.mixed_row_bytes(types, rows[-1])
       return [((*rows[:-1], nbytes), np.dtype(np.uint8))]
     q, rows = self.quantization, self.rows_shape(shape)
     lead, n_rows, n_in = rows[:-2], rows[-2], rows[-1]

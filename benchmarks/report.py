@@ -41,6 +41,7 @@ DOCUMENTS = (
   "README.md",
   "docs/benchmarks.md",
   "docs/quantization.md",
+  "docs/checkpoints.md",
   "docs/placement.md",
   "docs/moe.md",
 )

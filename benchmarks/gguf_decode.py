@@ -156,39 +156,6 @@ def write_gguf(args: argparse.Namespace, path: str, preset: str) -> None:
   writer.close()
 
 
-def plain_model(gguf_path: str, store: str):
-  """The model a converted ``store`` runs, as a plain model holding the values gguf-py
-  dequantizes from ``gguf_path`` (Q/K rows un-permuted, as the conversion does)."""
-  import gguf
-  import jax.numpy as jnp
-  import numpy as np
-
-  from jax_residency import models
-  from jax_residency._src.models import gguf_convert
-  from jax_residency._src.plan.split import split_model
-
-  tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-  with open(os.path.join(store, "hf_config.json")) as f:
-    static, unit = gguf_convert.gguf_tensor_map(json.load(f))
-  split = split_model(models.load(store))
-
-  def value(spec, i: int = 0):
-    t = tensors[spec.name.format(i=i)]
-    w = gguf.quants.dequantize(t.data, t.tensor_type)
-    w = w.reshape([int(n) for n in reversed(t.shape.tolist())])
-    w = w if spec.heads is None else gguf_convert.unpermute_rows(w, spec.heads)
-    return w.T if spec.transpose else w
-
-  values = []
-  for leaf in split.leaves:
-    if leaf.path in static:
-      values.append(jnp.asarray(value(static[leaf.path])))
-    else:
-      spec, count = unit[split.unit_rel_path(leaf)], split.stack_of(leaf).count
-      values.append(jnp.asarray(np.stack([value(spec, i) for i in range(count)])))
-  return split.bind_stacks(values, ()).call
-
-
 def prompts(args: argparse.Namespace):
   import numpy as np
 
@@ -202,6 +169,7 @@ def build(args: argparse.Namespace) -> dict:
 
   import jax_residency as jr
   from jax_residency import models
+  from jax_residency._src.models.gguf_reference import dequantized_model
 
   p = paths(args)
   if os.path.exists(p["reference"]):
@@ -213,7 +181,7 @@ def build(args: argparse.Namespace) -> dict:
   for preset in ("q4_k_m", "q8_0"):
     write_gguf(args, p[f"{preset}.gguf"], preset)
     models.convert_gguf(p[f"{preset}.gguf"], p[preset], progress=False, overwrite=True)
-    model = plain_model(p[f"{preset}.gguf"], p[preset])
+    model = dequantized_model(p[f"{preset}.gguf"], p[preset])
     tokens = models.generate_llm(model, prompt, args.steps + 1, stop_tokens=())
     reference[preset] = np.asarray(tokens)[0].tolist()
     if preset == "q4_k_m":

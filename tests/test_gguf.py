@@ -41,7 +41,7 @@ from jax_residency import models
 from jax_residency._src.cli import main as cli
 from jax_residency._src.models import gguf_convert
 from jax_residency._src.models.gguf_convert import permute_rows, unpermute_rows
-from jax_residency._src.plan.split import split_model
+from jax_residency._src.models.gguf_reference import dequantized_model
 from jax_residency._src.quant import ggml, native
 from jax_residency._src.store.unit_store import UnitStore
 
@@ -264,31 +264,6 @@ def test_a_small_file_without_a_tokenizer_converts(tmp_path):
   assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits).all())
 
 
-def dequantized_plain_model(src: Path, store: str) -> Any:
-  """The converted model as a plain (eager) model, each weight gguf-py's dequantization
-  of its tensor in the file (``gguf.quants.dequantize``; Q/K rows un-permuted)."""
-  tensors = {t.name: t for t in gguf.GGUFReader(src).tensors}
-  config = json.loads((Path(store) / "hf_config.json").read_text())
-  static, unit = gguf_convert.gguf_tensor_map(config)
-  split = split_model(models.load(store))
-
-  def value(spec: gguf_convert.GgufTensor, i: int = 0) -> np.ndarray:
-    t = tensors[spec.name.format(i=i)]
-    w = gguf.quants.dequantize(t.data, t.tensor_type)
-    w = w.reshape([int(n) for n in reversed(t.shape.tolist())])
-    w = w if spec.heads is None else unpermute_rows(w, spec.heads)
-    return w.T if spec.transpose else w
-
-  values = []
-  for leaf in split.leaves:
-    if leaf.path in static:
-      values.append(jnp.asarray(value(static[leaf.path])))
-    else:
-      spec, count = unit[split.unit_rel_path(leaf)], split.stack_of(leaf).count
-      values.append(jnp.asarray(np.stack([value(spec, i) for i in range(count)])))
-  return split.bind_stacks(values, ()).call
-
-
 def test_a_file_of_mixed_types_places_as_its_dequantized_plain_model(tmp_path):
   """A tensor name with other types in some layers (llama.cpp's Q4_K_M and other mixed
   presets; here a permuted Q/K tensor among them) keeps each layer's type, and every
@@ -306,7 +281,7 @@ def test_a_file_of_mixed_types_places_as_its_dequantized_plain_model(tmp_path):
   assert by_path[("self_attn", "k_proj", "kernel")] == "F32+BF16"
   assert by_path[("self_attn", "v_proj", "kernel")] == "F32"
   ids = jnp.asarray([[1, 5, 9, 2, 33, 7]], jnp.int32)
-  want = np.asarray(dequantized_plain_model(src, store)(ids))
+  want = np.asarray(dequantized_model(src, store)(ids))
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
   first = None
   for policy, on in [(p, None) for p in POLICIES] + [("dense_direct", mesh)]:

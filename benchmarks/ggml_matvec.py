@@ -33,7 +33,7 @@ import _result
 import _zygote
 
 #: The matrices timed: each type the native kernel takes, and Q4_K_M's mix.
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K+Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K+Q6_K")
 WAYS = ("native", "xla_fused", "float32")
 NATIVE_VS_FLOAT32 = 0.75  # target: the native product <= this x the float32 one
 NATIVE_VS_XLA = 0.5  # target: the native product <= this x XLA's fused one
@@ -52,7 +52,8 @@ def random_rows(types: list[str], rows: int, n: int, seed: int):
   width = ggml_mixed.mixed_row_bytes(types, n) if len(types) > 1 else ggml.row_bytes(t, n)
   raw = np.zeros((rows, width), np.uint8)  # a mixed row's type byte: 0, types[0]
   blocks = rng.integers(0, 256, (rows, n // t.block_size, t.block_bytes), dtype=np.uint8)
-  for at in {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(t.name, (0,)):
+  fields = {"Q4_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+  for at in {**fields, "Q6_K": (208,)}.get(t.name, (0,)):
     d = rng.choice([-1.0, 1.0], blocks.shape[:2]) * np.exp2(rng.uniform(-8, -4, blocks.shape[:2]))
     blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
   raw[:, : ggml.row_bytes(t, n)] = blocks.reshape(rows, -1)

@@ -27,7 +27,7 @@ The two fixtures (hidden 256 and intermediate 256, so K-quant rows are whole
   regex) of about 300 tokens trained with ``tokenizers`` on ``TEXT``, with
   merges and three control tokens, BOS added. Types: token_embd Q8_0, output
   Q6_K, attn_q Q4_K, attn_k Q5_K, attn_v Q5_0 in layer 0 and Q6_K in layer 1,
-  attn_output Q4_0, ffn_gate Q4_1, ffn_up F16, ffn_down Q6_K then Q4_K (a tensor
+  attn_output Q4_0, ffn_gate Q4_1, ffn_up Q3_K, ffn_down Q6_K then Q4_K (a tensor
   name with two types across layers, as llama.cpp's Q4_K_M writes attn_v and
   ffn_down), norms F32.
 * ``gguf_tiny_tied``: no ``output.weight`` (the head is the embedding); a
@@ -35,13 +35,13 @@ The two fixtures (hidden 256 and intermediate 256, so K-quant rows are whole
   ``<s>``, ``</s>``, the 256 byte tokens ``<0x00>``.. ``<0xFF>``, then pieces
   with scores and no merges, so the merges are derived from the scores), a
   user-defined token. Types: token_embd IQ4_XS, attn_q Q4_0, attn_k IQ4_NL then
-  Q5_K (mixed rows un-permuted), attn_v Q4_1, attn_output BF16, ffn_gate Q6_K,
+  Q5_K (mixed rows un-permuted), attn_v Q2_K, attn_output BF16, ffn_gate Q6_K,
   ffn_up Q5_1, ffn_down F32, norms F16; rope_theta 500000 and
   ``attention.key_length`` written.
 
 F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 tensors are seeded normal weights quantized
-with ``gguf.quants.quantize``; gguf-py cannot quantize Q4_K, Q5_K, Q6_K, IQ4_NL and
-IQ4_XS, so those are seeded random blocks whose float16 scales are set (finite,
+with ``gguf.quants.quantize``; gguf-py cannot quantize Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_NL and IQ4_XS, so those are seeded random blocks whose float16 scales are set (finite,
 positive, scaled so the decoded weights have the standard deviation asked for). RMSNorm weights are
 drawn from U(0.5, 1.5), and the final norm's are multiplied by ``logit_scale``
 to keep the logits near 1-3 (see scripts/make_llama_reference.py for why).
@@ -132,7 +132,7 @@ CONFIGS = {
       attn_v=(Q.Q5_0, Q.Q6_K),  # a type per layer
       attn_output=Q.Q4_0,
       ffn_gate=Q.Q4_1,
-      ffn_up=Q.F16,
+      ffn_up=Q.Q3_K,
       ffn_down=(Q.Q6_K, Q.Q4_K),
       norm=Q.F32,
     ),
@@ -151,7 +151,7 @@ CONFIGS = {
       token_embd=Q.IQ4_XS,
       attn_q=Q.Q4_0,
       attn_k=(Q.IQ4_NL, Q.Q5_K),
-      attn_v=Q.Q4_1,
+      attn_v=Q.Q2_K,
       attn_output=Q.BF16,
       ffn_gate=Q.Q6_K,
       ffn_up=Q.Q5_1,
@@ -213,21 +213,23 @@ def sentencepiece_vocab() -> dict:
 
 
 def random_blocks(rng, qtype: Q, rows: int, cols: int, std: float) -> np.ndarray:
-  """Random ``qtype`` (a type gguf-py cannot quantize: Q4_K, Q5_K, Q6_K, IQ4_NL,
-  IQ4_XS) rows, their decoded values of standard deviation ``std``."""
+  """Random ``qtype`` (a type gguf-py cannot quantize: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+  IQ4_NL, IQ4_XS) rows, their decoded values of standard deviation ``std``."""
   block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
   raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
 
   def set_scales(scale: float) -> None:
     shape = raw.shape[:-1]
     d = (scale * rng.uniform(0.5, 1.5, shape)).astype(np.float16)
-    if qtype in (Q.Q4_K, Q.Q5_K):  # d and dmin lead the block; dmin ~ (the mean code) d
-      centre = 7.5 if qtype == Q.Q4_K else 15.5  # centres (c * sc - mn)
+    if qtype in (Q.Q2_K, Q.Q4_K, Q.Q5_K):  # d, dmin; dmin ~ (the mean code) d
+      centre = {Q.Q2_K: 1.5, Q.Q4_K: 7.5, Q.Q5_K: 15.5}[qtype]  # centres (c * sc - mn)
       dmin = (scale * centre * rng.uniform(0.5, 1.5, shape)).astype(np.float16)
-      raw[..., 0:2] = d[..., None].view(np.uint8)
-      raw[..., 2:4] = dmin[..., None].view(np.uint8)
-    elif qtype == Q.Q6_K:  # d closes the block
-      raw[..., 208:210] = d[..., None].view(np.uint8)
+      at = 80 if qtype == Q.Q2_K else 0  # Q2_K's close the block, the others' lead it
+      raw[..., at : at + 2] = d[..., None].view(np.uint8)
+      raw[..., at + 2 : at + 4] = dmin[..., None].view(np.uint8)
+    elif qtype in (Q.Q3_K, Q.Q6_K):  # d closes the block
+      at = 108 if qtype == Q.Q3_K else 208
+      raw[..., at : at + 2] = d[..., None].view(np.uint8)
     else:  # IQ4_NL, IQ4_XS: d leads the block
       raw[..., 0:2] = d[..., None].view(np.uint8)
 
@@ -242,7 +244,7 @@ def random_blocks(rng, qtype: Q, rows: int, cols: int, std: float) -> np.ndarray
 
 
 #: The types written as random blocks (`random_blocks`): gguf-py cannot quantize them.
-RANDOM_BLOCK_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+RANDOM_BLOCK_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 
 
 def tensor_data(rng, qtype: Q, shape: tuple[int, ...], std: float) -> np.ndarray:

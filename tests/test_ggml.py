@@ -45,6 +45,8 @@ SCALE_FIELDS: dict[str, tuple[int, ...]] = {
   "Q4_1": (0, 2),
   "Q5_0": (0,),
   "Q5_1": (0, 2),
+  "Q2_K": (80, 82),
+  "Q3_K": (108,),
   "Q4_K": (0, 2),
   "Q5_K": (0, 2),
   "Q6_K": (208,),
@@ -205,8 +207,8 @@ def test_a_mixed_kernel_decodes_by_blocks_of_inputs_as_whole():
   assert shape == raw.shape == (2, n_out, row_bytes("Q6_K", n_in) + 1)
   assert_same_bits(jax.jit(enc.decode)((jnp.asarray(raw),)), want.swapaxes(-1, -2))
   assert Encoding.from_dict(enc.to_dict()) == enc
-  with pytest.raises(InvalidPolicyValueError, match="GGML type 'Q3_K' is not supported"):
-    Encoding.from_dict({**enc.to_dict(), "ggml_type": "Q4_K+Q3_K"})
+  with pytest.raises(InvalidPolicyValueError, match="GGML type 'IQ2_XXS' is not supported"):
+    Encoding.from_dict({**enc.to_dict(), "ggml_type": "Q4_K+IQ2_XXS"})
 
 
 @pytest.mark.parametrize(
@@ -235,8 +237,8 @@ def test_bad_mixed_rows_raise(call, fragment):
 @pytest.mark.parametrize(
   ("value", "fragment"),
   [
-    ("Q3_K", "GGML type 'Q3_K' is not supported"),
-    (10, "GGML type 10 is not supported"),  # Q2_K
+    ("IQ2_XXS", "GGML type 'IQ2_XXS' is not supported"),
+    (9, "GGML type 9 is not supported"),  # Q8_1
     (99, "GGML type 99 is not supported"),
     (True, "GGML type True is not supported"),
     (None, "GGML type None is not supported"),

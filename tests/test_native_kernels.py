@@ -89,7 +89,8 @@ def ggml_rows(types: tuple[str, ...], rows: int, n: int, seed: int) -> np.ndarra
   rng = np.random.default_rng(seed)
   width = ggml_mixed.mixed_row_bytes(types, n) if len(types) > 1 else ggml.row_bytes(types[0], n)
   raw = np.zeros((rows, width), np.uint8)
-  scales = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+  scales = {"Q4_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+  scales["Q6_K"] = (208,)
   for r in range(rows):
     k = r % len(types)
     t = ggml.ggml_type(types[k])

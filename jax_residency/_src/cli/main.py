@@ -436,8 +436,8 @@ def _add_convert(sub: argparse._SubParsersAction[_Parser]) -> None:
       "a time and writes a unit store every policy can place (host memory: about one tensor).\n"
       "convert gguf FILE DST: reads a llama.cpp GGUF file of the Llama architecture and\n"
       "writes a store whose matrices keep their GGML types (F32, F16, BF16, Q8_0, Q4_0,\n"
-      "Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and mixed presets such as\n"
-      "Q4_K_M), decoded where each layer runs, with a config.json and a\n"
+      "Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and mixed presets\n"
+      "such as Q4_K_M), decoded where each layer runs, with a config.json and a\n"
       "tokenizer.json derived from its metadata."
     ),
   )

@@ -425,7 +425,7 @@ def convert_gguf(
   in their GGML types.
 
   Each matrix is stored as the file's rows of blocks and decoded in the step that
-  uses it (`quant.ggml`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+  uses it (`quant.ggml`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
   Q6_K, IQ4_NL, IQ4_XS); a layer stack is read and written one unit at a time. A
   tensor name with several types across layers (llama.cpp's Q4_K_M and other mixed
   presets) keeps each layer's type: its rows are padded to the widest type's, plus

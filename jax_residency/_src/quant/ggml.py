@@ -24,6 +24,18 @@ Every multi-byte field is little-endian; "half" below is an IEEE float16 scale.
   (``sc``) and ``k`` (``mn``). The codes come in four runs of 32 bytes: run
   ``r`` holds sub-block ``2r`` in its low nibbles and ``2r + 1`` in its high
   ones. A code ``c`` means ``(d * sc) * c - dmin * mn``.
+* ``Q2_K`` (256 values, 84 bytes): 16 scale bytes (sub-block ``k`` of 16 values: a
+  4-bit scale ``sc`` in the low nibble of byte ``k``, a 4-bit minimum ``mn`` in the
+  high one), 64 code bytes, then halves ``d`` and ``dmin``. Value ``128 h + 32 j + l``
+  (``h`` in 0..1, ``j`` in 0..3, ``l`` in 0..31) is bits ``2j`` and ``2j + 1`` of code
+  byte ``32 h + l``; a code ``c`` means ``(d * sc) * c - dmin * mn``.
+* ``Q3_K`` (256 values, 110 bytes): 32 bytes ``hmask``, 64 code bytes, 12 scale bytes,
+  a half ``d``. A value's low two bits come from the code bytes as in ``Q2_K``; value
+  ``32 b + l`` (``b`` in 0..7) has ``4`` subtracted where bit ``b`` of ``hmask[l]`` is
+  clear. Its sub-block's 6-bit scale ``sc`` (16 of them): the low nibble of scale byte
+  ``k`` (scales 0-7) or its high nibble (8-15, of byte ``k - 8``), and as top two bits
+  bits ``2s`` and ``2s + 1`` of byte ``8 + k % 4`` for scale ``4 s + k % 4``. A code
+  ``c`` in ``[-4, 3]`` means ``(d * (sc - 32)) * c``.
 * ``IQ4_NL`` (32 values, 18 bytes): ``Q4_0``'s layout, but a code ``c`` means
   ``d * K[c]``, ``K`` the 16 non-uniform levels `IQ4_LEVELS`.
 * ``IQ4_XS`` (256 values, 136 bytes): a half ``d``, a 16-bit word ``sh``, 4 bytes
@@ -51,7 +63,7 @@ operation by operation, in float32. Every product there is exact in float32: a
 half has at most 11 significant bits and the integers it is multiplied by (a
 sub-block scale times a code, or an IQ4 level) at most 12 together, within
 float32's 24, and no product leaves float32's normal range. So each decoded value
-has at most one rounding, in the final add or subtract (Q4_1, Q5_1, Q4_K, Q5_K),
+has at most one rounding, in the final add or subtract (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K),
 and the result is bit-identical to llama.cpp's whether or not XLA reorders the
 products or contracts a multiply and an add into an FMA.
 """
@@ -106,6 +118,8 @@ GGML_TYPES: tuple[GgmlType, ...] = (
   GgmlType(name="Q5_0", type_id=6, block_size=32, block_bytes=22),
   GgmlType(name="Q5_1", type_id=7, block_size=32, block_bytes=24),
   GgmlType(name="Q8_0", type_id=8, block_size=32, block_bytes=34),
+  GgmlType(name="Q2_K", type_id=10, block_size=QK_K, block_bytes=84),
+  GgmlType(name="Q3_K", type_id=11, block_size=QK_K, block_bytes=110),
   GgmlType(name="Q4_K", type_id=12, block_size=QK_K, block_bytes=144),
   GgmlType(name="Q5_K", type_id=13, block_size=QK_K, block_bytes=176),
   GgmlType(name="Q6_K", type_id=14, block_size=QK_K, block_bytes=210),
@@ -175,9 +189,10 @@ def decode(
   `jax.lax.bitcast_convert_type`, so decoding runs where ``raw`` lives. Computed
   in float32 and then cast to ``dtype``. The order of operations is the C
   reference's: ``q * d`` (Q8_0, Q4_0, Q5_0), ``q * d + m`` (Q4_1, Q5_1), ``(d *
-  sc) * q - dmin * mn`` (Q4_K, Q5_K), ``(d * sc) * q`` (Q6_K), ``d * K[q]``
-  (IQ4_NL) and ``(d * (ls - 32)) * K[q]`` (IQ4_XS). XLA may contract
-  the multiply-adds of Q4_1, Q5_1, Q4_K and Q5_K into FMAs; since their products
+  sc) * q - dmin * mn`` (Q2_K, Q4_K, Q5_K), ``(d * (sc - 32)) * q`` (Q3_K), ``(d *
+  sc) * q`` (Q6_K), ``d * K[q]`` (IQ4_NL) and ``(d * (ls - 32)) * K[q]`` (IQ4_XS).
+  XLA may contract the multiply-adds of Q4_1, Q5_1, Q2_K, Q4_K and Q5_K into FMAs;
+  since their products
   are exact in float32, the results are the same bits either way (see the module
   docstring).
 
@@ -336,6 +351,39 @@ def _k_codes(runs: jax.Array) -> jax.Array:
   return q.reshape(*runs.shape[:-2], 8, 32).astype(jnp.int32)
 
 
+def _two_bits(qs: jax.Array) -> jax.Array:
+  """The 2-bit codes of a Q2_K/Q3_K block's 64 code bytes as ``(..., 16, 16)`` (sub-block,
+  value): value ``128 h + 32 j + l`` is bits ``2j``, ``2j + 1`` of byte ``32 h + l``."""
+  runs = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+  codes = (runs >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & 3  # (..., 2, 4, 32)
+  return codes.reshape(*qs.shape[:-1], 16, 16).astype(jnp.int32)
+
+
+def _q2_k(blocks: jax.Array) -> jax.Array:
+  sc = blocks[..., 0:16]
+  d = _half(blocks[..., 80:82])[..., None]
+  dmin = _half(blocks[..., 82:84])[..., None]
+  scale = (d * (sc & 0xF).astype(jnp.float32))[..., None]  # (..., 16, 1)
+  low = (dmin * (sc >> 4).astype(jnp.float32))[..., None]
+  q = _two_bits(blocks[..., 16:80]).astype(jnp.float32)
+  return (scale * q - low).reshape(*blocks.shape[:-1], QK_K)
+
+
+def _q3_k(blocks: jax.Array) -> jax.Array:
+  lead = blocks.shape[:-1]
+  d = _half(blocks[..., 108:110])[..., None]
+  low, high = blocks[..., 96:104], blocks[..., 104:108]
+  sc_low = jnp.concatenate([low & 0xF, low >> 4], axis=-1)  # scale 8s + k: nibble s, byte k
+  shifts = jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]
+  sc_high = ((high[..., None, :] >> shifts) & 3).reshape(*lead, 16)  # scale 4s + k
+  sc = (sc_low | (sc_high << 4)).astype(jnp.int32) - 32
+  scale = (d * sc.astype(jnp.float32))[..., None]  # (..., 16, 1)
+  bits = blocks[..., 0:32][..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]  # (..., 8, 32)
+  clear = ((bits & 1) ^ 1).reshape(*lead, 16, 16).astype(jnp.int32)
+  q = (_two_bits(blocks[..., 32:96]) - (clear << 2)).astype(jnp.float32)
+  return (scale * q).reshape(*lead, QK_K)
+
+
 def _q4_k(blocks: jax.Array) -> jax.Array:
   return _k_decode(blocks, _k_codes(blocks[..., 16:144]))
 
@@ -385,6 +433,8 @@ DECODERS: dict[str, Callable[[jax.Array], jax.Array]] = {
   "Q4_1": _q4_1,
   "Q5_0": _q5_0,
   "Q5_1": _q5_1,
+  "Q2_K": _q2_k,
+  "Q3_K": _q3_k,
   "Q4_K": _q4_k,
   "Q5_K": _q5_k,
   "Q6_K": _q6_k,

@@ -162,7 +162,16 @@ inline float half(const uint8_t* p) {
 }
 
 // Type ids (GGUF's), as quant/ggml.py's table gives them.
-enum GgmlId : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlId : int32_t {
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ8_0 = 8,
+  kQ2_K = 10,
+  kQ3_K = 11,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14
+};
 
 float dot_q8_0(const float* x, const uint8_t* b, int64_t n) {
   vf acc = {};
@@ -258,6 +267,54 @@ float dot_q6_k(const float* x, const uint8_t* b, int64_t n) {
   return lanes_sum(acc);
 }
 
+// Q2_K: (d * sc) * c - dmin * mn, a 4-bit scale and minimum a 16 values (one byte);
+// value 128 h + 32 j + l is bits 2j, 2j + 1 of code byte 32 h + l.
+float dot_q2_k(const float* x, const uint8_t* b, int64_t n) {
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += 256, b += 84) {
+    const float d = half(b + 80), dmin = half(b + 82);
+    for (int h = 0; h < 2; ++h) {
+      for (int l0 = 0; l0 < 32; l0 += 16) {
+        const vu8 q = load<vu8>(b + 16 + 32 * h + l0);
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t s = b[8 * h + 2 * j + l0 / 16];
+          const vf xv = load<vf>(x + i + 128 * h + 32 * j + l0);
+          acc += xv * (widen(vu8((q >> (2 * j)) & 3)) * (d * float(s & 15)) - dmin * float(s >> 4));
+        }
+      }
+    }
+  }
+  return lanes_sum(acc);
+}
+
+// Q3_K: (d * (sc - 32)) * c, c = the two code bits, less 4 where bit 4h + j of
+// hmask[l] is clear; 16 six-bit scales packed in 12 bytes (quant/ggml.py).
+float dot_q3_k(const float* x, const uint8_t* b, int64_t n) {
+  const vf four = vf{} + 4.0f;
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += 256, b += 110) {
+    const float d = half(b + 108);
+    const uint8_t* s = b + 96;
+    float dl[16];
+    for (int k = 0; k < 16; ++k) {
+      const int low = k < 8 ? (s[k] & 15) : (s[k - 8] >> 4);
+      const int high = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+      dl[k] = d * float((low | (high << 4)) - 32);
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int l0 = 0; l0 < 32; l0 += 16) {
+        const vu8 q = load<vu8>(b + 32 + 32 * h + l0), hm = load<vu8>(b + l0);
+        for (int j = 0; j < 4; ++j) {
+          const vu8 c = vu8((q >> (2 * j)) & 3) | vu8(((hm >> (4 * h + j)) & 1) << 2);
+          const vf xv = load<vf>(x + i + 128 * h + 32 * j + l0);
+          acc += xv * (widen(c) - four) * dl[8 * h + 2 * j + l0 / 16];
+        }
+      }
+    }
+  }
+  return lanes_sum(acc);
+}
+
 typedef float (*RowDot)(const float*, const uint8_t*, int64_t);
 
 struct RowType {
@@ -271,6 +328,8 @@ RowType row_type(int32_t id) {
     case kQ8_0: return {dot_q8_0, 32, 34};
     case kQ4_0: return {dot_q4_01<false>, 32, 18};
     case kQ4_1: return {dot_q4_01<true>, 32, 20};
+    case kQ2_K: return {dot_q2_k, 256, 84};
+    case kQ3_K: return {dot_q3_k, 256, 110};
     case kQ4_K: return {dot_q45_k<false>, 256, 144};
     case kQ5_K: return {dot_q45_k<true>, 256, 176};
     case kQ6_K: return {dot_q6_k, 256, 210};

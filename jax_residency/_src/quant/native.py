@@ -52,9 +52,9 @@ TARGETS = {
 #: The handler symbols ``matvec.cc`` exports, by scheme.
 _SYMBOLS = {"int4": "JrInt4Matvec", "int8": "JrInt8Matvec", "ggml": "JrGgmlMatvec"}
 #: The GGML types ``matvec.cc`` multiplies by (a mixed tensor's, each of its types): the
-#: types of llama.cpp's Q4_0, Q4_1, Q8_0, Q4_K_*, Q5_K_* and Q6_K presets. Others stay
-#: XLA's products.
-GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+#: types of llama.cpp's Q4_0, Q4_1, Q8_0, Q2_K, Q3_K_*, Q4_K_*, Q5_K_* and Q6_K presets.
+#: Others stay XLA's products.
+GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 #: Vector lanes of the kernels' loops: the input dimension (int8) and the group size
 #: (int4) must be multiples of it.
 LANES = 16

@@ -5,15 +5,16 @@ matrix kept in a GGML type (`models.convert_gguf`), this times that product thre
 in a fresh process: the native kernel (``matvec.cc``'s ``jr_ggml_matvec``, what a step
 on one CPU device calls), XLA's product with the decode fused into it (what a step on a
 mesh, or lowered for an accelerator, runs), and XLA's float32 product by the decoded
-matrix (what a float32 store's step runs). Each type the native kernel takes is timed,
-and a Q4_K layer of a stack in llama.cpp's Q4_K_M mix (``Q4_K+Q6_K``: Q4_K rows padded
-to Q6_K's and a type byte, `quant.ggml_mixed`; the other layers' rows are Q6_K's).
-The blocks are random with finite float16 scales; the median of ``--iters`` calls per
+matrix (what a float32 store's step runs). Each GGML type is timed but F32 (the
+float32 product's bytes), and a Q4_K layer of a stack in llama.cpp's Q4_K_M mix
+(``Q4_K+Q6_K``: Q4_K rows padded to Q6_K's and a type byte, `quant.ggml_mixed`; the
+other layers' rows are Q6_K's). The blocks are random with finite float16 scales (F16
+and BF16 rows: normal values); the median of ``--iters`` calls per
 process, the median of ``--repeat`` processes.
 
 Parity gates: each product is within float32 rounding (1e-6 of the sum of the terms'
 magnitudes) of the float64 product by the matrix `quant.ggml` decodes. Targets: the
-native product <= 0.75x the float32 one for every type (the codes are 0.27-0.56 of the
+native product <= 0.75x the float32 one for every type (the codes are 0.16-0.5 of the
 float32 bytes), and <= 0.5x XLA's fused one. The script exits 1 when a gate fails or
 (unless ``--quick``) a target is missed; a full run writes
 ``benchmarks/results/ggml_matvec.json`` (``benchmarks/_result.py``).
@@ -33,7 +34,10 @@ import _result
 import _zygote
 
 #: The matrices timed: each type the native kernel takes, and Q4_K_M's mix.
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K+Q6_K")
+TYPES = (
+  *("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K"),
+  *("Q6_K", "IQ4_NL", "IQ4_XS", "Q4_K+Q6_K"),
+)
 WAYS = ("native", "xla_fused", "float32")
 NATIVE_VS_FLOAT32 = 0.75  # target: the native product <= this x the float32 one
 NATIVE_VS_XLA = 0.5  # target: the native product <= this x XLA's fused one
@@ -43,6 +47,7 @@ QUICK = {"n": 512, "rows": 256, "iters": 5, "repeat": 1}
 def random_rows(types: list[str], rows: int, n: int, seed: int):
   """Rows of ``types[0]`` (with several, in `quant.ggml_mixed`'s layout: one layer of a
   mixed stack), random codes and float16 scales of both signs, 2**-8 to 2**-4."""
+  import ml_dtypes
   import numpy as np
 
   from jax_residency._src.quant import ggml, ggml_mixed
@@ -51,9 +56,13 @@ def random_rows(types: list[str], rows: int, n: int, seed: int):
   t = ggml.ggml_type(types[0])
   width = ggml_mixed.mixed_row_bytes(types, n) if len(types) > 1 else ggml.row_bytes(t, n)
   raw = np.zeros((rows, width), np.uint8)  # a mixed row's type byte: 0, types[0]
+  if t.name in ("F16", "BF16"):  # normal values
+    dtype = np.float16 if t.name == "F16" else ml_dtypes.bfloat16
+    raw[:, : ggml.row_bytes(t, n)] = rng.standard_normal((rows, n)).astype(dtype).view(np.uint8)
+    return raw
   blocks = rng.integers(0, 256, (rows, n // t.block_size, t.block_bytes), dtype=np.uint8)
-  fields = {"Q4_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2)}
-  for at in {**fields, "Q6_K": (208,)}.get(t.name, (0,)):
+  fields = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2)}
+  for at in {**fields, "Q5_K": (0, 2), "Q6_K": (208,)}.get(t.name, (0,)):
     d = rng.choice([-1.0, 1.0], blocks.shape[:2]) * np.exp2(rng.uniform(-8, -4, blocks.shape[:2]))
     blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
   raw[:, : ggml.row_bytes(t, n)] = blocks.reshape(rows, -1)

@@ -103,22 +103,23 @@ def test_logits_and_greedy_tokens_match_transformers(name, policy, stores, conve
     assert 0 < decode_temps < smallest, (decode_temps, smallest)
 
 
-def test_a_one_token_step_multiplies_by_native_kernels_where_there_are_some(converted):
-  """On one CPU device, a one-token step multiplies by each matrix whose types all have a
-  native kernel (`quant.native.GGML_TYPES`: mixed stacks too) with that kernel, once a
-  step, and by the others (F16, Q5_0, ...) with XLA's fused products; a prefill uses
+@pytest.mark.parametrize("name", NAMES)
+def test_a_one_token_step_multiplies_by_the_native_kernel(name, converted):
+  """On one CPU device, a one-token step multiplies by every GGUF matrix (every type,
+  mixed stacks too; `quant.native.GGML_TYPES`) with the native kernel, once a step each:
+  the head too, and the tied fixture's embedding where it is the head; a prefill uses
   XLA's products (the logits are checked against transformers above)."""
   if not native.available():
     pytest.skip(f"no native kernels here: {native.build_error()}")
-  path, info = converted["gguf_tiny_untied"]
-  matrices = [t for t in info.quantization.tensors if t.path[-1] != "embedding"]
-  native_ones = [t for t in matrices if set(t.encoding.ggml_types) <= set(native.GGML_TYPES)]
-  assert 0 < len(native_ones) < len(matrices)  # the fixture has both kinds
-  assert any(len(t.encoding.ggml_types) > 1 for t in native_ones)  # a mixed stack among them
+  assert set(native.GGML_TYPES) == {t.name for t in ggml.GGML_TYPES}
+  path, info = converted[name]
+  tied = reference(name)["tied_lm_head"]
+  products = [t for t in info.quantization.tensors if tied or t.path[-1] != "embedding"]
+  assert any(len(t.encoding.ggml_types) > 1 for t in products)  # a mixed stack among them
   with jr.place(models.load(path), jr.FullyResident(), store=path) as placed:
     one = placed.lower(jnp.zeros((1, 1), jnp.int32)).compile().as_text()
     many = placed.lower(jnp.zeros((1, 5), jnp.int32)).compile().as_text()
-  assert one.count('custom_call_target="jax_residency_ggml_matvec"') == len(native_ones)
+  assert one.count('custom_call_target="jax_residency_ggml_matvec"') == len(products)
   assert "jax_residency_ggml_matvec" not in many
 
 

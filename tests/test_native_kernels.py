@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -84,20 +85,25 @@ def test_shapes_the_kernels_do_not_take_are_refused():
 
 def ggml_rows(types: tuple[str, ...], rows: int, n: int, seed: int) -> np.ndarray:
   """Random rows of GGML blocks, row ``r`` of ``types[r % len(types)]`` (a mixed tensor's
-  layout where there are several: padded rows, then the type byte), their float16
-  scales finite, of both signs, down to subnormals."""
+  layout where there are several: padded rows, then the type byte): random codes with
+  float16 scales finite, of both signs, down to subnormals; float types' rows hold
+  normal values."""
   rng = np.random.default_rng(seed)
   width = ggml_mixed.mixed_row_bytes(types, n) if len(types) > 1 else ggml.row_bytes(types[0], n)
   raw = np.zeros((rows, width), np.uint8)
-  scales = {"Q4_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2)}
-  scales["Q6_K"] = (208,)
+  scales = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2)}
+  scales |= {"Q5_K": (0, 2), "Q6_K": (208,)}
+  floats = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
   for r in range(rows):
     k = r % len(types)
     t = ggml.ggml_type(types[k])
-    blocks = rng.integers(0, 256, (n // t.block_size, t.block_bytes), dtype=np.uint8)
-    for at in scales.get(t.name, (0,)):
-      d = rng.choice([-1.0, 1.0], len(blocks)) * np.exp2(rng.uniform(-20, 2, len(blocks)))
-      blocks[:, at : at + 2] = d.astype(np.float16)[:, None].view(np.uint8)
+    if t.name in floats:
+      blocks = rng.standard_normal(n).astype(floats[t.name]).view(np.uint8)
+    else:
+      blocks = rng.integers(0, 256, (n // t.block_size, t.block_bytes), dtype=np.uint8)
+      for at in scales.get(t.name, (0,)):
+        d = rng.choice([-1.0, 1.0], len(blocks)) * np.exp2(rng.uniform(-20, 2, len(blocks)))
+        blocks[:, at : at + 2] = d.astype(np.float16)[:, None].view(np.uint8)
     raw[r, : blocks.size] = blocks.reshape(-1)
     raw[r, -1] = k if len(types) > 1 else raw[r, -1]
   return raw
@@ -109,6 +115,7 @@ def ggml_rows(types: tuple[str, ...], rows: int, n: int, seed: int) -> np.ndarra
     *[((t,), (4352, 40)) for t in native.GGML_TYPES],  # over a decoded block of inputs
     (("Q4_K", "Q6_K"), (2048, 48)),  # llama.cpp's Q4_K_M mix
     (("Q4_0", "Q4_1", "Q8_0", "Q5_K"), (512, 64)),
+    (("F16", "IQ4_XS", "Q5_0"), (512, 48)),
   ],
   ids=lambda v: "+".join(v) if isinstance(v[0], str) else "x".join(map(str, v)),
 )
@@ -138,8 +145,8 @@ def test_ggml_rows_the_kernel_does_not_take_are_refused():
   assert not native.supports("ggml:Q4_K", [q4k], jnp.zeros(512, jnp.float32))  # a width
   assert not native.supports("ggml:Q4_K", [q4k[None]], x)  # a stack of units
   assert not native.supports("ggml:Q6_K", [q4k], x)  # another type's rows
-  iq4 = jnp.zeros((4, ggml.row_bytes("IQ4_NL", 256)), jnp.uint8)
-  assert not native.supports("ggml:IQ4_NL", [iq4], x)  # a type without a kernel: XLA's
+  f16 = jnp.zeros((4, ggml.row_bytes("F16", 40)), jnp.uint8)
+  assert not native.supports("ggml:F16", [f16], jnp.zeros(40, jnp.float32))  # 40 % 16
   mixed = jnp.asarray(ggml_rows(("Q4_K", "Q6_K"), 4, 256, seed=0))
   assert native.supports("ggml:Q4_K+Q6_K", [mixed], x)
   assert not native.supports("ggml:Q4_K+Q6_K", [mixed[:, :-1]], x)  # no type byte

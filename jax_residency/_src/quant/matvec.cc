@@ -163,14 +163,21 @@ inline float half(const uint8_t* p) {
 
 // Type ids (GGUF's), as quant/ggml.py's table gives them.
 enum GgmlId : int32_t {
+  kF32 = 0,
+  kF16 = 1,
   kQ4_0 = 2,
   kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
   kQ8_0 = 8,
   kQ2_K = 10,
   kQ3_K = 11,
   kQ4_K = 12,
   kQ5_K = 13,
-  kQ6_K = 14
+  kQ6_K = 14,
+  kIQ4_NL = 20,
+  kIQ4_XS = 23,
+  kBF16 = 30
 };
 
 float dot_q8_0(const float* x, const uint8_t* b, int64_t n) {
@@ -315,6 +322,102 @@ float dot_q3_k(const float* x, const uint8_t* b, int64_t n) {
   return lanes_sum(acc);
 }
 
+// Q5_0 (c - 16) * d and Q5_1 c * d + m: Q4_0's nibbles with a fifth bit, bit j of a
+// little-endian 32-bit word for value j.
+template <bool kOffset>
+float dot_q5_01(const float* x, const uint8_t* b, int64_t n) {
+  constexpr int64_t kBytes = kOffset ? 24 : 22;
+  const vi lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf sixteen = vf{} + 16.0f;
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += 32, b += kBytes) {
+    uint32_t qh;
+    std::memcpy(&qh, b + (kOffset ? 4 : 2), 4);
+    const vu8 q = load<vu8>(b + (kOffset ? 8 : 6));
+    const vi word = vi{} + int32_t(qh);
+    const vi lo = __builtin_convertvector(vu8(q & 15), vi) | (((word >> lanes) & 1) << 4);
+    const vi hi = __builtin_convertvector(vu8(q >> 4), vi) | (((word >> (lanes + 16)) & 1) << 4);
+    const vf x0 = load<vf>(x + i), x1 = load<vf>(x + i + 16);
+    const vf c0 = __builtin_convertvector(lo, vf), c1 = __builtin_convertvector(hi, vf);
+    if (kOffset) {
+      acc += (x0 * c0 + x1 * c1) * half(b) + (x0 + x1) * half(b + 2);
+    } else {
+      acc += (x0 * (c0 - sixteen) + x1 * (c1 - sixteen)) * half(b);
+    }
+  }
+  return lanes_sum(acc);
+}
+
+// IQ4_NL's and IQ4_XS's 16 levels, picked by 4-bit codes (a permute of one vector).
+inline vf iq4_levels(vu8 codes) {
+  const vf levels = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  return __builtin_shuffle(levels, __builtin_convertvector(codes, vi));
+}
+
+float dot_iq4_nl(const float* x, const uint8_t* b, int64_t n) {
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += 32, b += 18) {
+    const vu8 q = load<vu8>(b + 2);
+    const vf part = load<vf>(x + i) * iq4_levels(vu8(q & 15)) +
+                    load<vf>(x + i + 16) * iq4_levels(vu8(q >> 4));
+    acc += part * half(b);
+  }
+  return lanes_sum(acc);
+}
+
+// IQ4_XS: (d * (ls - 32)) * K[c] over 8 sub-blocks of 32; sub-block k's values are the
+// low, then the high nibbles of code bytes 16k..16k+15.
+float dot_iq4_xs(const float* x, const uint8_t* b, int64_t n) {
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += 256, b += 136) {
+    const float d = half(b);
+    const int sh = b[2] | (b[3] << 8);
+    for (int k = 0; k < 8; ++k) {
+      const int ls = ((b[4 + k / 2] >> (4 * (k % 2))) & 15) | (((sh >> (2 * k)) & 3) << 4);
+      const vu8 q = load<vu8>(b + 8 + 16 * k);
+      const vf part = load<vf>(x + i + 32 * k) * iq4_levels(vu8(q & 15)) +
+                      load<vf>(x + i + 32 * k + 16) * iq4_levels(vu8(q >> 4));
+      acc += part * (d * float(ls - 32));
+    }
+  }
+  return lanes_sum(acc);
+}
+
+typedef uint16_t vu16 __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(kLanes * 4)));
+
+// F32, F16 and BF16 rows, 16 values at a time.
+float dot_f32(const float* x, const uint8_t* b, int64_t n) {
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += kLanes) acc += load<vf>(x + i) * load<vf>(b + 4 * i);
+  return lanes_sum(acc);
+}
+
+float dot_f16(const float* x, const uint8_t* b, int64_t n) {
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += kLanes) {
+#if defined(__AVX512F__)
+    const vf w = (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 2 * i)));
+#else
+    vf w;
+    for (int64_t k = 0; k < kLanes; ++k) w[k] = half(b + 2 * (i + k));
+#endif
+    acc += load<vf>(x + i) * w;
+  }
+  return lanes_sum(acc);
+}
+
+float dot_bf16(const float* x, const uint8_t* b, int64_t n) {
+  vf acc = {};
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const vu32 bits = __builtin_convertvector(load<vu16>(b + 2 * i), vu32) << 16;
+    vf w;
+    std::memcpy(&w, &bits, sizeof w);
+    acc += load<vf>(x + i) * w;
+  }
+  return lanes_sum(acc);
+}
+
 typedef float (*RowDot)(const float*, const uint8_t*, int64_t);
 
 struct RowType {
@@ -325,6 +428,13 @@ struct RowType {
 // A type id's dot product and block; a null `dot` for a type without one.
 RowType row_type(int32_t id) {
   switch (id) {
+    case kF32: return {dot_f32, kLanes, 4 * kLanes};  // a "block": one vector's values
+    case kF16: return {dot_f16, kLanes, 2 * kLanes};
+    case kBF16: return {dot_bf16, kLanes, 2 * kLanes};
+    case kQ5_0: return {dot_q5_01<false>, 32, 22};
+    case kQ5_1: return {dot_q5_01<true>, 32, 24};
+    case kIQ4_NL: return {dot_iq4_nl, 32, 18};
+    case kIQ4_XS: return {dot_iq4_xs, 256, 136};
     case kQ8_0: return {dot_q8_0, 32, 34};
     case kQ4_0: return {dot_q4_01<false>, 32, 18};
     case kQ4_1: return {dot_q4_01<true>, 32, 20};

@@ -51,10 +51,9 @@ TARGETS = {
 }
 #: The handler symbols ``matvec.cc`` exports, by scheme.
 _SYMBOLS = {"int4": "JrInt4Matvec", "int8": "JrInt8Matvec", "ggml": "JrGgmlMatvec"}
-#: The GGML types ``matvec.cc`` multiplies by (a mixed tensor's, each of its types): the
-#: types of llama.cpp's Q4_0, Q4_1, Q8_0, Q2_K, Q3_K_*, Q4_K_*, Q5_K_* and Q6_K presets.
-#: Others stay XLA's products.
-GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: The GGML types ``matvec.cc`` multiplies by (a mixed tensor's, each of its types): every
+#: type `quant.ggml` decodes.
+GGML_TYPES = tuple(t.name for t in ggml.GGML_TYPES)
 #: Vector lanes of the kernels' loops: the input dimension (int8) and the group size
 #: (int4) must be multiples of it.
 LANES = 16
@@ -196,12 +195,12 @@ def supports(scheme: str, parts: list[Any], x: Any) -> bool:
 
 def _supports_ggml(types: list[str], parts: list[Any], n: int) -> bool:
   """Whether the GGML kernel takes rows of ``types`` (`GGML_TYPES`, at most 8) of ``n``
-  values each, as ``parts`` (one 2-D uint8 array) hold them."""
+  values each (a multiple of `LANES`), as ``parts`` (one 2-D uint8 array) hold them."""
   blocks = parts[0]
   if len(parts) != 1 or blocks.ndim != 2 or blocks.dtype != jnp.uint8 or len(types) > 8:
     return False
-  if any(t not in GGML_TYPES or n % ggml.ggml_type(t).block_size for t in types):
-    return False
+  if n % LANES or any(t not in GGML_TYPES or n % ggml.ggml_type(t).block_size for t in types):
+    return False  # the float types' loops take a vector of values at a time
   if len(types) == 1:
     return blocks.shape[1] == ggml.row_bytes(types[0], n)
   return blocks.shape[1] == ggml_mixed.mixed_row_bytes(types, n)

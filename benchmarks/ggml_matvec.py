@@ -12,8 +12,10 @@ other layers' rows are Q6_K's). The blocks are random with finite float16 scales
 and BF16 rows: normal values); the median of ``--iters`` calls per
 process, the median of ``--repeat`` processes.
 
-Parity gates: each product is within float32 rounding (1e-6 of the sum of the terms'
-magnitudes) of the float64 product by the matrix `quant.ggml` decodes. Targets: the
+Parity gate: the native and XLA-fused products are within float32 rounding (1e-6 of the
+sum of the terms' magnitudes) of the float64 product by the matrix `quant.ggml` decodes
+(XLA's own float32 product's error is reported beside it: its sums round differently,
+1.4e-6 at worst in one run). Targets: the
 native product <= 0.75x the float32 one for every type (the codes are 0.16-0.5 of the
 float32 bytes), and <= 0.5x XLA's fused one. The script exits 1 when a gate fails or
 (unless ``--quick``) a target is missed; a full run writes
@@ -177,12 +179,13 @@ def main() -> int:
   result["types"] = types
   result["float32_bytes"] = runs[0]["float32_bytes"]
   checks: list[dict] = []
-  worst = max(r[f"{way}_error"] for r in types.values() for way in WAYS)
+  worst = max(r[f"{way}_error"] for r in types.values() for way in WAYS[:2])
+  result["float32_error"] = max(r["float32_error"] for r in types.values())  # XLA's own
   _result.check(
     checks,
-    "every product within 1e-6 of the float64 product (of the terms' magnitudes)",
+    "native and XLA-fused products within 1e-6 of the float64 product (of the terms' magnitudes)",
     worst <= 1e-6,
-    f"{worst:.2g}",
+    f"{worst:.2g} (XLA's float32 product: {result['float32_error']:.2g})",
     _result.PARITY,
   )
   for name, r in types.items():

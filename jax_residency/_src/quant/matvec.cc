@@ -348,10 +348,20 @@ float dot_q5_01(const float* x, const uint8_t* b, int64_t n) {
   return lanes_sum(acc);
 }
 
-// IQ4_NL's and IQ4_XS's 16 levels, picked by 4-bit codes (a permute of one vector).
+// IQ4_NL's and IQ4_XS's 16 levels, picked by 4-bit codes: one permute of a vector of
+// them with AVX-512, else lane by lane (which compilers turn into a gather or loads).
 inline vf iq4_levels(vu8 codes) {
-  const vf levels = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-  return __builtin_shuffle(levels, __builtin_convertvector(codes, vi));
+  alignas(64) static const float kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                1,    13,   25,  38,  53,  69,  89,  113};
+#if defined(__AVX512F__)
+  __m128i c;
+  std::memcpy(&c, &codes, sizeof c);
+  return (vf)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), _mm512_load_ps(kLevels));
+#else
+  vf out;
+  for (int64_t k = 0; k < kLanes; ++k) out[k] = kLevels[codes[k]];
+  return out;
+#endif
 }
 
 float dot_iq4_nl(const float* x, const uint8_t* b, int64_t n) {

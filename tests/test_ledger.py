@@ -56,8 +56,10 @@ def resident(ledger, tier=HOST, units=range(128)):
 
 
 def charged(ledger, tier=HOST):
-  """Bytes admission counts against the tier's budget: entries plus pending reservations."""
-  return ledger._tiers[tier].charged_bytes()
+  """Bytes admission counts against the tier's budget: entries plus pending reservations,
+  read under the ledger's lock (other threads may be changing them)."""
+  with ledger._lock:
+    return ledger._tiers[tier].charged_bytes()
 
 
 class Recorder:

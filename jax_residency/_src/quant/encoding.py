@@ -277,6 +277,8 @@ ROWS_DECODE_NAMES = {"_decode_kernel_rows": True, "_decode_table_rows": False}
 #: The start of the name of a GGUF tensor's decode: then ``kernel_`` or ``table_``, and
 #: its `Encoding.ggml_type` (``"_ggml_rows_kernel_Q4_K+Q6_K"``).
 GGML_ROWS_PREFIX = "_ggml_rows_"
+#: The start of a GGUF tensor's scheme in `rows_source`, before its types.
+GGML_SCHEME = "ggml:"
 
 
 @functools.cache
@@ -302,7 +304,7 @@ def rows_source(eqn: Any) -> tuple[str, bool] | None:
     return ("int8" if len(eqn.invars) == 2 else "int4"), ROWS_DECODE_NAMES[name]
   if name.startswith(GGML_ROWS_PREFIX):
     shape, _, types = name.removeprefix(GGML_ROWS_PREFIX).partition("_")
-    return f"ggml:{types}", shape == "kernel"
+    return f"{GGML_SCHEME}{types}", shape == "kernel"
   return None
 
 

@@ -189,11 +189,11 @@ class _State:
         self.pending.update(dict.fromkeys(eqn.outvars, eqn))
         if name == "concatenate" and all(self._resolve(v) in self.decoded for v in ins):
           self.blocks[eqn.outvars[0]] = (list(eqn.invars), int(eqn.params["dimension"]))
-        source = self.sources.get(self._resolve(eqn.invars[0]))
-        if name == "transpose" and source is not None and len(eqn.params["permutation"]) == 2:
+        if name == "transpose" and len(eqn.params["permutation"]) == 2:
           # A matrix transposed (a tied head's ``embedding.T``) is contracted on its other
           # axis: the same rows, the same kernel.
-          self.sources[eqn.outvars[0]] = (source[0], not source[1], source[2])
+          if (source := self.sources.get(self._resolve(eqn.invars[0]))) is not None:
+            self.sources[eqn.outvars[0]] = (source[0], not source[1], source[2])
       else:
         self._bind(eqn)
 

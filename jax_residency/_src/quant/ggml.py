@@ -192,9 +192,8 @@ def decode(
   sc) * q - dmin * mn`` (Q2_K, Q4_K, Q5_K), ``(d * (sc - 32)) * q`` (Q3_K), ``(d *
   sc) * q`` (Q6_K), ``d * K[q]`` (IQ4_NL) and ``(d * (ls - 32)) * K[q]`` (IQ4_XS).
   XLA may contract the multiply-adds of Q4_1, Q5_1, Q2_K, Q4_K and Q5_K into FMAs;
-  since their products
-  are exact in float32, the results are the same bits either way (see the module
-  docstring).
+  since their products are exact in float32, the results are the same bits either way
+  (see the module docstring).
 
   Args:
     raw: ``uint8``, shaped ``(..., rows, row_bytes)``: any leading axes (a stack
@@ -237,10 +236,15 @@ def decode(
 def _ggml_decode(raw: jax.Array, name: str, dtype: str) -> jax.Array:
   """`decode`'s arithmetic as one program (inlined in a jitted step; compiled once per
   shape and type when called eagerly, instead of dispatching each of its ops)."""
+  return values(raw, name).astype(dtype)
+
+
+def values(raw: jax.Array, name: str) -> jax.Array:
+  """float32 values of rows of whole blocks of type ``name``, ``(..., rows, row_bytes)``
+  to ``(..., rows, n)``: `decode`'s arithmetic, unchecked, traced in place."""
   t = _BY_NAME[name]
   blocks = raw.reshape(*raw.shape[:-1], raw.shape[-1] // t.block_bytes, t.block_bytes)
-  values = DECODERS[name](blocks)
-  return values.reshape(*raw.shape[:-1], -1).astype(dtype)
+  return DECODERS[name](blocks).reshape(*raw.shape[:-1], -1)
 
 
 def _uint(b: jax.Array, dtype: Any) -> jax.Array:

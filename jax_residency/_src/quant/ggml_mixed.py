@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_residency._src.errors import InvalidPolicyValueError
-from jax_residency._src.quant.ggml import DECODERS, GgmlType, ggml_type, row_bytes
+from jax_residency._src.quant.ggml import GgmlType, ggml_type, row_bytes, values
 
 
 def _widest(types: Sequence[str | int | GgmlType]) -> GgmlType:
@@ -137,13 +137,10 @@ def _ggml_decode_mixed(
   raw: jax.Array, names: tuple[str, ...], start: int, stop: int, dtype: str
 ) -> jax.Array:
   """`decode_mixed`'s arithmetic as one program."""
-  which = raw[..., -1:].astype(jnp.int32)
-  values = []
-  for name in names:
+  decoded = []
+  for name in names:  # each type from its own bytes of the range
     t = ggml_type(name)
     first, last = start // t.block_size * t.block_bytes, stop // t.block_size * t.block_bytes
-    own = raw[..., first:last]
-    blocks = own.reshape(*own.shape[:-1], own.shape[-1] // t.block_bytes, t.block_bytes)
-    values.append(DECODERS[name](blocks).reshape(*own.shape[:-1], stop - start))
-  which = jnp.broadcast_to(which, values[0].shape)
-  return jax.lax.select_n(which, *values).astype(dtype)
+    decoded.append(values(raw[..., first:last], name))
+  which = jnp.broadcast_to(raw[..., -1:].astype(jnp.int32), decoded[0].shape)
+  return jax.lax.select_n(which, *decoded).astype(dtype)

@@ -139,7 +139,7 @@ inline float half(const uint8_t* p) {
   std::memcpy(&h, p, 2);
 #if defined(__F16C__)
   return _cvtsh_ss(h);
-#endif
+#else
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
   if (exp == 0x1f) {
@@ -159,6 +159,7 @@ inline float half(const uint8_t* p) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+#endif
 }
 
 // Type ids (GGUF's), as quant/ggml.py's table gives them.
@@ -190,19 +191,31 @@ float dot_q8_0(const float* x, const uint8_t* b, int64_t n) {
   return lanes_sum(acc);
 }
 
-// Q4_0 (c - 8) * d and Q4_1 c * d + m: 16 code bytes, value j low nibble, j + 16 high.
-template <bool kOffset>
-float dot_q4_01(const float* x, const uint8_t* b, int64_t n) {
-  constexpr int64_t kBytes = kOffset ? 20 : 18;
-  const vf eight = vf{} + 8.0f;
+// Q4_0 (c - 8) * d, Q4_1 c * d + m, Q5_0 (c - 16) * d and Q5_1 c * d + m: a half d (and
+// m), for Q5 a little-endian 32-bit word whose bit j is value j's fifth bit, then 16
+// code bytes, value j in the low nibble of byte j and j + 16 in the high one.
+template <bool kOffset, bool kFifth>
+float dot_q_01(const float* x, const uint8_t* b, int64_t n) {
+  constexpr int64_t kCodes = (kOffset ? 4 : 2) + (kFifth ? 4 : 0), kBytes = kCodes + 16;
+  const vf centre = vf{} + (kFifth ? 16.0f : 8.0f);
+  const vi lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   vf acc = {};
   for (int64_t i = 0; i < n; i += 32, b += kBytes) {
-    const vu8 q = load<vu8>(b + (kOffset ? 4 : 2));
+    const vu8 q = load<vu8>(b + kCodes);
+    vi i0 = __builtin_convertvector(vu8(q & 15), vi), i1 = __builtin_convertvector(vu8(q >> 4), vi);
+    if (kFifth) {
+      uint32_t qh;
+      std::memcpy(&qh, b + kCodes - 4, 4);
+      const vi word = vi{} + int32_t(qh);
+      i0 |= ((word >> lanes) & 1) << 4;
+      i1 |= ((word >> (lanes + 16)) & 1) << 4;
+    }
+    const vf c0 = __builtin_convertvector(i0, vf), c1 = __builtin_convertvector(i1, vf);
     const vf x0 = load<vf>(x + i), x1 = load<vf>(x + i + 16);
     if (kOffset) {
-      acc += (x0 * widen(vu8(q & 15)) + x1 * widen(vu8(q >> 4))) * half(b) + (x0 + x1) * half(b + 2);
+      acc += (x0 * c0 + x1 * c1) * half(b) + (x0 + x1) * half(b + 2);
     } else {
-      acc += (x0 * (widen(vu8(q & 15)) - eight) + x1 * (widen(vu8(q >> 4)) - eight)) * half(b);
+      acc += (x0 * (c0 - centre) + x1 * (c1 - centre)) * half(b);
     }
   }
   return lanes_sum(acc);
@@ -322,32 +335,6 @@ float dot_q3_k(const float* x, const uint8_t* b, int64_t n) {
   return lanes_sum(acc);
 }
 
-// Q5_0 (c - 16) * d and Q5_1 c * d + m: Q4_0's nibbles with a fifth bit, bit j of a
-// little-endian 32-bit word for value j.
-template <bool kOffset>
-float dot_q5_01(const float* x, const uint8_t* b, int64_t n) {
-  constexpr int64_t kBytes = kOffset ? 24 : 22;
-  const vi lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vf sixteen = vf{} + 16.0f;
-  vf acc = {};
-  for (int64_t i = 0; i < n; i += 32, b += kBytes) {
-    uint32_t qh;
-    std::memcpy(&qh, b + (kOffset ? 4 : 2), 4);
-    const vu8 q = load<vu8>(b + (kOffset ? 8 : 6));
-    const vi word = vi{} + int32_t(qh);
-    const vi lo = __builtin_convertvector(vu8(q & 15), vi) | (((word >> lanes) & 1) << 4);
-    const vi hi = __builtin_convertvector(vu8(q >> 4), vi) | (((word >> (lanes + 16)) & 1) << 4);
-    const vf x0 = load<vf>(x + i), x1 = load<vf>(x + i + 16);
-    const vf c0 = __builtin_convertvector(lo, vf), c1 = __builtin_convertvector(hi, vf);
-    if (kOffset) {
-      acc += (x0 * c0 + x1 * c1) * half(b) + (x0 + x1) * half(b + 2);
-    } else {
-      acc += (x0 * (c0 - sixteen) + x1 * (c1 - sixteen)) * half(b);
-    }
-  }
-  return lanes_sum(acc);
-}
-
 // IQ4_NL's and IQ4_XS's 16 levels, picked by 4-bit codes: one permute of a vector of
 // them with AVX-512, else lane by lane (which compilers turn into a gather or loads).
 inline vf iq4_levels(vu8 codes) {
@@ -441,13 +428,13 @@ RowType row_type(int32_t id) {
     case kF32: return {dot_f32, kLanes, 4 * kLanes};  // a "block": one vector's values
     case kF16: return {dot_f16, kLanes, 2 * kLanes};
     case kBF16: return {dot_bf16, kLanes, 2 * kLanes};
-    case kQ5_0: return {dot_q5_01<false>, 32, 22};
-    case kQ5_1: return {dot_q5_01<true>, 32, 24};
+    case kQ5_0: return {dot_q_01<false, true>, 32, 22};
+    case kQ5_1: return {dot_q_01<true, true>, 32, 24};
     case kIQ4_NL: return {dot_iq4_nl, 32, 18};
     case kIQ4_XS: return {dot_iq4_xs, 256, 136};
     case kQ8_0: return {dot_q8_0, 32, 34};
-    case kQ4_0: return {dot_q4_01<false>, 32, 18};
-    case kQ4_1: return {dot_q4_01<true>, 32, 20};
+    case kQ4_0: return {dot_q_01<false, false>, 32, 18};
+    case kQ4_1: return {dot_q_01<true, false>, 32, 20};
     case kQ2_K: return {dot_q2_k, 256, 84};
     case kQ3_K: return {dot_q3_k, 256, 110};
     case kQ4_K: return {dot_q45_k<false>, 256, 144};

@@ -38,6 +38,7 @@ import numpy as np
 
 from jax_residency._src.cache_dir import library_cache_dir
 from jax_residency._src.quant import ggml, ggml_mixed
+from jax_residency._src.quant.encoding import GGML_SCHEME
 
 #: ``0`` turns the native kernels off (products are XLA's).
 ENV = "JAX_RESIDENCY_NATIVE_KERNELS"
@@ -178,8 +179,8 @@ def supports(scheme: str, parts: list[Any], x: Any) -> bool:
   ``scheme``: ``"int8"``, ``"int4"``, or ``"ggml:"`` and a GGUF tensor's types."""
   if len(x.shape) != 1 or x.dtype != jnp.float32:
     return False
-  if scheme.startswith("ggml:"):
-    return _supports_ggml(scheme.removeprefix("ggml:").split("+"), parts, x.shape[0])
+  if scheme.startswith(GGML_SCHEME):
+    return _supports_ggml(_ggml_types(scheme), parts, x.shape[0])
   if scheme not in TARGETS:
     return False
   codes, scale = parts[0], parts[1]
@@ -191,6 +192,11 @@ def supports(scheme: str, parts: list[Any], x: Any) -> bool:
     return codes.shape[-1] % LANES == 0
   group, rem = divmod(codes.shape[-1], scale.shape[-1])
   return rem == 0 and group % LANES == 0
+
+
+def _ggml_types(scheme: str) -> list[str]:
+  """The GGML types a ``"ggml:Q4_K+Q6_K"`` scheme names."""
+  return scheme.removeprefix(GGML_SCHEME).split("+")
 
 
 def _supports_ggml(types: list[str], parts: list[Any], n: int) -> bool:
@@ -215,8 +221,8 @@ def matvec(scheme: str, x: Any, parts: list[Any]) -> jax.Array:
   """
   if not available():
     raise RuntimeError(f"the native kernels are not available: {build_error() or 'off'}")
-  if scheme.startswith("ggml:"):
-    ids = [ggml.ggml_type(t).type_id for t in scheme.removeprefix("ggml:").split("+")]
+  if scheme.startswith(GGML_SCHEME):
+    ids = [ggml.ggml_type(t).type_id for t in _ggml_types(scheme)]
     out = jax.ShapeDtypeStruct((parts[0].shape[0],), jnp.float32)
     return jax.ffi.ffi_call(TARGETS["ggml"], out)(x, *parts, types=np.array(ids, np.int32))
   rows = parts[1].shape[0]

@@ -53,7 +53,10 @@ REMOTE_POLICIES = {
 
 def one_program(placed: jr.PlacedModel) -> jr.PlacedModel:
   """``placed`` (FullyResident or LayerwiseHost, already placed) running its passes as the
-  one jitted program accelerators run, instead of the per-unit steps it runs on CPU
-  (docs/design.md, 3.1): how the suite checks that program's outputs on CPU."""
-  placed._placed()._steps = None  # noqa: SLF001 - the suite's switch, not an option
+  program accelerators run (the stacked units, indexed in the loop), instead of the one
+  over each unit's views it runs on CPU (docs/design.md, 3.1): how the suite checks that
+  program's outputs on CPU."""
+  executor = placed._placed()  # noqa: SLF001 - the suite's switch, not an option
+  executor._extra = executor._stacked_extra  # noqa: SLF001
+  executor._compiled.clear()  # noqa: SLF001
   return placed

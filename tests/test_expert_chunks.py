@@ -23,6 +23,7 @@ from policies import dense
 
 import jax_residency as jr
 from jax_residency import models
+from jax_residency._src.models.decoding import jitted_plain
 from jax_residency._src.store.rechunk import rechunk_store
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.store.verify import verify_store
@@ -78,8 +79,9 @@ def test_a_conversion_writes_each_expert_as_a_chunk_and_the_rest_per_unit(name, 
 
 def test_every_policy_places_a_store_of_expert_chunks_as_the_plain_model(mixtral, converted):
   path, _ = converted
-  want = np.asarray(mixtral(IDS))
+  eager, jitted = np.asarray(mixtral(IDS)), np.asarray(jitted_plain(mixtral, IDS))
   for policy in (dense(0), dense(None), jr.FullyResident(), jr.LayerwiseHost(prefetch_depth=2)):
+    want = eager if isinstance(policy, jr.DenseDiskStream) else jitted  # docs/parity.md
     with jr.place(mixtral, policy, store=path) as placed:
       np.testing.assert_array_equal(placed(IDS), want, err_msg=policy.name)
 
@@ -155,7 +157,9 @@ def test_a_quantized_store_chunks_its_expert_parts_per_expert(mixtral, quantize,
   with jr.place(mixtral, dense(0), store=path) as a:
     streamed = np.asarray(a(IDS))
   with jr.place(mixtral, jr.FullyResident(), store=path) as b:
-    np.testing.assert_array_equal(b(IDS), streamed)
+    # One program against per-unit steps: each decode is fused into its products, which
+    # sum in their own order (docs/parity.md).
+    np.testing.assert_allclose(b(IDS), streamed, rtol=1e-5, atol=1e-6)
 
 
 def test_an_in_memory_store_holds_expert_chunks_and_places(mixtral):

@@ -409,8 +409,9 @@ PLACEMENTS = [
 ]
 
 
-#: The eager model's prefill outputs, by fixture (`--dist loadfile`: one worker runs them).
-_EAGER_PREFILL: dict[str, Any] = {}
+#: The plain model's prefill outputs, by fixture and whether eager (`--dist loadfile`: one
+#: worker runs them).
+_PREFILL: dict[tuple[str, bool], Any] = {}
 
 
 @pytest.mark.parametrize(("name", "kind", "devices"), PLACEMENTS)
@@ -420,13 +421,14 @@ def test_placed_generate_the_same_tokens(name, kind, devices, checkpoints, store
   assert store.stacks[0].experts == model.config.num_experts  # a chunk per expert (or none)
   prompt, n, mask = greedy_args(ref)
   dense = kind in ("dense", "experts")
-  # The prefill as generate_llm runs it; every policy runs a step per layer on CPU: against
-  # the eager model (docs/parity.md).
+  # The prefill as generate_llm runs it: a dense stream runs a step per layer, against the
+  # eager model; FullyResident and LayerwiseHost one program, against the jitted model
+  # (docs/parity.md).
   cache = models.LlamaCache.zeros(model.config, len(prompt), prompt.shape[1] + n - 1)
   prefill = (prompt, mask, cache, 0)
-  if name not in _EAGER_PREFILL:  # the same for every placement of a fixture
-    _EAGER_PREFILL[name] = model(*prefill)
-  want = _EAGER_PREFILL[name]
+  if (name, dense) not in _PREFILL:  # the same for every placement of a fixture
+    _PREFILL[name, dense] = model(*prefill) if dense else _jitted_plain(model, *prefill)
+  want = _PREFILL[name, dense]
   with jr.place(
     model,
     policy(kind, store.unit_nbytes),

@@ -113,12 +113,12 @@ def case(request: pytest.FixtureRequest, tokens: jax.Array) -> Callable[[str], d
 
 @pytest.fixture(scope="module")
 def placed_output(case: Callable[[str], dict[str, Any]]) -> Callable[..., jax.Array]:
-  """``placed_output(variant, policy, program="steps")``: the placed model's output
-  (compiled once per case), from the passes it runs on CPU, or (``"one program"``) from
-  the one jitted program accelerators run (`policies.one_program`)."""
+  """``placed_output(variant, policy, program="views")``: the placed model's output
+  (compiled once per case), from the program over its units' views it runs on CPU, or
+  (``"one program"``) from the stacked program accelerators run (`policies.one_program`)."""
   cache: dict[tuple[str, str, str], jax.Array] = {}
 
-  def get(variant: str, policy: str, program: str = "steps") -> jax.Array:
+  def get(variant: str, policy: str, program: str = "views") -> jax.Array:
     if (variant, policy, program) not in cache:
       c = case(variant)
       with jr.place(c["model"], POLICIES[policy], **c["kwargs"]) as placed:
@@ -139,14 +139,13 @@ VARIANTS = [
 
 
 def _exact_params() -> list[Any]:
-  """On CPU every policy here runs per-unit steps, the ops outside the layer loops one by
-  one as the eager model runs them (docs/design.md, section 3.1): bit for bit the eager
-  model's, which exists here for the unsharded variants only (the sharded ones are held
-  to float32 rounding by test_parity_close). LayerwiseHost's one program (its depth's
-  pipeline on accelerators) is held to the jitted model's bits on every variant."""
-  steps = [(v, p, "steps") for v in ("nnx", "linen") for p in POLICIES]
-  one = [(v, p, "one program") for v in VARIANTS for p in POLICIES if p != "fully_resident"]
-  return [pytest.param(*c, id="-".join(c).replace(" ", "_")) for c in steps + one]
+  """On CPU each policy runs one program over its units' views (docs/design.md, section
+  3.1); ``"one program"`` is the stacked program accelerators run
+  (`policies.one_program`: for LayerwiseHost its depth's pipeline). Both are held to the
+  jitted plain model's bits on every variant, sharded ones included."""
+  views = [(v, p, "views") for v in VARIANTS for p in POLICIES]
+  one = [(v, p, "one program") for v in VARIANTS for p in POLICIES]
+  return [pytest.param(*c, id="-".join(c).replace(" ", "_")) for c in views + one]
 
 
 def test_eight_cpu_devices():
@@ -168,13 +167,10 @@ def test_parity_close(case, placed_output, variant: str, policy: str):
 
 @pytest.mark.parametrize("variant, policy, program", _exact_params())
 def test_parity_bit_identical(case, placed_output, variant: str, policy: str, program: str):
-  """Same compiled math → the same bits as the jitted plain model (and eager, where they
-  agree); per-unit steps → the same bits as the eager plain model."""
+  """One program, over the units' views or the stacked units: the same bits as the
+  jitted plain model (and eager, where they agree)."""
   c = case(variant)
   out = placed_output(variant, policy, program)
-  if program == "steps":
-    np.testing.assert_array_equal(out, c["eager"])
-    return
   np.testing.assert_array_equal(out, c["jit"])
   if c["eager"] is not None and np.array_equal(c["eager"], c["jit"]):
     np.testing.assert_array_equal(out, c["eager"])
@@ -412,7 +408,7 @@ def test_default_mesh_is_where_the_plain_model_runs(nnx_toy, tokens):
     placed = jr.place(on_3, layerwise(2))
   with placed:
     assert list(placed.mesh.devices.flat) == [jax.devices()[3]]
-    np.testing.assert_array_equal(placed(tokens), on_3(tokens))  # per-layer steps on CPU
+    np.testing.assert_array_equal(placed(tokens), plain_jit(on_3, tokens))  # one program
     assert {d for a in new.arrays for d in a.sharding.device_set} == {jax.devices()[3]}
     assert _nbytes(new.kind("pinned_host")) == sum(placed.metadata.unit_bytes)  # one copy
 
@@ -450,7 +446,7 @@ def test_default_mesh_keeps_a_one_device_mesh_the_model_is_sharded_over(cfg, tok
   model = toy_model(cfg, mesh=mesh, seeded=True)  # built under jax.set_mesh(mesh)
   with jr.place(model, layerwise(2)) as placed:
     assert placed.mesh == mesh
-    np.testing.assert_array_equal(placed(tokens), model(tokens))  # per-layer steps on CPU
+    np.testing.assert_array_equal(placed(tokens), plain_jit(model, tokens))  # one program
 
 
 def _spec_key(spec: PartitionSpec) -> tuple[Any, ...]:

@@ -21,6 +21,7 @@ from toy_fixtures import toy_fixtures
 
 import jax_residency as jr
 from jax_residency._src import store_server
+from jax_residency._src.models.decoding import jitted_plain
 from jax_residency._src.store.mapped import ocdbt_extents
 from jax_residency.testing import serve_store
 from jax_residency.toy import ToyConfig, ToyTransformer
@@ -40,9 +41,16 @@ def abstract():
 
 @pytest.fixture(scope="module")
 def expected(model, tokens):
-  """The plain model's output, eager: what every policy matches bit for bit on CPU, where
-  each runs a step per layer (docs/parity.md)."""
+  """The plain model's output, eager: what a dense stream matches bit for bit on CPU, where
+  it runs a step per layer (docs/parity.md)."""
   return model(tokens)
+
+
+@pytest.fixture(scope="module")
+def jitted(model, tokens):
+  """The plain model's output under ``jax.jit``: what FullyResident and LayerwiseHost match
+  bit for bit, each running one program (docs/parity.md)."""
+  return jitted_plain(model, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +131,11 @@ def server(module_server, traffic):
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_parity_over_http_and_fetched_bytes_match_bytes_served(
-  store, tokens, expected, server, traffic, name
+  store, tokens, expected, jitted, server, traffic, name
 ):
   policy = POLICIES[name]
   dense = isinstance(policy, jr.DenseDiskStream)
+  want = expected if dense else jitted
   with jr.place(abstract(), policy, store=server.url, mesh=MESH1) as placed:
     outs = [placed(tokens) for _ in range(2)]  # cold, then with whatever the caches kept
   report = placed.report()  # closed: no read-ahead still in flight
@@ -135,7 +144,7 @@ def test_parity_over_http_and_fetched_bytes_match_bytes_served(
   with jr.place(abstract(), policy, store=store, mesh=MESH1) as local:
     local_out = local(tokens)
   for out in outs:
-    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(out, want)
     np.testing.assert_array_equal(out, local_out)  # the same as from the local store
   assert server.requests > 0 and server.failed == 0
   assert report.fetched_bytes == served > 0
@@ -306,12 +315,12 @@ def test_invalid_read_options_name_the_field(kwargs, field):
 # --- other URLs -------------------------------------------------------------------
 
 
-def test_memory_url_save_and_place(model, tokens, expected):
+def test_memory_url_save_and_place(model, tokens, jitted):
   url = "memory://test-remote/toy"
   info = jr.save(model, url, progress=False)
   assert info.unit_count == CFG.n_layers
   with jr.place(abstract(), POLICIES["layerwise_host"], store=url, mesh=MESH1) as placed:
-    np.testing.assert_array_equal(placed(tokens), expected)
+    np.testing.assert_array_equal(placed(tokens), jitted)
 
 
 def test_file_url_save_and_place(model, tokens, expected, tmp_path):

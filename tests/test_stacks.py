@@ -4,10 +4,12 @@ toys of ``two_stack.py``.
 Each model runs stack A ``towers`` (3 units) and then stack B ``mixer`` (2 units of
 another size), with a static ``mid_norm`` between them whose leaves share a leading
 axis (not a stack). Under every policy the placed model must give the plain model's
-outputs bit for bit on CPU: each policy runs a step per layer there, and gives the
-eager plain model's outputs; ``LayerwiseHost``'s one compiled program (what it runs on
-accelerators) gives those of the plain model under ``jax.jit``. The reference outputs
-of the two differ for these models, so each comparison tells the two apart. Besides
+outputs bit for bit on CPU: a dense stream runs a step per layer there, and gives the
+eager plain model's outputs; ``FullyResident`` and ``LayerwiseHost`` run one program
+(over their units' views on CPU; stacked, as on accelerators, through
+``policies.one_program``) and give those of the plain model under ``jax.jit``. The
+reference outputs of the two differ for these models, so each comparison tells the two
+apart. Besides
 parity: the stacks found by tracing the forward, a call that runs only the mixer, a
 placement of one stack while the forward loops over both, stores holding both stacks,
 per-stack metadata and reports.
@@ -122,10 +124,10 @@ class Case:
     variables = jax.device_put(self.variables, replicated)
     return jax.jit(self.model.apply)(variables, TOKENS, encoded)
 
-  def reference(self, *, only_mixer: bool = False, one_program: bool = False) -> jax.Array:
-    """What a placement must match bit for bit: eager for the steps every policy runs per
-    layer on CPU (docs/parity.md); jitted for ``one_program`` (`policies.one_program`)."""
-    eager = not one_program
+  def reference(self, policy: str, *, only_mixer: bool = False) -> jax.Array:
+    """What a placement under ``policy`` must match bit for bit: eager for a dense stream's
+    steps per layer, jitted for the one program of the others (docs/parity.md)."""
+    eager = policy in DENSE
     key = ("eager" if eager else "jit", only_mixer)
     if key not in self._refs:
       encoded = ENCODED if only_mixer else None
@@ -256,7 +258,7 @@ def test_plain_models_run_both_stacks_and_only_the_mixer():
 def test_parity_both_stacks(case, run, variant: str, policy: str):
   """Both stacks placed: bit-identical to the plain model (eager, `Case.reference`)."""
   out, _ = run(variant, policy).full()
-  np.testing.assert_array_equal(out, case(variant).reference())
+  np.testing.assert_array_equal(out, case(variant).reference(policy))
   placed = run(variant, policy).placed
   assert paths(placed) == list(STACKS)
   assert tuple(placed.metadata.unplaced_stacks) == ()
@@ -270,7 +272,7 @@ def test_layerwise_one_program_over_both_stacks_is_the_jitted_model(case, varian
   kept units' part), run on CPU: the plain model under ``jax.jit``, bit for bit."""
   c = case(variant)
   with c.place(policy, units=STACKS) as placed:
-    np.testing.assert_array_equal(one_program(placed)(TOKENS), c.reference(one_program=True))
+    np.testing.assert_array_equal(one_program(placed)(TOKENS), c.reference(policy))
 
 
 # --- 2. discovery by tracing ------------------------------------------------------------
@@ -283,7 +285,7 @@ def test_stacks_found_by_tracing(case, variant: str, policy: str):
   ``mid_norm`` (leaves with a shared leading axis) is not one of them."""
   c = case(variant)
   with c.place(policy) as placed:
-    np.testing.assert_array_equal(placed(TOKENS), c.reference())
+    np.testing.assert_array_equal(placed(TOKENS), c.reference(policy))
     assert paths(placed) == ["towers", "mixer"]
     assert "mid_norm" not in paths(placed)
     assert tuple(placed.metadata.unplaced_stacks) == ()
@@ -323,7 +325,7 @@ def test_call_running_only_the_mixer(case, run, variant: str, policy: str):
   """After a full pass, ``placed(tokens, encoded)`` runs the mixer alone: the plain
   model's output, no towers unit run or moved, every mixer unit run."""
   out, last = run(variant, policy).only_mixer()
-  np.testing.assert_array_equal(out, case(variant).reference(only_mixer=True))
+  np.testing.assert_array_equal(out, case(variant).reference(policy, only_mixer=True))
   assert last.stacks["towers"].units_run == 0
   assert last.stacks["towers"].bytes_moved == 0
   assert last.stacks["mixer"].units_run == MIXER_LAYERS
@@ -354,7 +356,7 @@ def test_one_stack_placed_the_other_reported(case, tmp_path, variant: str, polic
     with pytest.warns(UserWarning, match="mixer"):
       placed = stack.enter_context(c.place(policy, **kwargs))
       out = placed(TOKENS)
-    np.testing.assert_array_equal(out, c.reference())
+    np.testing.assert_array_equal(out, c.reference(policy))
     assert paths(placed) == ["towers"]
     assert tuple(placed.metadata.unplaced_stacks) == ("mixer",)
     assert placed.metadata.layer_count == TOWER_LAYERS
@@ -373,7 +375,7 @@ def test_store_holds_both_stacks(case, tmp_path, policy: str):
   with jr.place(abstract_nnx(), POLICIES[policy](), store=path, mesh=c.mesh) as placed:
     assert paths(placed) == ["towers", "mixer"]  # from the store's record
     assert placed.metadata.layer_count == TOWER_LAYERS + MIXER_LAYERS
-    np.testing.assert_array_equal(placed(TOKENS), c.reference())
+    np.testing.assert_array_equal(placed(TOKENS), c.reference(policy))
     assert paths(placed) == ["towers", "mixer"]
     assert tuple(placed.metadata.unplaced_stacks) == ()
 
@@ -400,7 +402,7 @@ def test_store_of_one_stack_places_that_stack_by_default(case, tmp_path):
   with jr.place(c.model, POLICIES["dense_host"](), store=path, mesh=c.mesh) as placed:
     assert paths(placed) == ["towers"]
     with pytest.warns(UserWarning, match="'mixer'"):
-      np.testing.assert_array_equal(placed(TOKENS), c.reference())
+      np.testing.assert_array_equal(placed(TOKENS), c.reference("dense_host"))
     assert placed.metadata.unplaced_stacks == ("mixer",)
 
 
@@ -455,7 +457,7 @@ def test_host_cache_reads_ahead_in_forward_order_across_stacks(case, tmp_path):
   jr.save(c.model, path, units=("towers", "mixer"), progress=False)
   dense = jr.DenseDiskStream(host_budget_bytes="1MiB", host_lookahead=2)
   with jr.place(c.model, dense, store=path, mesh=c.mesh) as placed:
-    np.testing.assert_array_equal(placed(TOKENS), c.reference())
+    np.testing.assert_array_equal(placed(TOKENS), c.reference("dense_host"))
     first = placed.report().last
     placed(TOKENS)
     second = placed.report().last

@@ -6,7 +6,10 @@ transform in :mod:`jax_residency._src.loop.linen` instead of ``nnx.scan`` /
 a placed model traces its forward, a :class:`LoopContext` is active and the loop
 takes the shape the policy asks for:
 
-* ``FULLY_RESIDENT``: a plain ``lax.scan`` over the stacked unit parameters.
+* ``FULLY_RESIDENT``: a plain ``lax.scan`` over the stacked unit parameters; or, where
+  the placement gives each unit's arrays apart (`StackLoop.apart`: views of the stack's
+  rows on a CPU backend, section 3.1), the layer applied to each unit's own arrays in
+  turn, in the same program, with no copy of a unit out of the stack.
 * ``LAYERWISE_HOST``: the stacked parameters are ``pinned_host`` arguments; the
   scan body moves unit *i* to ``device`` memory with ``jax.device_put``. With a
   prefetch depth ``k >= 2`` the loop carries ``k - 1`` units already moved and
@@ -36,12 +39,19 @@ from flax import nnx
 from jax import lax
 
 from jax_residency._src.errors import PlacementError
+from jax_residency._src.loop.loop_shapes import (
+  Step,
+  each_unit,
+  fetch,
+  leading_dim,
+  one_trip,
+  pipelined_host_scan,
+  resident_then_moved,
+)
 from jax_residency._src.plan.split import Bound
 from jax_residency._src.policy.types import ExecutionResidency
 from jax_residency._src.quant.encoding import decode_tree, has_quantized
 from jax_residency._src.quant.fused import fenced, kernels_for
-
-Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
 @dataclasses.dataclass
@@ -58,8 +68,11 @@ class StackLoop:
     resident: for ``LAYERWISE_HOST`` with device-resident units, the stack's first
       units, already in device memory: one stacked array per leaf, in the leaf order
       of the stack's pytree. The units the loop is given are then the rest.
-    one: with ``resident``, the int32 1 as an argument of the program (not a
-      constant), the trip count of a part of the loop one unit long.
+    one: with ``resident`` or ``apart``, the int32 1 as an argument of the program (not
+      a constant), the trip count of a part of the loop one unit long.
+    apart: each unit's leaves as arrays of their own (arguments of the program), in
+      unit order and the leaf order of the stack's pytree. The loop then runs the layer
+      on each unit's arrays in turn (`loop_shapes.each_unit`) and never indexes the stacked ones.
   """
 
   ref: Any
@@ -68,6 +81,7 @@ class StackLoop:
   loops: int = 0
   resident: Sequence[Any] | None = None
   one: Any = None
+  apart: Sequence[Sequence[Any]] | None = None
 
 
 @dataclasses.dataclass
@@ -132,7 +146,7 @@ class LoopContext:
     ``reverse``: ``ys[i]`` is still unit ``i``'s output).
     """
     loop.loops += 1
-    _leading_dim(units)  # raises for a stack without parameters
+    leading_dim(units)  # raises for a stack without parameters
 
     def decoded(c: Any, unit: Any, x: Any) -> tuple[Any, Any]:
       # A quantized unit's tensors arrive as their stored parts; the float values are
@@ -143,20 +157,22 @@ class LoopContext:
       kernels = kernels_for(set().union(*(s.device_set for s in loop.shardings)))
       return fenced(lambda c, u, x: step(c, decode_tree(u), x), c, unit, x, kernels=kernels)
 
+    if loop.apart is not None:
+      return each_unit(decoded, carry, units, loop.apart, xs, reverse=reverse, one=loop.one)
     if self.kind is ExecutionResidency.LAYERWISE_HOST:
 
       def moved(c: Any, u: Any, x: Any) -> tuple[Any, Any]:
-        n = _leading_dim(u)
-        if n == 1 and loop.one is not None:  # see _one_trip
-          return _one_trip(
-            lambda c, ix: decoded(c, _fetch(u, ix[0], loop.shardings), ix[1]),
+        n = leading_dim(u)
+        if n == 1 and loop.one is not None:  # see loop_shapes.one_trip
+          return one_trip(
+            lambda c, ix: decoded(c, fetch(u, ix[0], loop.shardings), ix[1]),
             c,
             (jnp.arange(1), x),
             loop.one,
           )
 
         def pipelined(depth: int) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-          return lambda c, u, x: _pipelined_host_scan(
+          return lambda c, u, x: pipelined_host_scan(
             decoded, c, u, x, depth=depth, shardings=loop.shardings, length=n, reverse=reverse
           )
 
@@ -171,7 +187,7 @@ class LoopContext:
       if not loop.resident:
         return moved(carry, units, xs)
       kept = jax.tree.unflatten(jax.tree.structure(units), list(loop.resident))
-      return _resident_then_moved(
+      return resident_then_moved(
         decoded, moved, carry, kept, units, xs, reverse=reverse, one=loop.one
       )
     # FULLY_RESIDENT runs the plain scan; DENSE_DISK_STREAM traces it so the
@@ -243,126 +259,6 @@ def run_in_loop(
 def current_loop() -> LoopContext | None:
   """The loop context of the placed forward being traced, if any."""
   return _ACTIVE.get()
-
-
-def _leading_dim(tree: Any) -> int:
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    raise PlacementError("the unit stack has no parameters; nothing to loop over")
-  return int(leaves[0].shape[0])
-
-
-def _fetch(units: Any, i: Any, shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
-  """Moves unit ``i`` of the host-resident stack to device memory."""
-  leaves, treedef = jax.tree.flatten(units)
-  if len(leaves) != len(shardings):
-    raise PlacementError(
-      f"the unit stack has {len(leaves)} parameters but was placed with {len(shardings)}; "
-      "the model's layer module changed after place() — place it again"
-    )
-  moved = [
-    jax.device_put(lax.dynamic_index_in_dim(a, i, 0, keepdims=False), s)
-    for a, s in zip(leaves, shardings, strict=True)
-  ]
-  return jax.tree.unflatten(treedef, moved)
-
-
-def _resident_then_moved(
-  step: Step,
-  moved: Callable[[Any, Any, Any], tuple[Any, Any]],
-  carry: Any,
-  kept: Any,
-  units: Any,
-  xs: Any,
-  *,
-  reverse: bool,
-  one: Any,
-) -> tuple[Any, Any]:
-  """The loop of a stack whose first units (``kept``) are in device memory: a plain scan
-  over those, and ``moved`` (the pipelined host scan) over the rest (``units``), in the
-  loop's order; ``xs`` and the outputs are split and joined along the unit axis."""
-  d = _leading_dim(kept)
-  rest = _leading_dim(units)
-  xs_kept, xs_rest = jax.tree.map(lambda a: a[:d], xs), jax.tree.map(lambda a: a[d:], xs)
-
-  def resident(c: Any, x: Any) -> tuple[Any, Any]:
-    if d == 1 and one is not None:
-      return _one_trip(lambda c, ux: step(c, *ux), c, (kept, x), one)
-    return lax.scan(lambda c, ux: step(c, *ux), c, (kept, x), reverse=reverse)
-
-  if rest == 0:
-    return resident(carry, xs_kept)
-  if reverse:
-    carry, ys_rest = moved(carry, units, xs_rest)
-    carry, ys_kept = resident(carry, xs_kept)
-  else:
-    carry, ys_kept = resident(carry, xs_kept)
-    carry, ys_rest = moved(carry, units, xs_rest)
-  return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys_kept, ys_rest)
-
-
-def _one_trip(f: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any, one: Any) -> Any:
-  """``lax.scan(f, carry, xs)`` over one element, as a loop whose trip count (``one``, a
-  program argument) XLA cannot see: a loop known to run once is inlined and fused with
-  what surrounds it, which rounds differently from the plain model's scanned layer; a
-  loop body is compiled as the plain scan's is (as the dense stream's steps,
-  stream/staged.py)."""
-  first = jax.tree.map(lambda a: a[0], xs)
-  y_shape = jax.eval_shape(lambda c, x: f(c, x)[1], carry, first)
-  ys = jax.tree.map(lambda s: jnp.zeros((1, *s.shape), s.dtype), y_shape)
-
-  def body(state: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-    t, c, out = state
-    x = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, t, keepdims=False), xs)
-    c, y = f(c, x)
-    out = jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, t, 0), out, y)
-    return t + 1, c, out
-
-  _, carry, ys = lax.while_loop(lambda s: s[0] < one, body, (jnp.int32(0), carry, ys))
-  return carry, ys
-
-
-def _pipelined_host_scan(
-  step: Step,
-  carry: Any,
-  units: Any,
-  xs: Any,
-  *,
-  depth: int,
-  shardings: tuple[jax.sharding.Sharding, ...],
-  length: int,
-  reverse: bool = False,
-) -> tuple[Any, Any]:
-  k = max(1, min(depth, length))
-  if k == 1:
-
-    def body1(c: Any, ix: tuple[Any, Any]) -> tuple[Any, Any]:
-      i, x = ix
-      return step(c, _fetch(units, i, shardings), x)
-
-    return lax.scan(body1, carry, (jnp.arange(length), xs), reverse=reverse)
-
-  # Prologue: units 0 .. k-2 start moving before the loop. Every step then
-  # computes the oldest carried unit while the move of unit i + k - 1 is issued.
-  # All `length` steps run in the one loop (the last k-1 re-issue the final
-  # unit's index rather than leaving the loop), so each layer's math is compiled
-  # exactly as in the plain model's scan.
-  # A reversed loop runs the same pipeline from the last unit down.
-  order = range(length - 1, -1, -1) if reverse else range(length)
-  window = tuple(_fetch(units, j, shardings) for j in order[: k - 1])
-
-  def ahead(i: Any) -> Any:
-    return jnp.maximum(i - (k - 1), 0) if reverse else jnp.minimum(i + (k - 1), length - 1)
-
-  def body(state: tuple[Any, tuple[Any, ...]], ix: tuple[Any, Any]) -> tuple[Any, Any]:
-    c, buf = state
-    i, x = ix
-    incoming = _fetch(units, ahead(i), shardings)
-    c, y = step(c, buf[0], x)
-    return (c, buf[1:] + (incoming,)), y
-
-  (carry, _), ys = lax.scan(body, (carry, window), (jnp.arange(length), xs), reverse=reverse)
-  return carry, ys
 
 
 def scan_units(

@@ -24,12 +24,19 @@ Step = Callable[[jax.Array, int, Any], tuple[jax.Array, Any]]
 Pick = Callable[[jax.Array, int], jax.Array]
 
 
-def _call_plain(model: nnx.Module, *args: Any) -> Any:
-  return model(*args)
+@functools.partial(jax.jit, static_argnums=0)
+def _call_split(graphdef: Any, state: Any, *args: Any) -> Any:
+  return nnx.merge(graphdef, state)(*args)
 
 
-#: ``jitted_plain(model, *args)`` is ``model(*args)``, compiled once per input signature.
-jitted_plain = nnx.jit(_call_plain)
+def jitted_plain(model: nnx.Module, *args: Any) -> Any:
+  """``model(*args)`` compiled once per input signature: ``jax.jit`` over the model's
+  ``nnx.split`` state, the form fast JAX code runs (for inference: the forward changes no
+  state). ``nnx.jit`` also returns the model's state from the program, which on the
+  benchmarks' decoders made a decode step several times slower (docs/benchmarks.md).
+  """
+  graphdef, state = nnx.split(model)
+  return _call_split(graphdef, state, *args)
 
 
 def plain_or_placed(

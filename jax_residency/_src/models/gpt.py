@@ -23,6 +23,7 @@ from jax import lax
 
 from jax_residency._src.errors import ModelConfigError
 from jax_residency._src.loop.unit_loop import scan_units
+from jax_residency._src.models.decoding import jitted_plain
 from jax_residency._src.models.init import seeded_weights
 
 
@@ -189,13 +190,6 @@ def init_gpt(cfg: GPTConfig, seed: int = 0) -> GPT:
   return seeded_weights(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed))), seed)
 
 
-def _call_plain(model: GPT, tokens: jax.Array, cache: KVCache | None, pos: Any) -> Any:
-  return model(tokens, cache, pos)
-
-
-_jitted_plain = nnx.jit(_call_plain)
-
-
 def generate(model: Any, prompt_tokens: Any, steps: int) -> jax.Array:
   """Greedy decoding: a prefill over the prompt, then ``steps - 1`` one-token decode steps.
 
@@ -228,7 +222,7 @@ def generate(model: Any, prompt_tokens: Any, steps: int) -> jax.Array:
     _check_length(prompt.shape[1], steps, model.config.max_len)
 
     def forward(*args: Any) -> Any:
-      return _jitted_plain(model, *args)
+      return jitted_plain(model, *args)
   else:
     forward = model
 

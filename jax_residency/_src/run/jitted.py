@@ -5,9 +5,9 @@ memory, or in ``pinned_host`` memory moved through the unit loop's device
 window), and runs the forward as one XLA program per input signature, compiled
 ahead of its first call so each pass reports its temporaries. Called under a
 JAX transformation (``jax.grad``, ``jax.make_jaxpr``, an outer ``jit``) the
-forward is traced instead, so input gradients work. On a CPU backend a pass
-runs per-unit steps over views of the units instead (`resident_steps`,
-docs/design.md, 3.1).
+forward is traced instead, so input gradients work. On a CPU backend a pass's
+program takes each unit's rows as arrays of their own, views of the stacks
+(`unit_views`, docs/design.md, 3.1), so no layer is copied out of its stack.
 
 A pass's ``peak_*`` unit figures are measured (`held_units`): the unit arrays the
 placement holds when the pass ends, still alive (not deleted), by memory kind, per
@@ -42,9 +42,8 @@ from jax_residency._src.report.compile_time import signature, temp_bytes
 from jax_residency._src.report.metrics import StackPass
 from jax_residency._src.report.records import PassCounters
 from jax_residency._src.report.telemetry import Telemetry
-from jax_residency._src.run import resident_steps
+from jax_residency._src.run import unit_views
 from jax_residency._src.run.executor import note_unplaced
-from jax_residency._src.run.resident_steps import ResidentSteps
 from jax_residency._src.store.loading import StoreSource, open_for, read_all, transit_bytes
 from jax_residency._src.typing import path_str
 
@@ -79,14 +78,7 @@ class JittedExecutor:
     self._place_units([values[i] for i in split.unit_index], placed_at.units, len(split.stacks))
     del values
     self._split = split
-    # On CPU, passes run per-unit steps over views of the units (no per-layer copy; for
-    # LayerwiseHost no move either: pinned_host memory is the device's memory there).
-    self._steps: ResidentSteps | None = None
-    if resident_steps.applies(mesh):
-      on_device = [s.with_memory_kind(pl.DEVICE) for s in placed_at.unit_slices]
-      views = resident_steps.unit_views(split, self._units, on_device, self._resident)
-      if views is not None:
-        self._steps = ResidentSteps(split, self._static, views, on_device)
+    self._stacked_extra, self._extra = self._program_extras(mesh, placed_at.unit_slices)
     loops = [
       StackLoop(None, tuple(placed_at.unit_slices[s.leaf_slice]), policy.device_depth(s.count))
       for s in split.stacks
@@ -95,14 +87,20 @@ class JittedExecutor:
     self._last_trace: LoopContext | None = None
     self._traced_shares: dict[str, StackPass] = {}
 
-    def forward(static: list[Any], units: list[Any], kept: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(static: list[Any], units: list[Any], extra: Any, *args: Any, **kwargs: Any) -> Any:
+      # extra: {} or {"resident": device-resident units, "one": int32 1} or, on CPU,
+      # {"apart": per stack, each unit's arrays, "one": int32 1} (`unit_loop.StackLoop`).
       bound = split.bind(split.join(static, units))
-      resident, one = kept if kept else ([], None)  # (device-resident units, int32 1)
+      resident, apart = extra.get("resident"), extra.get("apart")
       stacks = [
         dataclasses.replace(
-          loop, ref=ref, resident=resident[s.leaf_slice] if resident else None, one=one
+          loop,
+          ref=ref,
+          resident=resident[s.leaf_slice] if resident else None,
+          apart=apart[k] if apart else None,
+          one=extra.get("one"),
         )
-        for loop, ref, s in zip(loops, bound.units, split.stacks, strict=True)
+        for k, (loop, ref, s) in enumerate(zip(loops, bound.units, split.stacks, strict=True))
       ]
       out, self._last_trace = run_in_loop(
         bound, stacks, kind=policy.execution_residency, names=names, args=args, kwargs=kwargs
@@ -114,9 +112,11 @@ class JittedExecutor:
       # loop's steps are): a one-token head reads its codes once (quant/fused.py).
       plain, kernels = forward, kernels_for(mesh.devices.flat)
 
-      def forward(static: list[Any], units: list[Any], kept: Any, *args: Any, **kwargs: Any) -> Any:
-        call = lambda s, u, k, a, kw: plain(s, u, k, *a, **kw)  # noqa: E731
-        return fenced(call, static, units, kept, args, kwargs, kernels=kernels)
+      def forward(
+        static: list[Any], units: list[Any], extra: Any, *args: Any, **kwargs: Any
+      ) -> Any:
+        call = lambda s, u, e, a, kw: plain(s, u, e, *a, **kw)  # noqa: E731
+        return fenced(call, static, units, extra, args, kwargs, kernels=kernels)
 
     self._jitted = jax.jit(forward)
     self.telemetry = Telemetry.for_policy(
@@ -126,6 +126,23 @@ class JittedExecutor:
       self.telemetry.fetched = lambda: store.fetched.total() + own_reads
     # One program per input signature: its temporaries and each stack's share of a pass.
     self._compiled: dict[Any, tuple[Any, int, dict[str, StackPass]]] = {}
+
+  def _program_extras(
+    self, mesh: Mesh, unit_slices: Sequence[jax.sharding.Sharding]
+  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the program takes besides the static leaves and the stacked units: the form
+    accelerators run (``{}``, or LayerwiseHost's device-resident units and the int32 1),
+    and the form a pass here runs. On CPU that is each unit's rows as arrays of their own
+    (views of the stacks: no per-layer copy; for LayerwiseHost no move either, pinned_host
+    memory being the device's memory there), where every leaf can be viewed."""
+    stacked: dict[str, Any] = {"resident": self._resident, "one": np.int32(1)} if self._kept else {}
+    if not unit_views.applies(mesh):
+      return stacked, stacked
+    on_device = [s.with_memory_kind(pl.DEVICE) for s in unit_slices]
+    views = unit_views.unit_views(self._split, self._units, on_device, self._resident)
+    if views is None:
+      return stacked, stacked
+    return stacked, {"apart": unit_views.by_stack(self._split, views), "one": np.int32(1)}
 
   def _place_units(self, values: list[Any], shardings: Sequence[Any], stacks: int) -> None:
     """Places the unit leaves. LayerwiseHost's device-resident units: each stack's first
@@ -138,7 +155,6 @@ class JittedExecutor:
       [s.with_memory_kind(pl.DEVICE) for s in shardings] if kept else [],
     )
     self._units = pl.put([v[kept:] for v in values] if kept else values, list(shardings))
-    self._kept_args = (self._resident, np.int32(1)) if kept else ()
 
   def _shares(self, ctx: LoopContext | None) -> dict[str, StackPass]:
     """Each stack's units run and bytes moved by a program traced with ``ctx``;
@@ -159,7 +175,7 @@ class JittedExecutor:
     key = signature(args, kwargs)
     found = self._compiled.get(key)
     if found is None:
-      traced = self._jitted.trace(self._static, self._units, self._kept_args, *args, **kwargs)
+      traced = self._jitted.trace(self._static, self._units, self._extra, *args, **kwargs)
       shares = self._shares(self._last_trace)
       exe = traced.lower().compile()
       found = self._compiled[key] = (exe, temp_bytes(exe) or 0, shares)
@@ -172,19 +188,14 @@ class JittedExecutor:
       self._last_trace = None
       # No runtime trip count there: reverse-mode AD cannot run a while loop with one,
       # so a part of the loop one unit long is a plain scan (close, not bit for bit).
-      kept = (self._resident, None) if self._kept else ()
-      out = self._jitted(self._static, self._units, kept, *args, **kwargs)
+      extra = {"resident": self._resident} if self._kept else {}
+      out = self._jitted(self._static, self._units, extra, *args, **kwargs)
       if self._last_trace is not None:  # else jit reused a trace: the shares are as before
         self._traced_shares = self._shares(self._last_trace)
       temp, shares = 0, self._traced_shares
     else:
-      ran = self._steps.run(args, kwargs) if self._steps is not None else None
-      if ran is not None:
-        out, temp, ctx = ran
-        shares = self._shares(ctx)
-      else:
-        exe, temp, shares = self._program(args, kwargs)
-        out = exe(self._static, self._units, self._kept_args, *args, **kwargs)
+      exe, temp, shares = self._program(args, kwargs)
+      out = exe(self._static, self._units, self._extra, *args, **kwargs)
     out = jax.block_until_ready(out)
     moved = sum(s.bytes_moved for s in shares.values())
     held = self._held()
@@ -200,7 +211,8 @@ class JittedExecutor:
     return out
 
   def lower(self, *args: Any, platforms: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
-    traced = self._jitted.trace(self._static, self._units, self._kept_args, *args, **kwargs)
+    # The program an accelerator runs: the stacked units (and device-resident ones).
+    traced = self._jitted.trace(self._static, self._units, self._stacked_extra, *args, **kwargs)
     return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
   def _held(self) -> dict[str, tuple[int, int]]:
@@ -227,10 +239,9 @@ class JittedExecutor:
   def close(self) -> None:
     # Dropping the references frees the copies; deleting them outright could free
     # buffers shared with the caller's model (device_put to an equal sharding aliases).
-    self._static, self._units, self._resident, self._kept_args = [], [], [], ()
+    self._static, self._units, self._resident = [], [], []
+    self._extra, self._stacked_extra = {}, {}
     self._compiled.clear()
-    if self._steps is not None:
-      self._steps.close()
 
   def _weights(
     self,

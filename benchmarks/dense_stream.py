@@ -14,8 +14,9 @@ and its store, then measures in fresh processes:
 
 Targets: peak RSS - baseline <= host + device budgets + 1.7 MiB; cold stream
 bandwidth >= 0.8 x raw-read bandwidth; warm pass <= 1.5 x resident pass.
-Parity gate: the cold and warm streamed passes give the resident pass's logits
-(bit for bit on a CPU backend, within 1e-3 of the logit scale elsewhere).
+Parity gate: the cold and warm streamed passes give the resident pass's logits within
+1e-5 of the logit scale on a CPU backend (the stream runs the eager model's steps, the
+resident pass the jitted model's program: docs/parity.md), 1e-3 elsewhere.
 
 ``--unit-mib 8 64 200 400`` runs the memory sweep instead: for each unit size a
 toy model with at least 2 GiB of units (its own store under --dir), placed with
@@ -76,9 +77,10 @@ RSS_SLACK = 128 * MiB
 QUICK_SIZES = {"layers": 4, "d_model": 192, "d_ff": 768}
 #: ``--quick``'s sweep row: a host budget of this many units, on the pass benchmark's store.
 QUICK_SWEEP_HOST_UNITS = 2
-#: Off a CPU backend, streamed logits may differ from the resident ones by this
-#: fraction of the logit scale (on CPU they must be the same bits: docs/parity.md).
-ACCELERATOR_RTOL = 1e-3
+#: Streamed logits may differ from the resident ones by this fraction of the logit scale:
+#: on CPU float32 rounding (eager steps against one jitted program, docs/parity.md), off
+#: it the backend's own tolerance.
+CPU_RTOL, ACCELERATOR_RTOL = 1e-5, 1e-3
 
 
 def _parallel_read(files: list[str], *, threads: int) -> int:
@@ -366,17 +368,16 @@ def output_parity(result: dict, outputs: dict[str, str], checks: list[dict]) -> 
 
   ref = np.load(outputs["resident"])
   scale = float(np.max(np.abs(ref)))
-  cpu = result["backend"] == "cpu"
-  tol = 0.0 if cpu else ACCELERATOR_RTOL * scale
+  rtol = CPU_RTOL if result["backend"] == "cpu" else ACCELERATOR_RTOL
+  tol = rtol * scale
   result["logit_scale"] = scale
   for which in ("cold", "warm"):
     got = np.load(outputs[which])
     same_shape = got.shape == ref.shape and got.dtype == ref.dtype
     diff = float(np.max(np.abs(got.astype(np.float64) - ref))) if same_shape else float("inf")
     result[f"{which}_max_abs_diff"] = diff
-    bits = same_shape and got.tobytes() == ref.tobytes()
-    ok = bits if cpu else diff <= tol
-    how = "bit for bit" if cpu else f"within {ACCELERATOR_RTOL:g} of the logit scale"
+    ok = same_shape and diff <= tol
+    how = f"within {rtol:g} of the logit scale"
     _result.check(
       checks,
       f"{which} stream pass logits == resident pass logits ({how})",

@@ -655,6 +655,24 @@ def regimes(args: argparse.Namespace, name: str, step, files, peaks, clear, repo
   return out
 
 
+def timed_load(load, peaks: Peaks) -> tuple:
+  """``load()``'s result and the load figures every row reports: its time and the bytes it
+  read, and the RSS before it (the baseline), at its peak and after it."""
+  baseline = rss_bytes()
+  peaks.reset()
+  io0 = io_bytes()
+  start = time.perf_counter()
+  loaded = load()
+  return loaded, {
+    "load_s": time.perf_counter() - start,
+    "load_read_bytes": io_bytes()[0] - io0[0],
+    "baseline_rss_bytes": baseline,
+    "load_peak_rss_bytes": peaks.read(),
+    "rss_after_load_bytes": rss_bytes(),
+    "anon_after_load_bytes": rss_anon_bytes(),
+  }
+
+
 def jr_child(args: argparse.Namespace) -> dict:
   """One jax_residency row: DenseDiskStream at a host budget (float32 or a quantized
   store), or FullyResident; both regimes."""
@@ -688,19 +706,9 @@ def jr_child(args: argparse.Namespace) -> dict:
   abstract = nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0)))
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
   peaks = Peaks()
-  baseline = rss_bytes()
   drop_page_cache(store)
-  peaks.reset()
-  io0 = io_bytes()
-  start = time.perf_counter()
-  placed = jr.place(abstract, policy, store=store, mesh=mesh)
-  out: dict = {
-    "load_s": time.perf_counter() - start,
-    "load_read_bytes": io_bytes()[0] - io0[0],
-    "baseline_rss_bytes": baseline,
-    "load_peak_rss_bytes": peaks.read(),
-    "rss_after_load_bytes": rss_bytes(),
-    "anon_after_load_bytes": rss_anon_bytes(),
+  placed, out = timed_load(lambda: jr.place(abstract, policy, store=store, mesh=mesh), peaks)
+  out |= {
     "unit_bytes": unit,
     "static_bytes": size["static_bytes"],
     "plan_bytes": placed.metadata.planned_process_bytes,
@@ -731,22 +739,8 @@ def plain_child(args: argparse.Namespace) -> dict:
   size = sizes(args)
   jax.numpy.zeros(()).block_until_ready()  # backend initialised before the baseline
   peaks = Peaks()
-  baseline = rss_bytes()
-  peaks.reset()
-  io0 = io_bytes()
-  start = time.perf_counter()
-  model = models.init_gpt(cfg, seed=0)
-  forward = plain_jitted(model)
-  out: dict = {
-    "load_s": time.perf_counter() - start,
-    "load_read_bytes": io_bytes()[0] - io0[0],
-    "baseline_rss_bytes": baseline,
-    "load_peak_rss_bytes": peaks.read(),
-    "rss_after_load_bytes": rss_bytes(),
-    "anon_after_load_bytes": rss_anon_bytes(),
-    "unit_bytes": size["unit_bytes"],
-    "static_bytes": size["static_bytes"],
-  }
+  forward, out = timed_load(lambda: plain_jitted(models.init_gpt(cfg, seed=0)), peaks)
+  out |= {"unit_bytes": size["unit_bytes"], "static_bytes": size["static_bytes"]}
   step = jax_step(forward)
   out |= warm_up(args, step)
   out["regimes"] = regimes(args, args.child, step, [store], peaks, lambda: None)

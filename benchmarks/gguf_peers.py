@@ -136,15 +136,8 @@ SHAPE_ARGS = ("layers", "hidden", "ffn", "heads", "kv_heads")
 QUICK_TOKENIZER = (
   pathlib.Path(__file__).resolve().parent.parent / "tests/fixtures/gguf_tiny_untied/model.gguf"
 )
-QUICK = {
-  "layers": 2,
-  "hidden": 256,
-  "ffn": 512,
-  "heads": 4,
-  "kv_heads": 2,
-  "steps": 4,
-  "repeat": 1,
-}
+#: ``--quick``: gguf_decode.py's toy shape, 4 steps, one run.
+QUICK = {k: gguf_decode.QUICK[k] for k in SHAPE_ARGS} | {"steps": 4, "repeat": 1}
 
 
 def llama_cpp_version() -> str | None:
@@ -531,15 +524,11 @@ def main() -> int:
       }
     if name == SMOLLM2_F32:
       over = rows[name]["resident"]["tok_s"] / rows[name]["plain"]["tok_s"]
-      same = all(
-        p["tokens"] == r["tokens"] for p, r in zip(per["plain"], per["resident"], strict=True)
-      )
-      _result.check(
+      same_tokens(
         checks,
         f"{name}: FullyResident's greedy tokens == the plain jitted model's (every run)",
-        same,
-        "equal" if same else [r["tokens"] for r in per["resident"]],
-        _result.PARITY,
+        per["resident"],
+        per["plain"],
       )
       _result.check(
         checks,
@@ -549,15 +538,11 @@ def main() -> int:
         f"{rows[name]['plain']['tok_s']:.1f} tok/s)",
       )
       continue
-    same = all(
-      d["tokens"] == r["tokens"] for d, r in zip(per["direct"], per["resident"], strict=True)
-    )
-    _result.check(
+    same_tokens(
       checks,
       f"{name}: DenseDiskStream(host 0)'s greedy tokens == FullyResident's (every run)",
-      same,
-      "equal" if same else [d["tokens"] for d in per["direct"]],
-      _result.PARITY,
+      per["direct"],
+      per["resident"],
     )
     if "llama.cpp" not in per:
       continue
@@ -586,6 +571,14 @@ def main() -> int:
   result["rows"] = rows
   result["checks"] = checks
   return _result.finish(result, args, render)
+
+
+def same_tokens(checks: list[dict], name: str, runs: list[dict], against: list[dict]) -> None:
+  """The parity gate ``name``: ``runs``' greedy tokens equal ``against``'s, run by run
+  (the value names ``runs``' tokens where they differ)."""
+  same = all(a["tokens"] == b["tokens"] for a, b in zip(runs, against, strict=True))
+  value = "equal" if same else [r["tokens"] for r in runs]
+  _result.check(checks, name, same, value, _result.PARITY)
 
 
 def _store_bytes(path: str) -> int:

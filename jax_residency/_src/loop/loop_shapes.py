@@ -89,12 +89,22 @@ def one_trip(f: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any, one:
   first = jax.tree.map(lambda a: a[0], xs)
   y_shape = jax.eval_shape(lambda c, x: f(c, x)[1], carry, first)
   ys = jax.tree.map(lambda s: jnp.zeros((1, *s.shape), s.dtype), y_shape)
+  return _trip_at(f, carry, xs, ys, 0, one)
+
+
+def _trip_at(
+  f: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any, ys: Any, at: int, one: Any
+) -> tuple[Any, Any]:
+  """One trip of a ``while_loop`` whose trip count (``one``) XLA cannot see, run as a
+  scan's body runs at index ``at``: ``f(carry, xs[at])``, its output written into ``ys``
+  at ``at``. Returns the carry and ``ys``."""
 
   def body(state: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
     t, c, out = state
-    x = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, t, keepdims=False), xs)
+    i = t + at
+    x = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
     c, y = f(c, x)
-    out = jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, t, 0), out, y)
+    out = jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, i, 0), out, y)
     return t + 1, c, out
 
   _, carry, ys = lax.while_loop(lambda s: s[0] < one, body, (jnp.int32(0), carry, ys))
@@ -138,16 +148,8 @@ def each_unit(
 
   ys = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), out_shape[1])
   for j in order:
-
-    def body(state: tuple[Any, Any, Any], j: int = j) -> tuple[Any, Any, Any]:
-      t, c, out = state
-      i = t + j
-      x = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
-      c, y = traced(c, per_unit[j], x)
-      out = jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, i, 0), out, y)
-      return t + 1, c, out
-
-    _, carry, ys = lax.while_loop(lambda s: s[0] < one, body, (jnp.int32(0), carry, ys))
+    unit_step = lambda c, x, u=per_unit[j]: traced(c, u, x)  # noqa: E731
+    carry, ys = _trip_at(unit_step, carry, xs, ys, j, one)
   return carry, ys
 
 

@@ -45,8 +45,8 @@ def default_policies() -> dict[str, LayerWeightResidency]:
 def _plain(
   model: Any, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], jit: bool
 ) -> Any:
-  """The plain model's output: jitted (what FullyResident / LayerwiseHost run off CPU) or eager
-  (what a dense stream's per-unit steps run)."""
+  """The plain model's output: jitted (what FullyResident / LayerwiseHost run, one program)
+  or eager (what a dense stream's per-unit steps run)."""
   if isinstance(model, nnx.Module):
     return (
       nnx.jit(lambda m, *a, **k: m(*a, **k))(model, *args, **kwargs)

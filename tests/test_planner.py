@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 
-import jax
 import numpy as np
 import pytest
 from cli_call import call
@@ -244,4 +243,3 @@ def test_plan_auto_prints_the_ranking(store, tmp_path):
   assert out.splitlines()[2].split()[1] == "FullyResident()"  # unbounded: nothing moves
   code, out, _ = call("plan", path, "--auto", "--prompt-len", "4", "--device-budget", "1KiB")
   assert code == 1 and "smallest device budget" in out
-  assert jax.devices()  # the CPU backend the measurement was taken on

@@ -1,6 +1,7 @@
 """Quantized stores under every policy (docs/design.md, section 2.4): a placed quantized
-model equals the plain model whose weights are the dequantized values, bit for bit, on
-one device and on meshes; budgets, bytes moved and reads count quantized bytes; the
+model equals the plain model whose weights are the dequantized values to 1e-5 relative
+(each decode is fused into its product), on one device and on meshes, and policies that
+run the same program give the same bits; budgets, bytes moved and reads count quantized bytes; the
 float copy of a unit is a planned step temporary; bad input gets a typed error and
 leaves nothing written."""
 

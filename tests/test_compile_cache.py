@@ -9,6 +9,7 @@ back; the end-to-end check runs in subprocesses with a temporary cache directory
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import textwrap
@@ -172,6 +173,26 @@ def test_an_unwritable_cache_dir_leaves_jax_alone(jax_config, monkeypatch, tmp_p
   monkeypatch.setenv(CACHE_DIR_ENV, str(blocker / "below"))
   assert compile_cache.enable_default_cache() is None
   assert read("jax_compilation_cache_dir") is None
+
+
+@pytest.mark.parametrize("how", ["mode 0777", "another user's"])
+def test_a_cache_dir_others_can_write_is_not_loaded_from(jax_config, caplog, how):
+  """A program planted in it would run in this process: JAX is left alone, with one
+  warning naming the directory and the fix."""
+  shared = jax_config / compile_cache.SUBDIR
+  shared.mkdir(parents=True)
+  if how == "mode 0777":
+    shared.chmod(0o777)
+  elif os.getuid() != 0:
+    pytest.skip("handing a directory to another user needs root")
+  else:
+    os.chown(shared, 65534, 65534)
+  with caplog.at_level(logging.WARNING, logger="jax_residency"):
+    assert compile_cache.enable_default_cache() is None
+    assert compile_cache.enable_default_cache() is None
+  assert read("jax_compilation_cache_dir") is None
+  warned = [r.getMessage() for r in caplog.records if str(shared) in r.getMessage()]
+  assert len(warned) == 1 and "chmod 700" in warned[0] and CACHE_DIR_ENV in warned[0]
 
 
 # --- end to end: a second process's first pass loads what the first compiled -----

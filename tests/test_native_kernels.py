@@ -7,7 +7,9 @@ on several devices, and replaced by XLA's products where they cannot be built.""
 from __future__ import annotations
 
 import logging
+import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -231,3 +233,37 @@ def test_the_environment_variable_turns_them_off(monkeypatch):
   monkeypatch.setenv(native.ENV, "0")
   assert not native.enabled() and not native.available()
   assert not fused.kernels_for(jax.devices()[:1])
+
+
+def _not_private(tmp_path: Path, how: str) -> Path:
+  """A kernel or cache directory another user could plant a file in: mode 0777, or owned
+  by another user (``nobody``; needs root to hand it over)."""
+  path = tmp_path / f"shared-{how}"
+  path.mkdir()
+  if how == "mode 0777":
+    path.chmod(0o777)
+  else:
+    if os.getuid() != 0:
+      pytest.skip("handing a directory to another user needs root")
+    os.chown(path, 65534, 65534)
+  return path
+
+
+@pytest.mark.parametrize("how", ["mode 0777", "another user's"])
+def test_a_kernel_directory_others_can_write_is_neither_built_into_nor_loaded_from(
+  monkeypatch, tmp_path, caplog, how
+):
+  """A library planted there would run in this process: no build, no load, XLA's products,
+  and a warning naming the directory and the fix (docs/quantization.md)."""
+  shared = _not_private(tmp_path, how)
+  monkeypatch.setenv(native.KERNEL_DIR_ENV, str(shared))
+  monkeypatch.setattr(native, "_state", {})
+  loaded = []
+  monkeypatch.setattr(native.ctypes.cdll, "LoadLibrary", lambda p: loaded.append(p))
+  with caplog.at_level(logging.WARNING, logger="jax_residency"):
+    assert not native.available()
+  assert loaded == [] and list(shared.iterdir()) == []
+  why = native.build_error()
+  assert str(shared) in why and "chmod 700" in why and native.KERNEL_DIR_ENV in why
+  assert ("mode 0o777" in why) if how == "mode 0777" else ("owned by user id 65534" in why)
+  assert str(shared) in caplog.text

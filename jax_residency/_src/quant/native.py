@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jax_residency._src.cache_dir import library_cache_dir
+from jax_residency._src.cache_dir import library_cache_dir, unsafe_to_load_from
 from jax_residency._src.quant import ggml, ggml_mixed
 from jax_residency._src.quant.encoding import GGML_SCHEME
 
@@ -113,6 +113,13 @@ def _cpu() -> str:
 def _load() -> ctypes.CDLL | None:
   if platform.system() not in ("Linux", "Darwin"):
     _unavailable(f"no native kernels on {platform.system()}")
+    return None
+  unsafe = unsafe_to_load_from(str(kernel_dir()))
+  if unsafe is not None:
+    _unavailable(
+      f"the kernel directory is not private: {unsafe}; make it yours and writable by you "
+      f"alone (chmod 700), or set ${KERNEL_DIR_ENV} to a directory that is"
+    )
     return None
   cxx = _compiler()
   if cxx is None:

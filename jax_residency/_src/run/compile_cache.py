@@ -13,13 +13,14 @@ compiles afterwards may be cached, not only the placed model's.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from typing import Any
 
 import jax
 
-from jax_residency._src.cache_dir import library_cache_dir
+from jax_residency._src.cache_dir import library_cache_dir, unsafe_to_load_from
 
 #: Set to ``0`` (or ``false`` / ``no`` / ``off``) to leave JAX's compilation cache alone.
 OPT_OUT_ENV = "JAX_RESIDENCY_COMPILATION_CACHE"
@@ -55,6 +56,8 @@ _JAX_DEFAULTS = {
 
 _lock = threading.Lock()
 _enabled: str | None = None
+_log = logging.getLogger("jax_residency")
+_warned: set[str] = set()
 
 
 def opted_out() -> bool:
@@ -70,12 +73,21 @@ def _user_set(name: str) -> bool:
   return name.upper() in os.environ or _config(name) != _JAX_DEFAULTS[name]
 
 
-def _writable_dir(path: str) -> bool:
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError:
-    return False
-  return os.access(path, os.W_OK | os.X_OK)
+def _private_dir(path: str) -> bool:
+  """Whether ``path`` (created if missing) is a directory this user alone can write, and
+  so one to load compiled programs from; warns once per directory where it is not."""
+  unsafe = unsafe_to_load_from(path)
+  if unsafe is None:
+    return os.access(path, os.W_OK | os.X_OK)
+  if path not in _warned:
+    _warned.add(path)
+    _log.warning(
+      "jax_residency: no persistent compilation cache: %s. Make the directory yours and "
+      "writable by you alone (chmod 700), or set $%s to one that is.",
+      unsafe,
+      "JAX_RESIDENCY_CACHE_DIR",
+    )
+  return False
 
 
 def enable_default_cache() -> str | None:
@@ -86,7 +98,9 @@ def enable_default_cache() -> str | None:
   directory is already configured (``jax_compilation_cache_dir`` or
   ``$JAX_COMPILATION_CACHE_DIR``), when JAX's cache is disabled
   (``jax_enable_compilation_cache=False``), or when the directory cannot be
-  created. Otherwise it sets the directory and, where the user has not set it,
+  created or is not private (owned by this user and writable by no one else: a
+  program loaded from it runs in this process; a warning names it and the fix).
+  Otherwise it sets the directory and, where the user has not set it,
   :data:`MIN_COMPILE_TIME_SECS`; unless the user set JAX's size limit, it trims the
   directory to :data:`MAX_SIZE_BYTES` (:func:`trim`).
 
@@ -111,7 +125,7 @@ def enable_default_cache() -> str | None:
     if not _config("jax_enable_compilation_cache"):
       return None
     path = os.path.join(library_cache_dir(), SUBDIR)
-    if not _writable_dir(path):
+    if not _private_dir(path):
       return None
     if not _user_set("jax_persistent_cache_min_compile_time_secs"):
       jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_SECS)

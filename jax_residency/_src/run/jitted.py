@@ -9,9 +9,9 @@ forward is traced instead, so input gradients work. On a CPU backend a pass's
 program takes each unit's rows as arrays of their own, views of the stacks
 (`unit_views`, docs/design.md, 3.1), so no layer is copied out of its stack.
 
-A pass's ``peak_*`` unit figures are measured (`held_units`): the unit arrays the
-placement holds when the pass ends, still alive (not deleted), by memory kind, per
-device. These placements hold every unit for their whole life, so what they hold at
+A pass's ``peak_*`` unit figures are not a measured peak but the unit arrays the
+placement holds when the pass ends (`held_units`), still alive (not deleted), by memory
+kind, per device. These placements hold every unit for their whole life, so what they hold at
 the end of a pass is what they held during it. ``LayerwiseHost``'s device window is
 not an array the placement holds: it lives inside the compiled program, among its
 temporaries (``step_temp_bytes``, from XLA's memory analysis); the planned window is

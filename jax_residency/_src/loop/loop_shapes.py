@@ -141,10 +141,10 @@ def each_unit(
   closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
     carry, per_unit[0], jax.tree.map(lambda a: a[0], xs)
   )
-  as_fun = jaxpr_as_fun(closed)
+  as_fun, out_tree = jaxpr_as_fun(closed), jax.tree.structure(out_shape)
 
   def traced(c: Any, u: Any, x: Any) -> tuple[Any, Any]:
-    return jax.tree.unflatten(jax.tree.structure(out_shape), as_fun(*jax.tree.leaves((c, u, x))))
+    return jax.tree.unflatten(out_tree, as_fun(*jax.tree.leaves((c, u, x))))
 
   ys = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), out_shape[1])
   for j in order:

@@ -142,7 +142,7 @@ class JittedExecutor:
     views = unit_views.unit_views(self._split, self._units, on_device, self._resident)
     if views is None:
       return stacked, stacked
-    return stacked, {"apart": unit_views.by_stack(self._split, views), "one": np.int32(1)}
+    return stacked, {"apart": views, "one": np.int32(1)}
 
   def _place_units(self, values: list[Any], shardings: Sequence[Any], stacks: int) -> None:
     """Places the unit leaves. LayerwiseHost's device-resident units: each stack's first

@@ -56,28 +56,22 @@ def unit_views(
   units: Sequence[jax.Array],
   shardings: Sequence[jax.sharding.Sharding],
   kept: Sequence[jax.Array] = (),
-) -> list[list[jax.Array]] | None:
-  """Per unit id, in order, the views of its rows of each of its stack's leaves; None if
-  any leaf cannot be viewed. With ``kept`` (LayerwiseHost's device-resident units: each
-  stack's first units, stacked apart), a stack's first rows come from those arrays."""
+) -> list[list[list[jax.Array]]] | None:
+  """Per stack, per unit in order, the views of the unit's rows of each of the stack's
+  leaves (``[stack][unit][leaf]``); None if any leaf cannot be viewed. With ``kept``
+  (LayerwiseHost's device-resident units: each stack's first units, stacked apart), a
+  stack's first rows come from those arrays."""
   views = []
   for stack in split.stacks:
     leaves, leaf_shardings = units[stack.leaf_slice], shardings[stack.leaf_slice]
     first = kept[stack.leaf_slice] if kept else []
     n = first[0].shape[0] if first else 0
+    per_unit = []
     for j in range(stack.count):
       rows = zip(first if j < n else leaves, leaf_shardings, strict=True)
       row = [unit_view(a, j if j < n else j - n, s) for a, s in rows]
       if any(v is None for v in row):
         return None
-      views.append([v for v in row if v is not None])
+      per_unit.append([v for v in row if v is not None])
+    views.append(per_unit)
   return views
-
-
-def by_stack(split: SplitModel, views: list[list[jax.Array]]) -> list[list[list[jax.Array]]]:
-  """`unit_views`' per-unit lists grouped by stack: ``[stack][unit][leaf]``."""
-  out, start = [], 0
-  for stack in split.stacks:
-    out.append(views[start : start + stack.count])
-    start += stack.count
-  return out

@@ -94,12 +94,15 @@ class LoopContext:
     path_of: the model path of a module a loop runs over (``split.Bound.path_of``).
     unplaced: model paths of the stacks the forward looped over that are not
       placed, in the order it ran them (every stack, while discovering).
+    activations: how a quantized unit's one-row products use the native kernels on
+      one CPU device (`quant.native.ACTIVATIONS`).
   """
 
   kind: ExecutionResidency
   stacks: tuple[StackLoop, ...] = ()
   path_of: Callable[[Any], tuple[str, ...] | None] = lambda _: None
   unplaced: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+  activations: str = "exact"
   _nesting: int = 0
 
   @property
@@ -154,7 +157,8 @@ class LoopContext:
       # (docs/design.md, section 2.4; quant/fused.py).
       if not has_quantized(unit):
         return step(c, unit, x)
-      kernels = kernels_for(set().union(*(s.device_set for s in loop.shardings)))
+      devices = set().union(*(s.device_set for s in loop.shardings))
+      kernels = kernels_for(devices, self.activations)
       return fenced(lambda c, u, x: step(c, decode_tree(u), x), c, unit, x, kernels=kernels)
 
     if loop.apart is not None:
@@ -228,6 +232,7 @@ def run_in_loop(
   names: Sequence[str],
   args: tuple[Any, ...],
   kwargs: dict[str, Any],
+  activations: str = "exact",
 ) -> tuple[Any, LoopContext]:
   """Calls a rebuilt model with its stacks (``bound.units``, one `StackLoop`
   each) placed in a loop context, and checks that a placed stack ran through
@@ -241,7 +246,9 @@ def run_in_loop(
       error says how to fix the model); an error raised before any loop ran
       gets a note saying so.
   """
-  loop = LoopContext(kind=kind, stacks=tuple(stacks), path_of=bound.path_of)
+  loop = LoopContext(
+    kind=kind, stacks=tuple(stacks), path_of=bound.path_of, activations=activations
+  )
   try:
     with active_loop(loop):
       out = bound.call(*args, **kwargs)

@@ -128,6 +128,8 @@ class SplitModel:
     root: the leaf-path prefix of parameters (``("params",)`` for Linen).
     quantization: for a split whose leaves are quantized tensors' stored parts, the
       plan of those tensors (``plan.quantized.QuantPlan``); else None.
+    activations: how the one-row products of quantized tensors take their row on one
+      CPU device (`place`'s ``activations``: ``"exact"`` or ``"int8"``).
   """
 
   kind: str
@@ -137,6 +139,7 @@ class SplitModel:
   bind_stacks: Callable[[Sequence[Any], Sequence[Stack]], Bound]
   root: ParamPath
   quantization: Any = None
+  activations: str = "exact"
 
   def bind(self, leaf_values: Sequence[Any]) -> Bound:
     return self.bind_stacks(leaf_values, self.stacks)

@@ -17,7 +17,8 @@ decoded from codes:
 
 * on one CPU device (``kernels``), a single row (one token) times one int8/int4
   tensor's decode is the native kernel's product of the row and the tensor's parts
-  (`quant.native`, ``matvec.cc``: the codes read once, in 16-lane vector loops), under
+  (`quant.native`, ``matvec.cc``: the codes read once, in 16-lane vector loops; with
+  ``kernels="int8"``, the row rounded to 8-bit blocks and multiplied as integers), under
   ``lax.platform_dependent`` so that a program lowered for an accelerator gets the
   product below instead;
 * otherwise, when the other operand is a single row, it is multiplied as a vector,
@@ -87,11 +88,12 @@ CODE_DTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
 ROWS_CHUNK_BYTES = 64 << 20
 
 
-def fenced(fn: Callable[..., Any], *args: Any, kernels: bool = False) -> Any:
+def fenced(fn: Callable[..., Any], *args: Any, kernels: str | None = None) -> Any:
   """``fn(*args)``, with every matmul of a decoded operand evaluated as described in the
   module's docstring. ``args`` are pytrees; codes are their int8/uint8 leaves.
-  ``kernels``: the step runs on one device, where a CPU one may use the native one-row
-  kernels (`kernels_for`)."""
+  ``kernels``: None, or the step runs on one device, where a CPU one may use the native
+  one-row kernels, taking their products as this says (`native.ACTIVATIONS`;
+  `kernels_for`)."""
   flat, tree = jax.tree.flatten(args)
   closed, out_shape = jax.make_jaxpr(
     lambda *xs: fn(*jax.tree.unflatten(tree, list(xs))), return_shape=True
@@ -107,11 +109,13 @@ def fenced(fn: Callable[..., Any], *args: Any, kernels: bool = False) -> Any:
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
-def kernels_for(devices: Any) -> bool:
-  """Whether a step on these devices may use the native kernels: one CPU device, and the
-  kernels built here (`native.available`)."""
+def kernels_for(devices: Any, activations: str = "exact") -> str | None:
+  """``activations`` (`native.ACTIVATIONS`) where a step on these devices may use the
+  native kernels: one CPU device, and the kernels built here (`native.available`); else
+  None."""
   devices = set(devices)
-  return len(devices) == 1 and next(iter(devices)).platform == "cpu" and native.available()
+  usable = len(devices) == 1 and next(iter(devices)).platform == "cpu" and native.available()
+  return activations if usable else None
 
 
 def evaluate_eqns(
@@ -120,7 +124,7 @@ def evaluate_eqns(
   outvars: Sequence[Any],
   args: Sequence[Any],
   *,
-  kernels: bool = False,
+  kernels: str | None = None,
 ) -> list[Any]:
   """Evaluates ``eqns`` (of one jaxpr, in order) on ``args`` for ``invars``, as `fenced`
   does: the int8/uint8 inputs are codes. A static tensor's decode (`encoding`'s jitted
@@ -139,8 +143,8 @@ class _State:
   (`_rows_product`). ``blocks``: a concatenated decode's pieces (variables) and axis;
   ``alias``: an inlined decode's outputs, by the outer variable; ``sources``: an int8 or
   int4 tensor's decoded value (its variable) -> (scheme, whether it is a kernel, the
-  variables of its parts); ``kernels``: whether one-row products may use the native
-  kernels."""
+  variables of its parts); ``kernels``: None, or how one-row products use the
+  native kernels (`native.ACTIVATIONS`)."""
 
   def __init__(self, env: dict[Any, Any], decoded: set[Any], parent: _State | None = None):
     self.env, self.decoded = env, decoded
@@ -148,7 +152,7 @@ class _State:
     self.blocks: dict[Any, tuple[list[Any], int]] = {} if parent is None else parent.blocks
     self.alias: dict[Any, Any] = {} if parent is None else parent.alias
     self.sources: dict[Any, tuple[str, bool, list[Any]]] = {} if parent is None else parent.sources
-    self.kernels: bool = False if parent is None else parent.kernels
+    self.kernels: str | None = None if parent is None else parent.kernels
 
   def fork(self) -> _State:
     """A state whose decodes are computed apart (inside a branch being traced)."""
@@ -296,7 +300,7 @@ def _native_product(
   parts = [state.read(v) for v in part_vars]
   if not native.supports(scheme, parts, flat):
     return None
-  return lambda: native.matvec(scheme, flat, parts)
+  return lambda: native.matvec(scheme, flat, parts, state.kernels)
 
 
 def _vector_product(

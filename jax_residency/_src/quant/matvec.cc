@@ -10,7 +10,9 @@
 // and y[r] = sum_i x[i] * w[r, i]. The sums are taken on the codes and scaled after
 // (`int8_rows`, `int4_rows`): the result differs from XLA's product of the decoded
 // matrix by float32 rounding of the sums (tests/test_native_kernels.py).
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -20,7 +22,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -444,6 +446,375 @@ RowType row_type(int32_t id) {
   }
 }
 
+// --- Integer products (activations = 1) --------------------------------------------
+// The row x is first rounded to 8-bit blocks of 32, as llama.cpp's CPU products round
+// theirs: x[i] ~ dx[b] * q[i], dx[b] = max |x[i]| over block b / 127. A weight block is
+// unpacked to 32 small integers and its product with q taken on integers (AVX-512 VNNI
+// or AVX-VNNI `dpbusd`, else AVX2 `maddubs`), converted and scaled once a block or
+// sub-block. Offsets and minima (Q4_1, Q5_1, the K types', int4's) multiply exact float
+// sums of x. The result differs from the float product by the rounding of x, a relative
+// error of about 2^-8 a value (docs/quantization.md, "Integer products").
+
+constexpr int64_t kQ = 32;  // values a rounded block of x holds
+typedef int8_t s8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+
+// x rounded: codes q (n), a scale a block of 32 (d) and exact sums a 16 values (s16).
+struct XRow {
+  const int8_t* q;
+  const float* d;
+  const float* s16;
+  const float* x;  // the row itself, for the float types' products
+};
+
+void round_row(const float* x, int64_t n, int8_t* q, float* d, float* s16) {
+  for (int64_t b = 0; b < n / kQ; ++b) {
+    const float* xb = x + kQ * b;
+    float amax = 0;
+    for (int64_t i = 0; i < kQ; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    d[b] = scale;
+    for (int64_t i = 0; i < kQ; ++i) {
+      const float v = std::nearbyint(xb[i] * inv);
+      q[kQ * b + i] = int8_t(std::min(127.0f, std::max(-127.0f, v)));
+    }
+  }
+  for (int64_t k = 0; k < n / 16; ++k) {
+    float s = 0;
+    for (int64_t i = 16 * k; i < 16 * k + 16; ++i) s += x[i];
+    s16[k] = s;
+  }
+}
+
+// Lane k of the result is sum_{j<4} u[4k + j] * s[4k + j] (lanes 0-3: values 0-15):
+// u unsigned and at most 128, s signed and at most 127 in size.
+inline i32x8 dot_us(u8x32 u, s8x32 s) {
+#if defined(__AVX2__)
+  const __m256i a = (__m256i)u, b = (__m256i)s;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return (i32x8)_mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#elif defined(__AVXVNNI__)
+  return (i32x8)_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#else
+  return (i32x8)_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+#else
+  i32x8 out = {};
+  for (int k = 0; k < 32; ++k) out[k / 4] += int32_t(u[k]) * int32_t(s[k]);
+  return out;
+#endif
+}
+
+// The same for signed w: |w| times s with w's sign.
+inline i32x8 dot_ss(s8x32 w, s8x32 s) {
+#if defined(__AVX2__)
+  const __m256i a = (__m256i)w;
+  return dot_us((u8x32)_mm256_sign_epi8(a, a), (s8x32)_mm256_sign_epi8((__m256i)s, a));
+#else
+  i32x8 out = {};
+  for (int k = 0; k < 32; ++k) out[k / 4] += int32_t(w[k]) * int32_t(s[k]);
+  return out;
+#endif
+}
+
+inline f32x8 as_float(i32x8 v) { return __builtin_convertvector(v, f32x8); }
+
+inline float sum8(f32x8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// Two 16-byte halves as one 32-byte vector.
+inline u8x32 join(vu8 lo, vu8 hi) {
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// The lanes' scales of a 32-value block with one scale a 16 values: a for lanes 0-3.
+// (Built from two broadcasts: GCC builds the initializer list through the stack, and the
+// vector's load then waits on four stores.)
+inline f32x8 two_scales(float a, float b) {
+#if defined(__AVX__)
+  return (f32x8)_mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a)), _mm_set1_ps(b), 1);
+#else
+  return f32x8{a, a, a, a, b, b, b, b};
+#endif
+}
+
+// Bit j of a 32-bit word as byte j (0 or `one`).
+inline u8x32 bits_as_bytes(uint32_t word, uint8_t one) {
+  typedef uint8_t u8x4 __attribute__((vector_size(4)));
+  u8x4 w;
+  std::memcpy(&w, &word, 4);
+  const u8x32 bytes = __builtin_shufflevector(w, w, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1,
+                                              1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const u8x32 sel = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                     1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  return u8x32((bytes & sel) != 0) & one;
+}
+
+float idot_q8_0(const XRow& x, const uint8_t* b, int64_t n) {
+  f32x8 acc = {};
+  for (int64_t i = 0; i < n; i += 32, b += 34) {
+    acc += as_float(dot_ss(load<s8x32>(b + 2), load<s8x32>(x.q + i))) * (half(b) * x.d[i / 32]);
+  }
+  return sum8(acc);
+}
+
+// Q4_0 and Q5_0 as signed codes (c - 8, c - 16); Q4_1 and Q5_1 as codes c with the
+// minimum m times the block's exact sum of x.
+template <bool kOffset, bool kFifth>
+float idot_q_01(const XRow& x, const uint8_t* b, int64_t n) {
+  constexpr int64_t kCodes = (kOffset ? 4 : 2) + (kFifth ? 4 : 0), kBytes = kCodes + 16;
+  f32x8 acc = {};
+  float off = 0;
+  for (int64_t i = 0; i < n; i += 32, b += kBytes) {
+    const vu8 q = load<vu8>(b + kCodes);
+    u8x32 c = join(vu8(q & 15), vu8(q >> 4));
+    if (kFifth) {
+      uint32_t qh;
+      std::memcpy(&qh, b + kCodes - 4, 4);
+      c |= bits_as_bytes(qh, 16);
+    }
+    const s8x32 xq = load<s8x32>(x.q + i);
+    const float dd = half(b) * x.d[i / 32];
+    if (kOffset) {
+      acc += as_float(dot_us(c, xq)) * dd;
+      off += half(b + 2) * (x.s16[i / 16] + x.s16[i / 16 + 1]);
+    } else {
+      acc += as_float(dot_ss(s8x32(c) - int8_t(kFifth ? 16 : 8), xq)) * dd;
+    }
+  }
+  return sum8(acc) + off;
+}
+
+// Q4_K and Q5_K: sub-block k (32 values) is a 32-byte run's low or high nibbles.
+template <bool kFifth>
+float idot_q45_k(const XRow& x, const uint8_t* b, int64_t n) {
+  constexpr int64_t kBytes = kFifth ? 176 : 144;
+  f32x8 acc = {};
+  float off = 0;
+  for (int64_t i = 0; i < n; i += 256, b += kBytes) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    const u8x32 qh = kFifth ? load<u8x32>(b + 16) : u8x32{};
+    for (int r = 0; r < 4; ++r) {
+      const u8x32 q = load<u8x32>(qs + 32 * r);
+      for (int hi = 0; hi < 2; ++hi) {
+        const int k = 2 * r + hi;
+        u8x32 c = hi ? u8x32(q >> 4) : u8x32(q & 15);
+        if (kFifth) c |= u8x32(((qh >> k) & 1) << 4);
+        float sc, mn;
+        k_scale(b + 4, k, &sc, &mn);
+        const int64_t at = i + 32 * k;
+        acc += as_float(dot_us(c, load<s8x32>(x.q + at))) * (d * sc * x.d[at / 32]);
+        off += dmin * mn * (x.s16[at / 16] + x.s16[at / 16 + 1]);
+      }
+    }
+  }
+  return sum8(acc) - off;
+}
+
+// Q6_K: (d * sc) * (c - 32), a scale a 16 values.
+float idot_q6_k(const XRow& x, const uint8_t* b, int64_t n) {
+  f32x8 acc = {};
+  for (int64_t i = 0; i < n; i += 256, b += 210) {
+    const float d = half(b + 208);
+    const int8_t* sc = (const int8_t*)(b + 192);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const u8x32 qh = load<u8x32>(b + 128 + 32 * h);
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {  // unrolled: a byte vector's shift by a constant
+        const u8x32 ql = load<u8x32>(b + 64 * h + 32 * (k % 2));
+        const u8x32 c = u8x32((ql >> (4 * (k / 2))) & 15) | u8x32(((qh >> (2 * k)) & 3) << 4);
+        const int64_t at = i + 128 * h + 32 * k;
+        const int s = 8 * h + 2 * k;
+        const f32x8 scale = two_scales(float(sc[s]), float(sc[s + 1])) * (d * x.d[at / 32]);
+        acc += as_float(dot_ss(s8x32(c) - int8_t(32), load<s8x32>(x.q + at))) * scale;
+      }
+    }
+  }
+  return sum8(acc);
+}
+
+// Q2_K: (d * sc) * c - dmin * mn, a scale and minimum a 16 values.
+float idot_q2_k(const XRow& x, const uint8_t* b, int64_t n) {
+  f32x8 acc = {};
+  float off = 0;
+  for (int64_t i = 0; i < n; i += 256, b += 84) {
+    const float d = half(b + 80), dmin = half(b + 82);
+    for (int h = 0; h < 2; ++h) {
+      const u8x32 q = load<u8x32>(b + 16 + 32 * h);
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t s0 = b[8 * h + 2 * j], s1 = b[8 * h + 2 * j + 1];
+        const int64_t at = i + 128 * h + 32 * j;
+        const f32x8 scale = two_scales(float(s0 & 15), float(s1 & 15)) * (d * x.d[at / 32]);
+        acc += as_float(dot_us(u8x32((q >> (2 * j)) & 3), load<s8x32>(x.q + at))) * scale;
+        off += dmin * (float(s0 >> 4) * x.s16[at / 16] + float(s1 >> 4) * x.s16[at / 16 + 1]);
+      }
+    }
+  }
+  return sum8(acc) - off;
+}
+
+// Q3_K: (d * (sc - 32)) * c, c = the two code bits, less 4 where the hmask bit is clear.
+float idot_q3_k(const XRow& x, const uint8_t* b, int64_t n) {
+  f32x8 acc = {};
+  for (int64_t i = 0; i < n; i += 256, b += 110) {
+    const float d = half(b + 108);
+    const uint8_t* s = b + 96;
+    float dl[16];
+    for (int k = 0; k < 16; ++k) {
+      const int low = k < 8 ? (s[k] & 15) : (s[k - 8] >> 4);
+      const int high = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+      dl[k] = float((low | (high << 4)) - 32);
+    }
+    const u8x32 hm = load<u8x32>(b);
+    for (int h = 0; h < 2; ++h) {
+      const u8x32 q = load<u8x32>(b + 32 + 32 * h);
+      for (int j = 0; j < 4; ++j) {
+        const u8x32 c = u8x32((q >> (2 * j)) & 3) | u8x32(((hm >> (4 * h + j)) & 1) << 2);
+        const int64_t at = i + 128 * h + 32 * j;
+        const int k = 8 * h + 2 * j;
+        const f32x8 scale = two_scales(dl[k], dl[k + 1]) * (d * x.d[at / 32]);
+        acc += as_float(dot_ss(s8x32(c) - int8_t(4), load<s8x32>(x.q + at))) * scale;
+      }
+    }
+  }
+  return sum8(acc);
+}
+
+// IQ4_NL's and IQ4_XS's levels as signed bytes, picked by 4-bit codes (a byte shuffle
+// in each 16-byte half with AVX2).
+inline s8x32 iq4_bytes(u8x32 codes) {
+  static const int8_t kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1,    13,   25,  38,  53,  69,  89,  113};
+#if defined(__AVX2__)
+  const __m128i t = _mm_loadu_si128((const __m128i*)kLevels);
+  return (s8x32)_mm256_shuffle_epi8(_mm256_set_m128i(t, t), (__m256i)codes);
+#else
+  s8x32 out;
+  for (int k = 0; k < 32; ++k) out[k] = kLevels[codes[k]];
+  return out;
+#endif
+}
+
+float idot_iq4_nl(const XRow& x, const uint8_t* b, int64_t n) {
+  f32x8 acc = {};
+  for (int64_t i = 0; i < n; i += 32, b += 18) {
+    const vu8 q = load<vu8>(b + 2);
+    const s8x32 w = iq4_bytes(join(vu8(q & 15), vu8(q >> 4)));
+    acc += as_float(dot_ss(w, load<s8x32>(x.q + i))) * (half(b) * x.d[i / 32]);
+  }
+  return sum8(acc);
+}
+
+float idot_iq4_xs(const XRow& x, const uint8_t* b, int64_t n) {
+  f32x8 acc = {};
+  for (int64_t i = 0; i < n; i += 256, b += 136) {
+    const float d = half(b);
+    const int sh = b[2] | (b[3] << 8);
+    for (int k = 0; k < 8; ++k) {
+      const int ls = ((b[4 + k / 2] >> (4 * (k % 2))) & 15) | (((sh >> (2 * k)) & 3) << 4);
+      const vu8 q = load<vu8>(b + 8 + 16 * k);
+      const s8x32 w = iq4_bytes(join(vu8(q & 15), vu8(q >> 4)));
+      const int64_t at = i + 32 * k;
+      acc += as_float(dot_ss(w, load<s8x32>(x.q + at))) * (d * float(ls - 32) * x.d[at / 32]);
+    }
+  }
+  return sum8(acc);
+}
+
+// The float types keep their float products (nothing to multiply as integers).
+float idot_f32(const XRow& x, const uint8_t* b, int64_t n) { return dot_f32(x.x, b, n); }
+float idot_f16(const XRow& x, const uint8_t* b, int64_t n) { return dot_f16(x.x, b, n); }
+float idot_bf16(const XRow& x, const uint8_t* b, int64_t n) { return dot_bf16(x.x, b, n); }
+
+typedef float (*RowIDot)(const XRow&, const uint8_t*, int64_t);
+
+RowIDot row_idot(int32_t id) {
+  switch (id) {
+    case kF32: return idot_f32;
+    case kF16: return idot_f16;
+    case kBF16: return idot_bf16;
+    case kQ5_0: return idot_q_01<false, true>;
+    case kQ5_1: return idot_q_01<true, true>;
+    case kIQ4_NL: return idot_iq4_nl;
+    case kIQ4_XS: return idot_iq4_xs;
+    case kQ8_0: return idot_q8_0;
+    case kQ4_0: return idot_q_01<false, false>;
+    case kQ4_1: return idot_q_01<true, false>;
+    case kQ2_K: return idot_q2_k;
+    case kQ3_K: return idot_q3_k;
+    case kQ4_K: return idot_q45_k<false>;
+    case kQ5_K: return idot_q45_k<true>;
+    case kQ6_K: return idot_q6_k;
+    default: return nullptr;
+  }
+}
+
+// int8 rows: scale[r] * sum_b dx[b] * (codes . q over block b).
+void int8_rows_q(const XRow& x, const int8_t* codes, const float* scale, float* y, int64_t n,
+                 int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int8_t* c = codes + r * n;
+    f32x8 acc = {};
+    for (int64_t i = 0; i < n; i += 32) {
+      __builtin_prefetch(c + i + 2048);
+      acc += as_float(dot_ss(load<s8x32>(c + i), load<s8x32>(x.q + i))) * x.d[i / 32];
+    }
+    y[r] = sum8(acc) * scale[r];
+  }
+}
+
+// int4 rows (both nibbles of a byte row): each group's sum on the codes, scaled, plus
+// its offset times the group's exact sum of x.
+void int4_rows_q(const XRow& x, const uint8_t* codes, const float* scale, const float* offset,
+                 float* y, int64_t n, int64_t g, int64_t half_rows, int64_t p0, int64_t p1) {
+  const int64_t groups = n / g;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* c = codes + p * n;
+    const float* s_lo = scale + p * groups;
+    const float* o_lo = offset + p * groups;
+    const float* s_hi = scale + (p + half_rows) * groups;
+    const float* o_hi = offset + (p + half_rows) * groups;
+    f32x8 lo = {}, hi = {};
+    float lo_off = 0, hi_off = 0;
+    for (int64_t j = 0; j < groups; ++j) {
+      f32x8 glo = {}, ghi = {};
+      float xsum = 0;
+      for (int64_t i = j * g; i < (j + 1) * g; i += 32) {
+        __builtin_prefetch(c + i + 2048);
+        const u8x32 b = load<u8x32>(c + i);
+        const s8x32 xq = load<s8x32>(x.q + i);
+        const float dx = x.d[i / 32];
+        glo += as_float(dot_us(u8x32(b & 15), xq)) * dx;
+        ghi += as_float(dot_us(u8x32(b >> 4), xq)) * dx;
+        xsum += x.s16[i / 16] + x.s16[i / 16 + 1];
+      }
+      lo += glo * s_lo[j];
+      hi += ghi * s_hi[j];
+      lo_off += o_lo[j] * xsum;
+      hi_off += o_hi[j] * xsum;
+    }
+    y[p] = sum8(lo) + lo_off;
+    y[p + half_rows] = sum8(hi) + hi_off;
+  }
+}
+
+// x rounded, in buffers the call owns.
+struct RoundedRow {
+  std::vector<int8_t> q;
+  std::vector<float> d, s16;
+  XRow row;
+  RoundedRow(const float* x, int64_t n) : q(n), d(n / kQ), s16(n / 16) {
+    round_row(x, n, q.data(), d.data(), s16.data());
+    row = XRow{q.data(), d.data(), s16.data(), x};
+  }
+};
+
 // Runs body(start, stop) over [0, total) in chunks, on the calling thread and on
 // XLA's intra-op threads. Helpers take chunks from a shared counter; the caller
 // waits only for chunks some thread has taken, so a helper that starts late (its
@@ -477,7 +848,7 @@ void parallel_chunks(ffi::ThreadPool& pool, int64_t total, int64_t chunk, F body
 
 ffi::Error Int4Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::ResultBuffer<ffi::F32> y, int32_t activations) {
   const auto cd = codes.dimensions();
   const auto sd = scale.dimensions();
   if (cd.size() != 2 || sd.size() != 2 || sd[0] != 2 * cd[0] || sd[1] == 0 ||
@@ -491,6 +862,15 @@ ffi::Error Int4Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* sp = scale.typed_data();
   const float* op = offset.typed_data();
   float* yp = y->typed_data();
+  if (activations != 0) {
+    if (g % kQ != 0) return ffi::Error::InvalidArgument("jr_int4_matvec: groups of 32 rounded");
+    const RoundedRow xq(xp, n);
+    const XRow row = xq.row;
+    parallel_chunks(pool, half, 16, [=](int64_t a, int64_t b) {
+      int4_rows_q(row, cp, sp, op, yp, n, g, half, a, b);
+    });
+    return ffi::Error::Success();
+  }
   std::vector<float> sums(n / g);
   group_sums(xp, sums.data(), n, g);
   const float* xs = sums.data();
@@ -501,7 +881,8 @@ ffi::Error Int4Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
-                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
+                      int32_t activations) {
   const auto cd = codes.dimensions();
   if (cd.size() != 2 || cd[1] % kLanes != 0 || x.element_count() != cd[1] ||
       scale.element_count() != cd[0] || y->element_count() != cd[0]) {
@@ -512,6 +893,15 @@ ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int8_t* cp = codes.typed_data();
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
+  if (activations != 0) {
+    if (n % kQ != 0) return ffi::Error::InvalidArgument("jr_int8_matvec: rows of 32 rounded");
+    const RoundedRow xq(xp, n);
+    const XRow row = xq.row;
+    parallel_chunks(pool, rows, 32, [=](int64_t a, int64_t b) {
+      int8_rows_q(row, cp, sp, yp, n, a, b);
+    });
+    return ffi::Error::Success();
+  }
   parallel_chunks(pool, rows, 32, [=](int64_t a, int64_t b) {
     int8_rows(xp, cp, sp, yp, n, a, b);
   });
@@ -522,7 +912,8 @@ ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // every row is that type's; with several (a mixed stack, quant/ggml_mixed.py), a row's
 // last byte is the index of its type in `types`.
 ffi::Error GgmlMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
-                      ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int32_t> types) {
+                      ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int32_t> types,
+                      int32_t activations) {
   const auto bd = blocks.dimensions();
   const int64_t n = x.element_count(), count = int64_t(types.size());
   if (bd.size() != 2 || int64_t(y->element_count()) != bd[0] || count == 0 || count > 8) {
@@ -541,6 +932,21 @@ ffi::Error GgmlMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* xp = x.typed_data();
   const uint8_t* bp = blocks.typed_data();
   float* yp = y->typed_data();
+  if (activations != 0) {
+    if (n % kQ != 0) return ffi::Error::InvalidArgument("jr_ggml_matvec: rows of 32 rounded");
+    RowIDot idots[8];
+    for (int64_t t = 0; t < count; ++t) idots[t] = row_idot(types[t]);
+    const RoundedRow xq(xp, n);
+    const XRow row = xq.row;
+    parallel_chunks(pool, rows, 16, [=](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        const uint8_t* w = bp + r * width;
+        const int64_t t = count == 1 ? 0 : w[width - 1];
+        yp[r] = t < count ? idots[t](row, w, n) : __builtin_nanf("");
+      }
+    });
+    return ffi::Error::Success();
+  }
   parallel_chunks(pool, rows, 16, [=](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
       const uint8_t* row = bp + r * width;
@@ -559,7 +965,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JrGgmlMatvec, GgmlMatvec,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<ffi::Span<const int32_t>>("types"));
+                                  .Attr<ffi::Span<const int32_t>>("types")
+                                  .Attr<int32_t>("activations"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JrInt4Matvec, Int4Matvec,
                               ffi::Ffi::Bind()
@@ -568,7 +975,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JrInt4Matvec, Int4Matvec,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("activations"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JrInt8Matvec, Int8Matvec,
                               ffi::Ffi::Bind()
@@ -576,4 +984,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JrInt8Matvec, Int8Matvec,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("activations"));

@@ -55,6 +55,14 @@ _SYMBOLS = {"int4": "JrInt4Matvec", "int8": "JrInt8Matvec", "ggml": "JrGgmlMatve
 #: The GGML types ``matvec.cc`` multiplies by (a mixed tensor's, each of its types): every
 #: type `quant.ggml` decodes.
 GGML_TYPES = tuple(t.name for t in ggml.GGML_TYPES)
+#: How a kernel takes its one-row product (`place`'s ``activations``): ``"exact"``
+#: multiplies the float row by each decoded code; ``"int8"`` first rounds the row to
+#: 8-bit blocks of `ROUNDED_BLOCK` values (a scale each) and multiplies integers, as
+#: llama.cpp's CPU products do (docs/quantization.md, "Integer products").
+ACTIVATIONS = ("exact", "int8")
+#: Values of a rounded block of the row: a rounded product needs rows (int8, GGML) or
+#: groups (int4) that are multiples of it, and keeps the exact product elsewhere.
+ROUNDED_BLOCK = 32
 #: Vector lanes of the kernels' loops: the input dimension (int8) and the group size
 #: (int4) must be multiples of it.
 LANES = 16
@@ -219,19 +227,33 @@ def _supports_ggml(types: list[str], parts: list[Any], n: int) -> bool:
   return blocks.shape[1] == ggml_mixed.mixed_row_bytes(types, n)
 
 
-def matvec(scheme: str, x: Any, parts: list[Any]) -> jax.Array:
+def rounds(scheme: str, parts: list[Any], x: Any) -> bool:
+  """Whether the ``"int8"`` product rounds ``x`` for these parts (`supports` holds):
+  rows of a multiple of `ROUNDED_BLOCK` values (int8, GGML), groups of one (int4)."""
+  if scheme.startswith(GGML_SCHEME) or scheme == "int8":
+    return x.shape[0] % ROUNDED_BLOCK == 0
+  return (x.shape[0] // parts[1].shape[-1]) % ROUNDED_BLOCK == 0
+
+
+def matvec(scheme: str, x: Any, parts: list[Any], activations: str = "exact") -> jax.Array:
   """``y[r] = sum_i x[i] * w[r, i]`` for the matrix ``w`` the parts decode to (rows
-  along the input axis, `quant.schemes`), by the native kernel.
+  along the input axis, `quant.schemes`), by the native kernel. ``activations``
+  (`ACTIVATIONS`): ``"int8"`` rounds ``x`` to 8-bit blocks first where `rounds` says
+  so (elsewhere, and for float GGML types, the product stays exact).
 
   Raises:
     RuntimeError: the kernels are not available here (`build_error` says why).
   """
   if not available():
     raise RuntimeError(f"the native kernels are not available: {build_error() or 'off'}")
+  if activations not in ACTIVATIONS:
+    raise ValueError(f"activations={activations!r}: one of {ACTIVATIONS}")
+  rounded = np.int32(activations == "int8" and rounds(scheme, parts, x))
   if scheme.startswith(GGML_SCHEME):
     ids = [ggml.ggml_type(t).type_id for t in _ggml_types(scheme)]
     out = jax.ShapeDtypeStruct((parts[0].shape[0],), jnp.float32)
-    return jax.ffi.ffi_call(TARGETS["ggml"], out)(x, *parts, types=np.array(ids, np.int32))
+    call = jax.ffi.ffi_call(TARGETS["ggml"], out)
+    return call(x, *parts, types=np.array(ids, np.int32), activations=rounded)
   rows = parts[1].shape[0]
   out = jax.ShapeDtypeStruct((rows,), jnp.float32)
-  return jax.ffi.ffi_call(TARGETS[scheme], out)(x, *parts)
+  return jax.ffi.ffi_call(TARGETS[scheme], out)(x, *parts, activations=rounded)

@@ -103,14 +103,20 @@ class JittedExecutor:
         for k, (loop, ref, s) in enumerate(zip(loops, bound.units, split.stacks, strict=True))
       ]
       out, self._last_trace = run_in_loop(
-        bound, stacks, kind=policy.execution_residency, names=names, args=args, kwargs=kwargs
+        bound,
+        stacks,
+        kind=policy.execution_residency,
+        activations=split.activations,
+        names=names,
+        args=args,
+        kwargs=kwargs,
       )
       return out
 
     if split.quantization is not None:
       # Static tensors' decodes too, each inside the operation that uses it (as the unit
       # loop's steps are): a one-token head reads its codes once (quant/fused.py).
-      plain, kernels = forward, kernels_for(mesh.devices.flat)
+      plain, kernels = forward, kernels_for(mesh.devices.flat, split.activations)
 
       def forward(
         static: list[Any], units: list[Any], extra: Any, *args: Any, **kwargs: Any

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jax_residency._src.errors import ClosedError, PlacementError
+from jax_residency._src.errors import ClosedError, PlacementError, QuantizationError
 from jax_residency._src.loop.stacks import find_stacks
 from jax_residency._src.plan import shardings as pl
 from jax_residency._src.plan.arguments import check_place_arguments
@@ -31,6 +31,7 @@ from jax_residency._src.policy.types import (
   LayerWeightResidency,
   LayerwiseHost,
 )
+from jax_residency._src.quant import native
 from jax_residency._src.quant.schemes import Quantization
 from jax_residency._src.report.records import Report
 from jax_residency._src.run.compile_cache import enable_default_cache
@@ -205,6 +206,28 @@ class PlacedModel:
     return f"PlacedModel({self.policy!r}, layers={self.unit_count}, stacks={self.stacks}, {state})"
 
 
+def check_activations(activations: object, mesh: Mesh) -> None:
+  """`place`'s ``activations``: one of `native.ACTIVATIONS`; ``"int8"`` only where the
+  native integer kernels run (one CPU device).
+
+  Raises:
+    PlacementError: another value, or ``"int8"`` for another backend or several devices.
+  """
+  if activations not in native.ACTIVATIONS:
+    raise PlacementError(
+      f"activations={activations!r}: pass one of {', '.join(map(repr, native.ACTIVATIONS))}"
+    )
+  devices = list(mesh.devices.flat)
+  if activations != "exact" and (len(devices) != 1 or devices[0].platform != "cpu"):
+    platforms = sorted({d.platform for d in devices})
+    raise PlacementError(
+      f"activations={activations!r}: integer products are native CPU kernels, for one CPU "
+      f"device; this mesh has {len(devices)} device(s) on backend {'/'.join(platforms)!r}, "
+      "which has none. Leave activations='exact' there (XLA's products of the decoded "
+      "weights)."
+    )
+
+
 def place(
   model: Any,
   policy: Any = None,
@@ -217,6 +240,7 @@ def place(
   sequence_axis: int = 1,
   read_options: ReadOptions | None = None,
   quantize: str | Mapping[str, Any] | Quantization | None = None,
+  activations: str = "exact",
 ) -> PlacedModel:
   """Places a Flax model's weights as ``policy`` says.
 
@@ -254,6 +278,12 @@ def place(
       ``docs/quantization.md``), encoded from the model's weights on the host
       and decoded in the step that uses them. A store written with
       ``save(..., quantize=...)`` is placed quantized without it.
+    activations: how a one-token product with a quantized matrix takes its activation
+      row on one CPU device. ``"exact"`` (default): in float32, equal to the product of
+      the decoded matrix to float rounding. ``"int8"``: rounded to 8-bit blocks of 32
+      values (a scale each) and multiplied as integers, as llama.cpp does on CPU:
+      faster, with logits within about 1e-2 of the exact ones (``docs/quantization.md``,
+      "Integer products"). Needs quantized weights and one CPU device.
 
   Returns:
     A :class:`PlacedModel`, called like ``model``.
@@ -262,10 +292,13 @@ def place(
     UnitSelectionError: the layer stack cannot be found, or ``units`` or
       ``params`` has the wrong type.
     QuantizationError: ``quantize`` finds nothing to quantize, or a group size
-      that does not divide a tensor's input dimension, or disagrees with the store.
+      that does not divide a tensor's input dimension, or disagrees with the store;
+      or ``activations="int8"`` for float weights.
     CheckpointShapeMismatchError: a quantized store records tensors the model
       does not have, or has with other shapes.
-    PlacementError: ``mesh``, ``rules`` or ``sequence_axis`` has the wrong type.
+    PlacementError: ``mesh``, ``rules`` or ``sequence_axis`` has the wrong type, or
+      ``activations`` is not ``"exact"`` or ``"int8"``, or is ``"int8"`` on a mesh that
+      is not one CPU device (the error names the backend).
     StoreError: ``store`` is not a path, or not a readable store.
     DeviceBudgetTooSmallError, HostBudgetTooSmallError: the budgets cannot
       hold the model's windows (raised before anything is placed).
@@ -299,6 +332,7 @@ def place(
   if recorded and units is None:  # the store's stacks, as model paths
     split = split.with_stacks([p[len(split.root) :] for p in recorded])
   mesh = pl.default_mesh(split.values) if mesh is None else mesh
+  check_activations(activations, mesh)
   if isinstance(policy, DenseDiskStream) and store is None:
     raise PlacementError(
       "DenseDiskStream streams units from a store: pass store=<path> written by "
@@ -309,6 +343,13 @@ def place(
 
   def build(split: SplitModel) -> Executor:
     split = for_placement(split, plan, wanted, store=None if source is None else source.path)
+    if activations != "exact" and split.quantization is None:
+      raise QuantizationError(
+        f"activations={activations!r} rounds the activations of products with quantized "
+        "weights, and this placement holds float weights: pass quantize='int8' (or "
+        "'int4'), or a store written quantized, or leave activations='exact'"
+      )
+    split.activations = activations
     if isinstance(policy, DenseDiskStream):
       assert source is not None
       return DenseExecutor(

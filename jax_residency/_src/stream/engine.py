@@ -199,7 +199,14 @@ class DenseStreamEngine:
         jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self._split.unit_leaves()
       ]
       spans = [StackSpan(s.offset, s.count, s.first, len(s.index)) for s in self._split.stacks]
-      staged = trace(self._forward, self._static, unit_specs, (args, kwargs), spans)
+      staged = trace(
+        self._forward,
+        self._static,
+        unit_specs,
+        (args, kwargs),
+        spans,
+        activations=self._split.activations,
+      )
       # A quantized unit's decode depends only on the unit, so inside a loop XLA hoists
       # it out of the matmul and writes the float unit; a plain step keeps it fused.
       quantized = self._split.quantization is not None
@@ -219,6 +226,7 @@ class DenseStreamEngine:
       bound,
       loops,
       kind=self._policy.execution_residency,
+      activations=self._split.activations,
       names=[st.name for st in self._stacks],
       args=tuple(args),
       kwargs=dict(kwargs),

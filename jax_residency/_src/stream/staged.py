@@ -130,9 +130,13 @@ def trace(
   unit_specs: Sequence[jax.ShapeDtypeStruct],
   args: Sequence[Any],
   stacks: Sequence[StackSpan],
+  *,
+  activations: str = "exact",
 ) -> StagedForward:
   """Traces ``forward(static_leaves, unit_leaves, *args)`` with abstract units
-  (``unit_specs``: every stack's leaves, stack by stack, as ``stacks`` lays out)."""
+  (``unit_specs``: every stack's leaves, stack by stack, as ``stacks`` lays out).
+  ``activations``: how a quantized static tensor's one-row products use the native
+  kernels (`quant.native.ACTIVATIONS`)."""
   flat_args, args_tree = jax.tree.flatten(tuple(args))
 
   def flat_forward(*flat: Any) -> Any:
@@ -157,7 +161,9 @@ def trace(
     closed.jaxpr.invars[: staged.n_static],
     lambda eqn: staged._unit_operands(eqn) is not None,
     # The static tensors' devices: the native one-row kernels serve one CPU device.
-    kernels=lambda: kernels_for({d for x in static_leaves for d in x.sharding.device_set}),
+    kernels=lambda: kernels_for(
+      {d for x in static_leaves for d in x.sharding.device_set}, activations
+    ),
   )
   for k, eqn in enumerate(closed.jaxpr.eqns):
     operands = staged._unit_operands(eqn)

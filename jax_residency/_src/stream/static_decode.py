@@ -43,7 +43,7 @@ class Region:
 
   inputs: list[Any]
   eqns: list[Any]
-  kernels: bool = False
+  kernels: str | None = None
   run: Callable[..., Any] | None = None
 
   def __call__(self, values: Sequence[Any]) -> list[Any]:
@@ -72,12 +72,12 @@ def plan_static_decodes(
   static_vars: Sequence[Any],
   is_loop: Callable[[Any], bool],
   *,
-  kernels: Callable[[], bool] = lambda: False,
+  kernels: Callable[[], str | None] = lambda: None,
 ) -> StaticDecodes:
   """Finds the regions of ``jaxpr`` (``static_vars``: its static leaf inputs;
   ``is_loop(eqn)``: whether an equation is a unit loop, which runs no region;
-  ``kernels()``: whether its regions may use the native one-row kernels, `quant.fused`,
-  asked only where there is a region)."""
+  ``kernels()``: None, or how its regions use the native one-row kernels (`quant.fused`;
+  asked only where there is a region))."""
   static = set(static_vars)
   made_by: dict[Any, int] = {}  # a decoded static variable -> the equation that makes it
   for k, eqn in enumerate(jaxpr.eqns):

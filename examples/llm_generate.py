@@ -73,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--host-budget", help="host budget, e.g. 8GiB (default: the policy's)")
   parser.add_argument("--prefetch-depth", type=int, default=2, help="layerwise_host window")
   parser.add_argument("--store", type=Path, help="unit store: written once, then placed from")
+  parser.add_argument(
+    "--activations",
+    choices=("exact", "int8"),
+    default="exact",
+    help="quantized weights on CPU: int8 rounds each one-token product's row to 8 bits "
+    "first, as llama.cpp does (faster; docs/quantization.md)",
+  )
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
   source.add_argument("--ids", type=int, nargs="+", help="prompt token ids")
@@ -117,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     model = models.load_llama(args.checkpoint, config=cfg)
     print(f"loaded {args.checkpoint} in {time.perf_counter() - start:.2f} s")
   policy = make_policy(args)
-  with jr.place(model, policy, store=None if store is None else str(store)) as placed:
+  where = None if store is None else str(store)
+  with jr.place(model, policy, store=where, activations=args.activations) as placed:
     tokens = models.generate_llm(
       placed,
       [ids],

@@ -9,7 +9,9 @@
 //         one;                                             w[r, i] = c * scale + offset
 // and y[r] = sum_i x[i] * w[r, i]. The sums are taken on the codes and scaled after
 // (`int8_rows`, `int4_rows`): the result differs from XLA's product of the decoded
-// matrix by float32 rounding of the sums (tests/test_native_kernels.py).
+// matrix by float32 rounding of the sums (tests/test_native_kernels.py). With the
+// handlers' `activations` attribute 1, x is rounded to 8-bit blocks first and the sums
+// are integer ones ("Integer products" below).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,6 +31,12 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+// The loops over a chunk of rows are compiled once, not inlined into each caller: the
+// calling thread and the pool's threads then run the same instructions, so a row's
+// result does not depend on which thread computed it (GCC contracts a * b + c into a
+// fused multiply-add, or not, per inlined copy).
+#define NOINLINE __attribute__((noinline))
 
 constexpr int64_t kLanes = 16;
 typedef float vf __attribute__((vector_size(kLanes * 4)));
@@ -71,7 +79,7 @@ inline float lanes_sum(vf v) {
 // with xsum the group's sum of x (`group_sums`, once a call, shared by every row). One
 // multiply-add a code instead of two: the decode's arithmetic, not the reads, bound
 // the loop on the development VM.
-void int4_rows(const float* x, const float* xsum, const uint8_t* codes, const float* scale,
+NOINLINE void int4_rows(const float* x, const float* xsum, const uint8_t* codes, const float* scale,
                const float* offset, float* y, int64_t n, int64_t g, int64_t half, int64_t p0,
                int64_t p1) {
   const int64_t groups = n / g;
@@ -114,7 +122,7 @@ void group_sums(const float* x, float* out, int64_t n, int64_t g) {
 }
 
 // A row's sum on the codes, scaled once: scale * sum_i x[i] * c[i].
-void int8_rows(const float* x, const int8_t* codes, const float* scale, float* y, int64_t n,
+NOINLINE void int8_rows(const float* x, const int8_t* codes, const float* scale, float* y, int64_t n,
                int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const int8_t* c = codes + r * n;
@@ -756,7 +764,7 @@ RowIDot row_idot(int32_t id) {
 }
 
 // int8 rows: scale[r] * sum_b dx[b] * (codes . q over block b).
-void int8_rows_q(const XRow& x, const int8_t* codes, const float* scale, float* y, int64_t n,
+NOINLINE void int8_rows_q(const XRow& x, const int8_t* codes, const float* scale, float* y, int64_t n,
                  int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const int8_t* c = codes + r * n;
@@ -771,7 +779,7 @@ void int8_rows_q(const XRow& x, const int8_t* codes, const float* scale, float* 
 
 // int4 rows (both nibbles of a byte row): each group's sum on the codes, scaled, plus
 // its offset times the group's exact sum of x.
-void int4_rows_q(const XRow& x, const uint8_t* codes, const float* scale, const float* offset,
+NOINLINE void int4_rows_q(const XRow& x, const uint8_t* codes, const float* scale, const float* offset,
                  float* y, int64_t n, int64_t g, int64_t half_rows, int64_t p0, int64_t p1) {
   const int64_t groups = n / g;
   for (int64_t p = p0; p < p1; ++p) {

@@ -4,7 +4,10 @@ XLA's CPU code for a decode fused into a matrix-vector product is bound by its
 arithmetic: unpacking, converting and scaling each code costs more than reading it
 (docs/quantization.md, "Reading codes once"). ``matvec.cc`` does the same work in a
 loop of 16-lane vectors on XLA's intra-op threads, registered as XLA FFI handlers
-(``jax.ffi``), and `quant.fused` calls it for a one-token product on CPU.
+(``jax.ffi``), and `quant.fused` calls it for a one-token product on CPU. Each kernel
+multiplies either the float row by the decoded codes (``activations="exact"``), or the
+row rounded to 8-bit blocks by the codes as integers (``"int8"``, `place`'s
+``activations``; docs/quantization.md, "Integer products").
 
 The file is compiled on first use with the machine's C++ compiler (``$CXX``, else
 ``c++``, ``g++`` or ``clang++``) for the machine's own instruction set, against the
@@ -61,7 +64,7 @@ GGML_TYPES = tuple(t.name for t in ggml.GGML_TYPES)
 #: llama.cpp's CPU products do (docs/quantization.md, "Integer products").
 ACTIVATIONS = ("exact", "int8")
 #: Values of a rounded block of the row: a rounded product needs rows (int8, GGML) or
-#: groups (int4) that are multiples of it, and keeps the exact product elsewhere.
+#: groups (int4: every group size) that are multiples of it, and is exact elsewhere.
 ROUNDED_BLOCK = 32
 #: Vector lanes of the kernels' loops: the input dimension (int8) and the group size
 #: (int4) must be multiples of it.

@@ -14,7 +14,10 @@ largest exact logit. Targets (exit 1 on a miss):
 * the logits' relative difference <= 1e-2 at every step of every prompt.
 
 Also reported: each placement's decode tokens/s over all steps (one process, not a
-benchmark of speed: ``benchmarks/gguf_peers.py`` is).
+benchmark of speed: ``benchmarks/gguf_peers.py`` is); and, as an anchor, where
+llama-cpp-python is installed, how far llama.cpp's own logits for the same file lie from
+the exact placement's, fed the exact placement's tokens (llama.cpp rounds activations
+the same way, in the prompt's products too, and keeps its KV cache in float16).
 
   python benchmarks/int8_activations.py
   python benchmarks/int8_activations.py --quick   # tests' tiny GGUF file, 4 steps, 2 prompts
@@ -71,6 +74,29 @@ def greedy(placed, cfg, prompt: list[int], steps: int) -> tuple[list[int], list,
   return tokens, rows, times
 
 
+def llama_cpp_model(path: str):
+  """llama.cpp's model of the file (llama-cpp-python), or None where it is not installed."""
+  try:
+    import llama_cpp
+  except ImportError:
+    print("llama_cpp not importable: no llama.cpp anchor", file=sys.stderr)
+    return None
+  return llama_cpp.Llama(path, n_ctx=256, logits_all=True, verbose=False)
+
+
+def llama_cpp_logits(llm, prompt: list[int], tokens: list[int]) -> list:
+  """llama.cpp's logits for the prompt's last position, then after each of ``tokens``."""
+  import numpy as np
+
+  llm.reset()
+  llm.eval(prompt)
+  rows = [np.array(llm.scores[len(prompt) - 1])]
+  for i, t in enumerate(tokens):
+    llm.eval([t])
+    rows.append(np.array(llm.scores[len(prompt) + i]))
+  return rows
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -103,6 +129,7 @@ def main() -> int:
     placed = {
       a: jr.place(model, jr.FullyResident(), store=store, activations=a) for a in ("exact", "int8")
     }
+    peer = None if args.quick else llama_cpp_model(path)
     rows, times, worst, same = [], {a: [] for a in placed}, 0.0, True
     for text in prompts:
       ids = list(tokenizer.encode(text).ids)
@@ -112,12 +139,19 @@ def main() -> int:
         times[a] += run[2]
       lead = next((i for i, (x, y) in enumerate(zip(want, got, strict=True)) if x != y), len(want))
       # step k's logits follow the same tokens while the first k tokens agree
-      rel = max(
-        float(np.max(np.abs(g - w)) / np.max(np.abs(w)))
-        for w, g in zip(want_logits[: lead + 1], got_logits[: lead + 1], strict=True)
-      )
+      pairs = list(zip(want_logits[: lead + 1], got_logits[: lead + 1], strict=True))
+      rel = max(float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for w, g in pairs)
+      rms = max(float(np.linalg.norm(g - w) / np.linalg.norm(w)) for w, g in pairs)
       worst, same = max(worst, rel), same and lead == len(want)
-      rows.append({"prompt": text, "tokens": len(want), "agreeing": lead, "logits_rel": rel})
+      row = {"prompt": text, "tokens": len(want), "agreeing": lead, "logits_rel": rel}
+      row["rms_rel"] = rms
+      if peer is not None:  # llama.cpp fed the exact placement's tokens
+        theirs = llama_cpp_logits(peer, ids, want[:-1])
+        row["llama_cpp_rel"] = max(
+          float(np.max(np.abs(t - w)) / np.max(np.abs(w)))
+          for w, t in zip(want_logits, theirs, strict=True)
+        )
+      rows.append(row)
     for p in placed.values():
       p.close()
   result = _result.stamp("int8_activations", None, args.quick)
@@ -150,10 +184,13 @@ def render(result: dict) -> str:
   for r in result["rows"]:
     lines.append(
       f"  {r['prompt'][:40]:40s} {r['agreeing']:3d} of {r['tokens']} tokens agree, "
-      f"logits within {r['logits_rel']:.2e}"
+      f"logits within {r['logits_rel']:.2e} (largest), {r['rms_rel']:.2e} (norm)"
     )
   tok_s = result["tok_s"]
   lines.append(f"  decode tok/s: exact {tok_s['exact']:.1f}, int8 {tok_s['int8']:.1f}")
+  if "llama_cpp_rel" in result["rows"][0]:
+    worst = max(r["llama_cpp_rel"] for r in result["rows"])
+    lines.append(f"  llama.cpp's logits, fed the exact tokens: within {worst:.2e} of the exact")
   return "\n".join(lines)
 
 
@@ -162,13 +199,17 @@ def markdown(result: dict) -> str:
   lines = [
     f"{result['model']} placed FullyResident, exact and int8 activations, greedy decode "
     f"of {len(result['rows'])} prompts, {result['steps']} steps each; logits compared at "
-    "every step (largest difference relative to the largest exact logit).",
+    "every step (largest difference relative to the largest exact logit); llama.cpp's: "
+    "its own logits for the file, fed the same tokens, against the exact placement's.",
     "",
-    "| prompt | greedy tokens agreeing | logits' relative difference |",
-    "|---|---|---|",
+    "| prompt | greedy tokens agreeing | int8 logits' relative difference | llama.cpp's |",
+    "|---|---|---|---|",
   ]
   for r in result["rows"]:
-    lines.append(f"| {r['prompt']} | {r['agreeing']} of {r['tokens']} | {r['logits_rel']:.2e} |")
+    theirs = f"{r['llama_cpp_rel']:.2e}" if "llama_cpp_rel" in r else "-"
+    lines.append(
+      f"| {r['prompt']} | {r['agreeing']} of {r['tokens']} | {r['logits_rel']:.2e} | {theirs} |"
+    )
   return "\n".join(lines)
 
 

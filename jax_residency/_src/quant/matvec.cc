@@ -459,9 +459,11 @@ RowType row_type(int32_t id) {
 // theirs: x[i] ~ dx[b] * q[i], dx[b] = max |x[i]| over block b / 127. A weight block is
 // unpacked to 32 small integers and its product with q taken on integers (AVX-512 VNNI
 // or AVX-VNNI `dpbusd`, else AVX2 `maddubs`), converted and scaled once a block or
-// sub-block. Offsets and minima (Q4_1, Q5_1, the K types', int4's) multiply exact float
-// sums of x. The result differs from the float product by the rounding of x, a relative
-// error of about 2^-8 a value (docs/quantization.md, "Integer products").
+// sub-block. Offsets and minima (Q4_1, Q5_1, the K types', int4's) multiply sums of the
+// rounded x, as llama.cpp's Q8_1 and Q8_K blocks carry them: the result is then the
+// product of the rounded row, w . xr, whose error w . (x - xr) takes the weights centred
+// by their offsets. (The exact sums of x would leave d * c . (x - xr), codes 0..15 not
+// centred: on SmolLM2's activations that doubled the logits' error.)
 
 constexpr int64_t kQ = 32;  // values a rounded block of x holds
 typedef int8_t s8x32 __attribute__((vector_size(32)));
@@ -469,7 +471,8 @@ typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x8 __attribute__((vector_size(32)));
 
-// x rounded: codes q (n), a scale a block of 32 (d) and exact sums a 16 values (s16).
+// x rounded: codes q (n), a scale a block of 32 (d) and the rounded values' sums a 16
+// values (s16: d times the integer sum of q).
 struct XRow {
   const int8_t* q;
   const float* d;
@@ -490,9 +493,9 @@ void round_row(const float* x, int64_t n, int8_t* q, float* d, float* s16) {
     }
   }
   for (int64_t k = 0; k < n / 16; ++k) {
-    float s = 0;
-    for (int64_t i = 16 * k; i < 16 * k + 16; ++i) s += x[i];
-    s16[k] = s;
+    int32_t s = 0;
+    for (int64_t i = 16 * k; i < 16 * k + 16; ++i) s += q[i];
+    s16[k] = d[k / 2] * float(s);
   }
 }
 
@@ -571,7 +574,7 @@ float idot_q8_0(const XRow& x, const uint8_t* b, int64_t n) {
 }
 
 // Q4_0 and Q5_0 as signed codes (c - 8, c - 16); Q4_1 and Q5_1 as codes c with the
-// minimum m times the block's exact sum of x.
+// minimum m times the sum of the block's rounded x.
 template <bool kOffset, bool kFifth>
 float idot_q_01(const XRow& x, const uint8_t* b, int64_t n) {
   constexpr int64_t kCodes = (kOffset ? 4 : 2) + (kFifth ? 4 : 0), kBytes = kCodes + 16;
@@ -778,7 +781,7 @@ NOINLINE void int8_rows_q(const XRow& x, const int8_t* codes, const float* scale
 }
 
 // int4 rows (both nibbles of a byte row): each group's sum on the codes, scaled, plus
-// its offset times the group's exact sum of x.
+// its offset times the sum of the group's rounded x.
 NOINLINE void int4_rows_q(const XRow& x, const uint8_t* codes, const float* scale, const float* offset,
                  float* y, int64_t n, int64_t g, int64_t half_rows, int64_t p0, int64_t p1) {
   const int64_t groups = n / g;

@@ -17,6 +17,11 @@ streams from a store (a temporary one without ``--store``).
   python examples/llm_generate.py CHECKPOINT_DIR --policy dense --host-budget 1GiB \\
       --store /tmp/llama-store --prompt "the old cat" -n 32
   python examples/llm_generate.py CHECKPOINT_DIR --policy layerwise_host --ids 1 4 77 55
+
+With ``--draft DRAFT_STORE`` (a store of a model with the same vocabulary, such as the
+checkpoint converted with ``--quantize int4``), a FullyResident draft proposes
+``--draft-tokens`` tokens a round for the placed model to check in one pass
+(speculative decoding, docs/speculative.md), and what it did is printed.
 """
 
 from __future__ import annotations
@@ -80,6 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     help="quantized weights on CPU: int8 rounds each one-token product's row to 8 bits "
     "first, as llama.cpp does (faster; docs/quantization.md)",
   )
+  parser.add_argument(
+    "--draft",
+    type=Path,
+    help="speculative decoding: a store of a draft model with the same vocabulary (for "
+    "example the checkpoint converted with --quantize int4), placed FullyResident",
+  )
+  parser.add_argument(
+    "--draft-tokens",
+    default="4",
+    help="the draft's proposals a round, or auto (docs/speculative.md)",
+  )
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
   source.add_argument("--ids", type=int, nargs="+", help="prompt token ids")
@@ -125,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded {args.checkpoint} in {time.perf_counter() - start:.2f} s")
   policy = make_policy(args)
   where = None if store is None else str(store)
+  draft = draft_cfg = None
+  if args.draft is not None:
+    draft_model = models.load(args.draft)
+    draft_cfg = draft_model.config
+    draft = jr.place(draft_model, jr.FullyResident(), store=str(args.draft))
+    print(f"draft: {args.draft}, {draft_cfg.num_hidden_layers} layers, FullyResident")
+  draft_tokens = args.draft_tokens if args.draft_tokens == "auto" else int(args.draft_tokens)
   with jr.place(model, policy, store=where, activations=args.activations) as placed:
     tokens = models.generate_llm(
       placed,
@@ -135,10 +158,15 @@ def main(argv: list[str] | None = None) -> int:
       top_k=args.top_k,
       top_p=args.top_p,
       seed=args.seed,
-      progress=True,  # prints the prefill time and the decode tokens per second
+      progress=True,  # the prefill time and decode rate, or with a draft what it did
+      draft=draft,
+      draft_config=draft_cfg,
+      draft_tokens=draft_tokens,
     )
     report = placed.report()
     window = placed.metadata.device_window_units
+  if draft is not None:
+    draft.close()
   out = np.asarray(tokens)[0].tolist()
   print(f"generated ids: {out}")
   if tokenizer is not None:

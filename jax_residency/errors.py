@@ -36,6 +36,7 @@ The hierarchy (a builtin in parentheses is a second base class)::
               CheckpointShapeMismatchError
               UnexpectedCheckpointParametersError
       ModelConfigError (ValueError)
+      SpeculationError (ValueError)
       ResidencyRuntimeError (RuntimeError)
           AdmissionError
           PrefetchError
@@ -81,6 +82,7 @@ from jax_residency._src.errors import PrefetchError as PrefetchError
 from jax_residency._src.errors import QuantizationError as QuantizationError
 from jax_residency._src.errors import ResidencyError as ResidencyError
 from jax_residency._src.errors import ResidencyRuntimeError as ResidencyRuntimeError
+from jax_residency._src.errors import SpeculationError as SpeculationError
 from jax_residency._src.errors import StoreCorruptionError as StoreCorruptionError
 from jax_residency._src.errors import StoreError as StoreError
 from jax_residency._src.errors import StoreLayoutError as StoreLayoutError
@@ -120,6 +122,7 @@ __all__ = [
   "PrefetchError",
   "ResidencyError",
   "ResidencyRuntimeError",
+  "SpeculationError",
   "StoreError",
   "StoreLayoutError",
   "StoreCorruptionError",

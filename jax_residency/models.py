@@ -45,12 +45,14 @@ from ._src.models.llama import LlamaCache as LlamaCache
 from ._src.models.llama_config import LlamaConfig as LlamaConfig
 from ._src.models.llama_generate import filter_logits as filter_logits
 from ._src.models.llama_generate import generate_llm as generate_llm
+from ._src.models.llama_generate import speculate as speculate
 from ._src.models.llama_load import HFTensor as HFTensor
 from ._src.models.llama_load import hf_tensor_map as hf_tensor_map
 from ._src.models.llama_load import init_llama as init_llama
 from ._src.models.llama_load import llama_params_from_hf as llama_params_from_hf
 from ._src.models.llama_load import load_llama as load_llama
 from ._src.models.llama_load import read_llama_config as read_llama_config
+from ._src.models.speculative import SpeculationReport as SpeculationReport
 from ._src.models.t5 import T5 as T5
 from ._src.models.t5 import T5Cache as T5Cache
 from ._src.models.t5 import T5DecoderLayer as T5DecoderLayer
@@ -88,6 +90,8 @@ __all__ = [
   "filter_logits",
   "generate",
   "generate_llm",
+  "speculate",
+  "SpeculationReport",
   "generate_t5",
   "hf_tensor_map",
   "init_gpt",

@@ -21,6 +21,7 @@ from jax_residency._src.errors.placement import (
 from jax_residency._src.errors.placement import ModelConfigError as ModelConfigError
 from jax_residency._src.errors.placement import PlacementError as PlacementError
 from jax_residency._src.errors.placement import QuantizationError as QuantizationError
+from jax_residency._src.errors.placement import SpeculationError as SpeculationError
 from jax_residency._src.errors.placement import UnitSelectionError as UnitSelectionError
 from jax_residency._src.errors.policy import HostDisabledControlsError as HostDisabledControlsError
 from jax_residency._src.errors.policy import InvalidBudgetError as InvalidBudgetError

@@ -160,6 +160,29 @@ class ModelConfigError(ResidencyError, ValueError):
   """
 
 
+class SpeculationError(ResidencyError, ValueError):
+  """Speculative decoding asked for with a draft or settings it cannot use.
+
+  Raised by `jax_residency.models.generate_llm` with ``draft=`` before any pass runs
+  (both models stay usable): a draft whose vocabulary differs from the target's, a
+  ``draft_tokens`` that is not a positive int or ``"auto"``. The message names the
+  value and the fix.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> from jax_residency import models
+    >>> cfg = models.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                          num_hidden_layers=1, num_attention_heads=2,
+    ...                          num_key_value_heads=1)
+    >>> target = models.init_llama(cfg)
+    >>> try:
+    ...   models.generate_llm(target, [1, 2], 4, draft=target, draft_tokens=0)
+    ... except jr.errors.SpeculationError as e:
+    ...   print("draft_tokens=0" in str(e))
+    True
+  """
+
+
 class MeasurementMismatchError(PlacementError):
   """A measurement given for another store or another backend than the one at hand.
 

@@ -28,42 +28,13 @@ from jax_residency._src.models.decoding import (
 )
 from jax_residency._src.models.llama import Llama, LlamaCache
 from jax_residency._src.models.llama_config import LlamaConfig
-
-
-def filter_logits(
-  logits: jax.Array, temperature: float, top_k: int | None = None, top_p: float | None = None
-) -> jax.Array:
-  """``logits`` ``(batch, vocab)`` divided by ``temperature``, then those outside the top
-  ``top_k`` and outside the top-``top_p`` probability mass set to ``-inf``, as
-  transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
-  ``TopPLogitsWarper`` do (ties with the k-th largest kept; top-p keeps the
-  smallest set of largest logits whose mass exceeds ``top_p``, at least one).
-
-  Example:
-    >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    >>> jnp.isfinite(filter_logits(logits, 1.0, top_k=3)).tolist()
-    [[True, True, True, False]]
-    >>> jnp.isfinite(filter_logits(logits, 1.0, top_p=0.7)).tolist()
-    [[True, True, False, False]]
-  """
-  scores = logits.astype(jnp.float32) / temperature
-  if top_k is not None:
-    k = min(max(int(top_k), 1), scores.shape[-1])
-    kth = lax_top_k(scores, k)
-    scores = jnp.where(scores < kth, -jnp.inf, scores)
-  if top_p is not None and top_p < 1.0:
-    order = jnp.argsort(scores, axis=-1)  # ascending
-    ascending = jnp.take_along_axis(scores, order, axis=-1)
-    mass = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-    drop = (mass <= 1 - top_p).at[..., -1].set(False)
-    drop = jnp.take_along_axis(drop, jnp.argsort(order, axis=-1), axis=-1)
-    scores = jnp.where(drop, -jnp.inf, scores)
-  return scores
-
-
-def lax_top_k(scores: jax.Array, k: int) -> jax.Array:
-  """The ``k``-th largest of each row, ``(batch, 1)``."""
-  return jax.lax.top_k(scores, k)[0][..., -1:]
+from jax_residency._src.models.logits import filter_logits as filter_logits
+from jax_residency._src.models.speculative import (
+  SpeculationReport,
+  check_draft_tokens,
+  check_vocabularies,
+  speculative_decode,
+)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
@@ -91,6 +62,9 @@ def generate_llm(
   seed: int = 0,
   stop_tokens: Sequence[int] | None = None,
   progress: bool = False,
+  draft: Any = None,
+  draft_config: LlamaConfig | None = None,
+  draft_tokens: int | str = 4,
 ) -> jax.Array:
   """Generates ``max_new_tokens`` tokens after a prompt, as transformers' ``generate`` does.
 
@@ -115,7 +89,16 @@ def generate_llm(
     top_p: keep the smallest set of tokens whose probability exceeds ``top_p``.
     seed: the sampling seed.
     stop_tokens: tokens that end a row; default ``config.eos_token_ids``; ``()``: none.
-    progress: print the prefill time and the decode rate (tokens per second).
+    progress: print the prefill time and the decode rate (tokens per second), and with a
+      draft, what speculation did (`SpeculationReport.summary`).
+    draft: a model with the target's vocabulary (a :class:`Llama`, or a placed one: then
+      pass ``draft_config``) that proposes ``draft_tokens`` tokens a round for the
+      target to check in one pass (speculative decoding, docs/speculative.md): greedy
+      tokens are the target's own, sampled ones distributed as the target's. `speculate`
+      also returns what it did.
+    draft_config: the draft's :class:`LlamaConfig`, for a placed draft.
+    draft_tokens: proposals a round (a positive int), or ``"auto"``: chosen each round
+      from measured pass times and the acceptance rate.
 
   Returns:
     The generated tokens, ``(batch, max_new_tokens)`` int32 (the prompt not included).
@@ -123,6 +106,8 @@ def generate_llm(
   Raises:
     ValueError: ``max_new_tokens < 1``, a negative ``temperature``, or no
       ``config`` for a placed model.
+    SpeculationError: a draft with another vocabulary, or ``draft_tokens`` neither a
+      positive int nor ``"auto"`` (before any pass runs).
 
   Example:
     >>> from jax_residency.models import LlamaConfig, init_llama
@@ -135,12 +120,26 @@ def generate_llm(
     >>> bool((a == generate_llm(model, [5, 6, 7], 4, temperature=0.8, top_p=0.9, seed=1)).all())
     True
   """
-  check_max_new_tokens(max_new_tokens)
-  if temperature < 0:
-    raise ValueError(f"temperature={temperature}: use 0 for greedy decoding or a positive value")
-  cfg, forward = plain_or_placed(model, Llama, config, "LlamaConfig")
-  stops = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
-  pad = cfg.pad_token_id if cfg.pad_token_id is not None else (stops[0] if stops else 0)
+  if draft is not None:
+    tokens, report = speculate(
+      model,
+      input_ids,
+      max_new_tokens,
+      draft=draft,
+      config=config,
+      draft_config=draft_config,
+      draft_tokens=draft_tokens,
+      attention_mask=attention_mask,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      seed=seed,
+      stop_tokens=stop_tokens,
+    )
+    if progress:
+      print(report.summary())
+    return tokens
+  cfg, forward, stops, pad = _target(model, config, max_new_tokens, temperature, stop_tokens)
   ids, mask = prompt(input_ids, attention_mask)
   batch, length = ids.shape
   timer = Timer(batch, length) if progress else None
@@ -154,6 +153,70 @@ def generate_llm(
 
   pick = _picker(temperature, top_k, top_p, seed)
   return decode(logits, cache, step, pick, max_new_tokens, stops=stops, pad=pad, timer=timer)
+
+
+def speculate(
+  model: Any,
+  input_ids: Any,
+  max_new_tokens: int,
+  *,
+  draft: Any,
+  config: LlamaConfig | None = None,
+  draft_config: LlamaConfig | None = None,
+  draft_tokens: int | str = 4,
+  attention_mask: Any = None,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
+  stop_tokens: Sequence[int] | None = None,
+) -> tuple[jax.Array, SpeculationReport]:
+  """`generate_llm` with a ``draft``: the tokens and a :class:`SpeculationReport` (rounds,
+  proposals, acceptance, tokens per target pass, time in each model).
+
+  Raises:
+    SpeculationError: ``draft_tokens`` neither a positive int nor ``"auto"``, or a draft
+      whose vocabulary is not the target's; raised before any pass runs.
+    ValueError: as `generate_llm`.
+  """
+  k = check_draft_tokens(draft_tokens)
+  cfg, forward, stops, pad = _target(model, config, max_new_tokens, temperature, stop_tokens)
+  draft_cfg, draft_forward = plain_or_placed(draft, Llama, draft_config, "LlamaConfig")
+  check_vocabularies(cfg.vocab_size, draft_cfg.vocab_size)
+  ids, mask = prompt(input_ids, attention_mask)
+  return speculative_decode(
+    forward,
+    draft_forward,
+    cfg,
+    draft_cfg,
+    ids,
+    mask,
+    max_new_tokens,
+    draft_tokens=k,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    seed=seed,
+    stops=stops,
+    pad=pad,
+  )
+
+
+def _target(
+  model: Any,
+  config: LlamaConfig | None,
+  max_new_tokens: int,
+  temperature: float,
+  stop_tokens: Sequence[int] | None,
+) -> tuple[LlamaConfig, Any, tuple[int, ...], int]:
+  """The checked arguments of a generation: its config, forward, stop tokens and pad."""
+  check_max_new_tokens(max_new_tokens)
+  if temperature < 0:
+    raise ValueError(f"temperature={temperature}: use 0 for greedy decoding or a positive value")
+  cfg, forward = plain_or_placed(model, Llama, config, "LlamaConfig")
+  stops = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
+  pad = cfg.pad_token_id if cfg.pad_token_id is not None else (stops[0] if stops else 0)
+  return cfg, forward, stops, pad
 
 
 def _picker(temperature: float, top_k: int | None, top_p: float | None, seed: int) -> Pick:

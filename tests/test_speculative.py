@@ -1,0 +1,235 @@
+"""Speculative decoding (models/speculative.py, docs/speculative.md): greedy tokens are
+the target's own whatever the draft proposes, sampled tokens are distributed as the
+target's, caches roll back (rows of a batch keeping different counts, compaction), a
+placed streamed target works with a resident draft, and bad drafts or settings are
+refused before any pass."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+import jax_residency as jr
+from jax_residency import models
+from jax_residency._src.models.decoding import jitted_plain
+from jax_residency._src.models.speculative import choose_k
+
+CFG = models.LlamaConfig(
+  vocab_size=48,
+  hidden_size=32,
+  intermediate_size=64,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+)
+PROMPTS = jnp.asarray([[0, 0, 5, 6, 7], [9, 3, 4, 1, 2]], jnp.int32)  # row 0 left-padded
+MASK = jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32)
+N = 12
+
+
+@pytest.fixture(scope="module")
+def target() -> models.Llama:
+  return models.init_llama(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def want(target) -> jax.Array:
+  """The target's own greedy tokens, no draft."""
+  return models.generate_llm(target, PROMPTS, N, attention_mask=MASK, stop_tokens=())
+
+
+def _shifted(model: models.Llama, rows=(0, 1)):
+  """A draft that is always wrong on ``rows``: the target with its logits rolled by one
+  token there, so that its argmax is never the target's; right on the other rows."""
+
+  def forward(ids, mask, cache, index):
+    logits, cache = jitted_plain(model, ids, mask, cache, index)
+    wrong = jnp.zeros((logits.shape[0], 1, 1), bool).at[jnp.asarray(rows)].set(True)
+    return jnp.where(wrong, jnp.roll(logits, 1, axis=-1), logits), cache
+
+  return forward
+
+
+def _noisy(scale: float) -> models.Llama:
+  """The target (seed 0) plus ``scale`` times another model's weights (seed 1): a draft
+  that agrees often, not always."""
+  noisy, other = models.init_llama(CFG, seed=0), models.init_llama(CFG, seed=1)
+  nnx.update(noisy, jax.tree.map(lambda a, b: a + scale * b, nnx.state(noisy), nnx.state(other)))
+  return noisy
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 3, "auto"])
+def test_greedy_tokens_are_the_targets_for_any_draft(target, want, draft_tokens):
+  """An always-wrong draft (0% kept), the target itself (100%) and a noisy copy (some):
+  the tokens are the target's greedy tokens, rows of a batch (one left-padded) keeping
+  different counts."""
+  noisy = _noisy(0.3)
+  cases = [
+    ("wrong", _shifted(target), CFG, lambda r: r.accepted == 0),
+    ("right", target, None, lambda r: r.accepted == r.proposed > 0),
+    ("noisy", noisy, None, lambda r: 0 < r.accepted < r.proposed),
+  ]
+  for name, draft, draft_cfg, kept in cases:
+    got, report = models.speculate(
+      target,
+      PROMPTS,
+      N,
+      draft=draft,
+      draft_config=draft_cfg,
+      draft_tokens=draft_tokens,
+      attention_mask=MASK,
+      stop_tokens=(),
+    )
+    np.testing.assert_array_equal(got, want, err_msg=name)
+    assert kept(report), (name, report)
+    assert report.target_passes == report.rounds + 1
+    assert report.generated == N * 2
+
+
+def test_an_always_right_draft_takes_k_plus_one_tokens_a_pass(target, want):
+  got, report = models.speculate(
+    target, PROMPTS, N, draft=target, draft_tokens=3, attention_mask=MASK, stop_tokens=()
+  )
+  np.testing.assert_array_equal(got, want)
+  assert report.rounds == -(-(N - 1) // 4)  # 11 tokens after the prefill's, 4 a round
+  assert report.tokens_per_pass == pytest.approx(N / (report.rounds + 1))
+
+
+def test_rows_that_keep_different_counts_compact_the_caches(target, want):
+  """Right on row 0, wrong on row 1: the round's start runs ahead of row 1's tokens, so
+  the caches fill with row 1's holes and are compacted; the tokens stay the target's."""
+  got, report = models.speculate(
+    target,
+    PROMPTS,
+    N,
+    draft=_shifted(target, rows=(1,)),
+    draft_config=CFG,
+    draft_tokens=4,
+    attention_mask=MASK,
+    stop_tokens=(),
+  )
+  np.testing.assert_array_equal(got, want)
+  # row 1 gains one token a round: 11 rounds of 5 slots, past the 5 + 12 + 10 slots
+  assert report.rounds == N - 1 and 5 + report.rounds * 5 > 5 + N + 10
+
+
+def test_stop_tokens_pad_a_row_as_without_a_draft(target, want):
+  stop = int(want[0, 3])
+  plain = models.generate_llm(target, PROMPTS, N, attention_mask=MASK, stop_tokens=(stop,))
+  got = models.generate_llm(
+    target,
+    PROMPTS,
+    N,
+    attention_mask=MASK,
+    stop_tokens=(stop,),
+    draft=_noisy(0.3),
+    draft_tokens=3,
+  )
+  np.testing.assert_array_equal(got, plain)
+
+
+def test_a_streamed_target_with_a_resident_quantized_draft(target, want, tmp_path):
+  """The target placed DenseDiskStream at host budget 0 from its store, the draft its int4
+  copy placed FullyResident: the target's greedy tokens, and the target's report counts
+  one prefill pass a round (a round's k + 1 tokens) and the prompt's."""
+  path = str(tmp_path / "store")
+  jr.save(target, path)
+  draft_path = str(tmp_path / "draft")
+  jr.save(target, draft_path, quantize={"scheme": "int4", "group_size": 32})
+  with (
+    jr.place(target, jr.DenseDiskStream(host_budget_bytes=0), store=path) as streamed,
+    jr.place(target, jr.FullyResident(), store=draft_path) as draft,
+  ):
+    got, report = models.speculate(
+      streamed,
+      PROMPTS,
+      N,
+      config=CFG,
+      draft=draft,
+      draft_config=CFG,
+      draft_tokens=3,
+      attention_mask=MASK,
+      stop_tokens=(),
+    )
+    passes = streamed.report().passes
+  np.testing.assert_array_equal(got, want)
+  assert len(passes) == report.target_passes and report.accepted > 0
+
+
+def test_sampled_tokens_are_distributed_as_the_targets():
+  """A vocabulary of 4, 3 tokens after a 2-token prompt, 6000 rows: the speculative
+  samples' joint distribution of the 2nd and 3rd tokens (given the 1st, the target's own)
+  against the target's exact probabilities, chi-square, p > 1e-3 at a fixed seed; a
+  draft with another distribution, so that both acceptance and resampling happen."""
+  cfg = models.LlamaConfig(
+    vocab_size=4,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+  )
+  target, draft = models.init_llama(cfg, seed=3), models.init_llama(cfg, seed=4)
+  rows, prompt = 6000, [1, 2]
+  ids = jnp.asarray([prompt] * rows, jnp.int32)
+  got, report = models.speculate(
+    target, ids, 3, draft=draft, draft_tokens=2, temperature=1.0, seed=7, stop_tokens=()
+  )
+  assert 0 < report.accepted < report.proposed
+  got = np.asarray(got)
+
+  # the exact joint of (t0, t1, t2) under the target
+  def probs(seq):
+    return np.asarray(jax.nn.softmax(target(jnp.asarray([seq], jnp.int32))[0, -1]), np.float64)
+
+  joint = np.zeros((4, 4, 4))
+  p0 = probs(prompt)
+  for a in range(4):
+    p1 = probs([*prompt, a])
+    for b in range(4):
+      joint[a, b] = p0[a] * p1[b] * probs([*prompt, a, b])
+  observed = np.zeros((4, 4, 4))
+  np.add.at(observed, (got[:, 0], got[:, 1], got[:, 2]), 1)
+  expected = joint.reshape(-1) / joint.sum() * rows  # float32 softmaxes: sums of 1 - 5e-8
+  keep = expected >= 5  # chi-square's rule of thumb; the rest pooled
+  obs = np.append(observed.reshape(-1)[keep], observed.reshape(-1)[~keep].sum())
+  exp = np.append(expected[keep], expected[~keep].sum())
+  _, p = stats.chisquare(obs, exp)
+  assert p > 1e-3, p
+
+
+def test_bad_drafts_and_settings_are_refused_before_any_pass(target, want):
+  other = models.init_llama(
+    models.LlamaConfig(
+      vocab_size=40,
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=1,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+    )
+  )
+  with pytest.raises(
+    jr.errors.SpeculationError, match="vocabulary has 40 tokens and the target's 48"
+  ):
+    models.generate_llm(target, PROMPTS, N, draft=other)
+  for bad in (0, -1, 2.5, True, "fast", None):
+    with pytest.raises(jr.errors.SpeculationError, match=f"draft_tokens={bad!r}"):
+      models.generate_llm(target, PROMPTS, N, draft=target, draft_tokens=bad)
+  # both still usable
+  got = models.generate_llm(target, PROMPTS, N, attention_mask=MASK, stop_tokens=())
+  np.testing.assert_array_equal(got, want)
+
+
+def test_auto_speculates_where_passes_cost_little_per_token():
+  """`choose_k`'s model: deep speculation for a streamed pass (flat in its tokens), none
+  where a pass costs per token or the draft rarely agrees."""
+  flat = lambda t: 0.5  # noqa: E731
+  assert choose_k(0.8, 0.001, flat) == 8
+  assert choose_k(0.0, 0.001, flat) == 0
+  assert choose_k(0.8, 0.01, lambda t: 0.002 * t) == 0
+  assert 1 <= choose_k(0.5, 0.01, lambda t: 0.05 + 0.001 * t) < 8

@@ -13,10 +13,11 @@ largest exact logit. Targets (exit 1 on a miss):
 * the int8 placement's greedy tokens == the exact placement's, on every prompt;
 * the logits' relative difference <= 1e-2 at every step of every prompt.
 
-Also reported: each placement's decode tokens/s over all steps (one process, not a
-benchmark of speed: ``benchmarks/gguf_peers.py`` is); and, as an anchor, where
-llama-cpp-python is installed, how far llama.cpp's own logits for the same file lie from
-the exact placement's, fed the exact placement's tokens (llama.cpp rounds activations
+Parity gate: each prompt's prefill logits are the same bits under both (a prefill's
+products are exact either way). Also reported: each placement's decode tokens/s over all
+steps (one process, not a benchmark of speed: ``benchmarks/gguf_peers.py`` is); and, as an
+anchor, where llama-cpp-python is installed, how far llama.cpp's own logits for the same
+file lie from the exact placement's, fed the exact placement's tokens (llama.cpp rounds activations
 the same way, in the prompt's products too, and keeps its KV cache in float16).
 
   python benchmarks/int8_activations.py
@@ -130,11 +131,12 @@ def main() -> int:
       a: jr.place(model, jr.FullyResident(), store=store, activations=a) for a in ("exact", "int8")
     }
     peer = None if args.quick else llama_cpp_model(path)
-    rows, times, worst, same = [], {a: [] for a in placed}, 0.0, True
+    rows, times, worst, same, prefills = [], {a: [] for a in placed}, 0.0, True, True
     for text in prompts:
       ids = list(tokenizer.encode(text).ids)
       runs = {a: greedy(p, model.config, ids, args.steps) for a, p in placed.items()}
       (want, want_logits, _), (got, got_logits, _) = runs["exact"], runs["int8"]
+      prefills = prefills and np.array_equal(want_logits[0], got_logits[0])
       for a, run in runs.items():
         times[a] += run[2]
       lead = next((i for i, (x, y) in enumerate(zip(want, got, strict=True)) if x != y), len(want))
@@ -162,6 +164,13 @@ def main() -> int:
     tok_s={a: 1 / statistics.median(t) for a, t in times.items()},
   )
   checks: list[dict] = []
+  _result.check(
+    checks,
+    "a prompt's logits (a prefill: exact products) with int8 activations == exact, bit for bit",
+    prefills,
+    "equal" if prefills else "differ",
+    _result.PARITY,
+  )
   _result.check(
     checks,
     "FullyResident's greedy tokens with int8 activations == exact, every prompt",

@@ -101,6 +101,7 @@ from .errors import PrefetchError as PrefetchError
 from .errors import QuantizationError as QuantizationError
 from .errors import ResidencyError as ResidencyError
 from .errors import ResidencyRuntimeError as ResidencyRuntimeError
+from .errors import SpeculationError as SpeculationError
 from .errors import StoreCorruptionError as StoreCorruptionError
 from .errors import StoreError as StoreError
 from .errors import StoreLayoutError as StoreLayoutError

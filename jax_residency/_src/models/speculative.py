@@ -242,6 +242,146 @@ class _Clock:
     return out
 
 
+@dataclasses.dataclass
+class _Sampling:
+  """How tokens are picked: greedy, or sampled after temperature, top-k and top-p."""
+
+  temperature: float
+  top_k: int | None
+  top_p: float | None
+  key: jax.Array
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+  def propose(self, logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _propose(logits, key, self.temperature, self.greedy, self.top_k, self.top_p)
+
+  def verify(self, logits: Any, proposals: Any, q: Any, key: Any) -> tuple[jax.Array, jax.Array]:
+    return _verify(logits, proposals, q, key, self.temperature, self.greedy, self.top_k, self.top_p)
+
+
+class _Generation:
+  """A speculative generation between rounds: both caches, the next slot (``index``),
+  each row's tokens so far (``out``, ``count``) and what it did (``report``)."""
+
+  def __init__(
+    self,
+    target: Forward,
+    draft: Forward,
+    caches: tuple[LlamaCache, LlamaCache],
+    ids: jax.Array,
+    mask: jax.Array,
+    max_new_tokens: int,
+    widest: int,
+    sampling: _Sampling,
+    stops: Sequence[int],
+    pad: int,
+  ) -> None:
+    batch, length = ids.shape
+    self.target, self.draft, self.sampling = target, draft, sampling
+    self.n, self.slots = max_new_tokens, caches[0].max_len
+    self.report = SpeculationReport(_batch=batch)
+    self.t_clock, self.d_clock = _Clock(), _Clock()
+    logits, self.t_cache = self.t_clock(target, ids, mask, caches[0], 0)
+    _, self.d_cache = self.d_clock(draft, ids, mask, caches[1], 0)
+    self.report.target_passes = 1
+    # the first token is the target's own, from its prefill
+    first, _ = sampling.propose(logits, jax.random.fold_in(sampling.key, 0))
+    self.out = np.full((batch, max_new_tokens + widest + 1), pad, np.int32)
+    self.out[:, 0] = np.asarray(first)
+    self.count = np.ones(batch, np.int64)
+    self.last, self.index = first, length
+    self.ones = jnp.ones((batch, 1), jnp.int32)
+    self.stop_ids = np.asarray(tuple(stops), np.int32)
+    self.pass_times: dict[int, list[float]] = {}
+    self.draft_step_times: list[float] = []
+
+  def rows_done(self) -> np.ndarray:
+    """The rows with all their tokens, or a stop token among them."""
+    done = self.count >= self.n
+    if len(self.stop_ids):
+      written = np.arange(self.n)[None, :] < self.count[:, None]
+      done |= (np.isin(self.out[:, : self.n], self.stop_ids) & written).any(axis=1)
+    return done
+
+  def round(self, k: int) -> None:
+    """The draft proposes ``k`` tokens, the target checks them in one pass, each row
+    keeps its agreed prefix and the target's next token."""
+    r = self.report.rounds
+    if self.index + k + 1 > self.slots:
+      self.t_cache, self.d_cache = _compact(self.t_cache), _compact(self.d_cache)
+      self.index = int(jnp.max(jnp.sum(self.t_cache.mask, axis=1)))
+      # an unfinished row holds under length + max_new_tokens marked slots
+      assert self.index + k + 1 <= self.slots, (self.index, k, self.slots)
+    proposals, q = self._propose(k, jax.random.fold_in(self.sampling.key, 2 * r + 1))
+    verify = jnp.concatenate([self.last[:, None], proposals], axis=1)
+    before = self.t_clock.seconds
+    logits, self.t_cache = self.t_clock(
+      self.target, verify, jnp.ones_like(verify), self.t_cache, jnp.int32(self.index)
+    )
+    self.pass_times.setdefault(k + 1, []).append(self.t_clock.seconds - before)
+    kept, token = self.sampling.verify(
+      logits, proposals, q, jax.random.fold_in(self.sampling.key, 2 * r + 2)
+    )
+    # a finished row (all its tokens, or a stop token) keeps none of the round's slots,
+    # so that its cache stops growing
+    kept = jnp.where(jnp.asarray(self.rows_done()), -1, kept)
+    index, width = jnp.int32(self.index), jnp.int32(k)
+    self.t_cache = _roll_back(self.t_cache, index, kept, width)
+    self.d_cache = _roll_back(self.d_cache, index, kept, width)
+    self._keep(np.asarray(kept), np.asarray(token), np.asarray(proposals), k)
+    self.last = token
+
+  def _propose(self, k: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``k`` proposals ``(batch, k)`` and their distributions ``(batch, k, vocab)``; the
+    draft's (k + 1)-th step writes the k-th proposal's slot."""
+    token, proposals, qs = self.last, [], []
+    before = self.d_clock.seconds
+    for j in range(k + 1):
+      index = jnp.int32(self.index + j)
+      logits, self.d_cache = self.d_clock(
+        self.draft, token[:, None], self.ones, self.d_cache, index
+      )
+      if j < k:
+        token, q = self.sampling.propose(logits, jax.random.fold_in(key, j))
+        proposals.append(token)
+        qs.append(q)
+    self.draft_step_times.append((self.d_clock.seconds - before) / (k + 1))
+    if k:
+      return jnp.stack(proposals, axis=1), jnp.stack(qs, axis=1)
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    return jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, vocab), jnp.float32)
+
+  def _keep(self, kept: np.ndarray, token: np.ndarray, proposals: np.ndarray, k: int) -> None:
+    """Appends each active row's kept proposals and the target's token; counts."""
+    active = kept >= 0
+    for row in np.flatnonzero(active):
+      n, c = int(kept[row]), int(self.count[row])
+      new = [*proposals[row, :n].tolist(), int(token[row])][: self.out.shape[1] - c]
+      self.out[row, c : c + len(new)] = new
+      self.count[row] += n + 1
+    report = self.report
+    report.rounds += 1
+    report.proposed += int(active.sum()) * k
+    report.accepted += int(kept[active].sum())
+    report.target_passes += 1
+    report.draft_steps += k + 1
+    report.draft_tokens.append(k)
+    self.index += int(kept.max()) + 1
+
+  def tokens(self, pad: int) -> jax.Array:
+    """``(batch, max_new_tokens)``: each row's tokens, padding after its first stop."""
+    tokens = self.out[:, : self.n]
+    if len(self.stop_ids):
+      hit = np.isin(tokens, self.stop_ids)
+      tokens = np.where(np.cumsum(hit, axis=1) - hit > 0, pad, tokens)
+    self.report.generated = int(np.minimum(self.count, self.n).sum())
+    self.report.draft_s, self.report.target_s = self.d_clock.seconds, self.t_clock.seconds
+    return jnp.asarray(tokens)
+
+
 def speculative_decode(
   target: Forward,
   draft: Forward,
@@ -264,102 +404,20 @@ def speculative_decode(
   (logits, cache)`` of models with configs ``target_cfg`` and ``draft_cfg``; arguments
   are checked by the caller (`generate_llm`)."""
   batch, length = ids.shape
-  greedy = temperature == 0
   fixed = None if draft_tokens == "auto" else int(draft_tokens)
   widest = MAX_AUTO_TOKENS if fixed is None else fixed
   slots = length + max_new_tokens + 2 * (widest + 1)
-  report = SpeculationReport(_batch=batch)
-  t_clock, d_clock = _Clock(), _Clock()
-  key = jax.random.key(seed)
-
-  logits, t_cache = t_clock(target, ids, mask, LlamaCache.zeros(target_cfg, batch, slots), 0)
-  _, d_cache = d_clock(draft, ids, mask, LlamaCache.zeros(draft_cfg, batch, slots), 0)
-  report.target_passes = 1
-  # the first token is the target's own, from its prefill
-  first, _ = _propose(logits, jax.random.fold_in(key, 0), temperature, greedy, top_k, top_p)
-  out = np.full((batch, max_new_tokens + widest + 1), pad, np.int32)
-  out[:, 0] = np.asarray(first)
-  count = np.ones(batch, np.int64)
-  last, index = first, length
-  ones = jnp.ones((batch, 1), jnp.int32)
-  pass_times: dict[int, list[float]] = {}
-  draft_step_times: list[float] = []
-  stop_ids = np.asarray(tuple(stops), np.int32)
-
-  def rows_done() -> np.ndarray:
-    """The rows with all their tokens, or a stop token among them."""
-    done = count >= max_new_tokens
-    if len(stop_ids):
-      written = np.arange(max_new_tokens)[None, :] < count[:, None]
-      done |= (np.isin(out[:, :max_new_tokens], stop_ids) & written).any(axis=1)
-    return done
-
-  def finished() -> bool:
-    return bool(rows_done().all())
-
-  while not finished():
-    r = report.rounds
-    k = fixed if fixed is not None else _auto_k(r, report, pass_times, draft_step_times)
-    if index + k + 1 > slots:
-      t_cache, d_cache = _compact(t_cache), _compact(d_cache)
-      index = int(jnp.max(jnp.sum(t_cache.mask, axis=1)))
-      # an unfinished row holds under length + max_new_tokens marked slots
-      assert index + k + 1 <= slots, (index, k, slots)
-    step_key = jax.random.fold_in(key, 2 * r + 1)
-    token, proposals, qs = last, [], []
-    before = d_clock.seconds
-    for j in range(k + 1):  # the (k + 1)-th step writes the k-th proposal's slot
-      logits, d_cache = d_clock(draft, token[:, None], ones, d_cache, jnp.int32(index + j))
-      if j < k:
-        token, q = _propose(
-          logits, jax.random.fold_in(step_key, j), temperature, greedy, top_k, top_p
-        )
-        proposals.append(token)
-        qs.append(q)
-    draft_step_times.append((d_clock.seconds - before) / (k + 1))
-    verify = jnp.stack([last, *proposals], axis=1)
-    before = t_clock.seconds
-    logits, t_cache = t_clock(target, verify, jnp.ones_like(verify), t_cache, jnp.int32(index))
-    pass_times.setdefault(k + 1, []).append(t_clock.seconds - before)
-    if k:
-      prop, q = jnp.stack(proposals, axis=1), jnp.stack(qs, axis=1)
-    else:
-      vocab = logits.shape[-1]
-      prop, q = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, vocab), jnp.float32)
-    kept, token = _verify(
-      logits, prop, q, jax.random.fold_in(key, 2 * r + 2), temperature, greedy, top_k, top_p
-    )
-    # a finished row (all its tokens, or a stop token) keeps none of the round's slots,
-    # so that its cache stops growing
-    done = jnp.asarray(rows_done())
-    kept = jnp.where(done, -1, kept)
-    t_cache = _roll_back(t_cache, jnp.int32(index), kept, jnp.int32(k))
-    d_cache = _roll_back(d_cache, jnp.int32(index), kept, jnp.int32(k))
-    kept_np, token_np, prop_np = np.asarray(kept), np.asarray(token), np.asarray(prop)
-    active = kept_np >= 0
-    for row in np.flatnonzero(active):
-      n, c = int(kept_np[row]), int(count[row])
-      room = out.shape[1] - c
-      new = [*prop_np[row, :n].tolist(), int(token_np[row])][:room]
-      out[row, c : c + len(new)] = new
-      count[row] += n + 1
-    report.rounds += 1
-    report.proposed += int(active.sum()) * k
-    report.accepted += int(kept_np[active].sum())
-    report.target_passes += 1
-    report.draft_steps += k + 1
-    report.draft_tokens.append(k)
-    index += int(kept_np.max()) + 1
-    last = token
-
-  tokens = out[:, :max_new_tokens]
-  if len(stop_ids):  # a row's tokens after its first stop token are padding
-    hit = np.isin(tokens, stop_ids)
-    after = np.cumsum(hit, axis=1) - hit > 0
-    tokens = np.where(after, pad, tokens)
-  report.generated = int(np.minimum(count, max_new_tokens).sum())
-  report.draft_s, report.target_s = d_clock.seconds, t_clock.seconds
-  return jnp.asarray(tokens), report
+  caches = (
+    LlamaCache.zeros(target_cfg, batch, slots),
+    LlamaCache.zeros(draft_cfg, batch, slots),
+  )
+  sampling = _Sampling(temperature, top_k, top_p, jax.random.key(seed))
+  run = _Generation(target, draft, caches, ids, mask, max_new_tokens, widest, sampling, stops, pad)
+  while not run.rows_done().all():
+    r = run.report.rounds
+    k = fixed if fixed is not None else _auto_k(r, run.report, run.pass_times, run.draft_step_times)
+    run.round(k)
+  return run.tokens(pad), run.report
 
 
 def _auto_k(

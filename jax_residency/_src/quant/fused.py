@@ -292,7 +292,7 @@ def _native_product(
   contracted on another axis than its input axis, or its shapes or dtypes differ from
   what the kernels take (`native.supports`)."""
   source = state.sources.get(matrix_var)
-  if not state.kernels or source is None or out_aval.dtype != jnp.float32:
+  if state.kernels is None or source is None or out_aval.dtype != jnp.float32:
     return None
   scheme, kernel, part_vars = source
   if len(matrix_var.aval.shape) != 2 or axis != (0 if kernel else 1):
@@ -300,7 +300,8 @@ def _native_product(
   parts = [state.read(v) for v in part_vars]
   if not native.supports(scheme, parts, flat):
     return None
-  return lambda: native.matvec(scheme, flat, parts, state.kernels)
+  activations = state.kernels
+  return lambda: native.matvec(scheme, flat, parts, activations)
 
 
 def _vector_product(

@@ -102,14 +102,9 @@ class JittedExecutor:
         )
         for k, (loop, ref, s) in enumerate(zip(loops, bound.units, split.stacks, strict=True))
       ]
+      kind, activations = policy.execution_residency, split.activations
       out, self._last_trace = run_in_loop(
-        bound,
-        stacks,
-        kind=policy.execution_residency,
-        activations=split.activations,
-        names=names,
-        args=args,
-        kwargs=kwargs,
+        bound, stacks, kind=kind, activations=activations, names=names, args=args, kwargs=kwargs
       )
       return out
 

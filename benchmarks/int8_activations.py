@@ -27,13 +27,11 @@ the same way, in the prompt's products too, and keeps its KV cache in float16).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import pathlib
 import statistics
 import sys
 import time
-import warnings
 
 import _result
 import gguf_peers
@@ -118,13 +116,7 @@ def main() -> int:
   with _result.work_dir(args, "jr_gguf_peers"):
     os.makedirs(args.dir, exist_ok=True)
     path = str(TINY) if args.quick else gguf_peers.smollm2_file(args)
-    digest = hashlib.sha1(path.encode()).hexdigest()[:8]
-    store = os.path.join(args.dir, f"smollm2-{digest}-store")
-    if not os.path.exists(os.path.join(store, "commit_success.txt")):
-      print(f"converting {path} ...", file=sys.stderr)
-      with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*tokenizer.ggml.pre=", UserWarning)
-        models.convert_gguf(path, store, progress=False, overwrite=True)
+    store = gguf_peers.converted(path, args.dir)
     tokenizer = Tokenizer.from_file(os.path.join(store, "tokenizer.json"))
     model = models.load(store)
     placed = {

@@ -44,6 +44,7 @@ DOCUMENTS = (
   "docs/checkpoints.md",
   "docs/placement.md",
   "docs/moe.md",
+  "docs/speculative.md",
 )
 SECTION = re.compile(r"(<!-- report: ([\w-]+)( brief)? -->\n)(.*?)(<!-- /report -->)", re.S)
 

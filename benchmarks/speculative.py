@@ -31,7 +31,6 @@ the tree row >= 1.2x the best chain row, disk-bound (missed while trees are not 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
@@ -39,7 +38,6 @@ import shutil
 import statistics
 import sys
 import time
-import warnings
 
 import _measure
 import _result
@@ -72,18 +70,10 @@ QUICK_DRAFT_QUANT = "int8"
 
 def stores(args: argparse.Namespace) -> tuple[str, str]:
   """The target's float32 store and the draft's int4 store, made once under ``--dir``."""
-  from jax_residency import models
 
   gguf = str(TINY) if args.quick else gguf_peers.smollm2_file(args)
-  digest = hashlib.sha1(gguf.encode()).hexdigest()[:8]
-  source = os.path.join(args.dir, f"smollm2-{digest}-store")
-  target = os.path.join(args.dir, f"smollm2-{digest}-f32-store")
-  draft = os.path.join(args.dir, f"smollm2-{digest}-int4-draft")
-  if not os.path.exists(os.path.join(source, "commit_success.txt")):
-    print(f"converting {gguf} ...", file=sys.stderr)
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", ".*tokenizer.ggml.pre=", UserWarning)
-      models.convert_gguf(gguf, source, progress=False, overwrite=True)
+  source = gguf_peers.converted(gguf, args.dir)
+  target, draft = source.replace("-store", "-f32-store"), source.replace("-store", "-int4-draft")
   if not os.path.exists(os.path.join(target, "commit_success.txt")):
     gguf_peers.f32_store({"gguf": gguf, "store": target, "source": source})
   if not os.path.exists(os.path.join(draft, "commit_success.txt")):

@@ -17,8 +17,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from quantized_reference import dequantized_reference
 
 import jax_residency as jr
+from jax_residency._src.plan.quantized import plan_quantization
+from jax_residency._src.plan.split import split_model
 from jax_residency._src.quant import fused, ggml, ggml_mixed, native
 from jax_residency._src.quant.encoding import Encoding
 from jax_residency._src.quant.schemes import Quantization
@@ -30,7 +33,8 @@ CFG = ToyConfig(vocab=128, d_model=64, n_heads=4, d_ff=128, n_layers=2)
 #: The unit matrices of the toy's layer (qkv, out, up, down) and its output head.
 MATRICES = 4
 
-pytestmark = pytest.mark.skipif(
+#: The tests that build the kernels (the rest, of the paths without them, run anywhere).
+needs_compiler = pytest.mark.skipif(
   native._compiler() is None, reason="no C++ compiler here to build the native kernels"
 )
 
@@ -40,11 +44,14 @@ def model() -> ToyTransformer:
   return ToyTransformer(CFG, rngs=nnx.Rngs(0))
 
 
+@needs_compiler
 def test_the_kernels_build_and_register_here():
   assert native.enabled() and native.available(), native.build_error()
   assert list(native.kernel_dir().glob("matvec-*.so"))
 
 
+@needs_compiler
+@needs_compiler
 @pytest.mark.parametrize(
   "quant, shape",
   [
@@ -111,6 +118,8 @@ def ggml_rows(types: tuple[str, ...], rows: int, n: int, seed: int) -> np.ndarra
   return raw
 
 
+@needs_compiler
+@needs_compiler
 @pytest.mark.parametrize(
   "types, shape",
   [
@@ -189,6 +198,7 @@ def _products(scheme: str, x: jax.Array, parts: list[jax.Array]) -> tuple[np.nda
   )
 
 
+@needs_compiler
 @pytest.mark.parametrize("case, shape", INTEGER_CASES)
 def test_an_integer_kernel_is_exact_where_the_row_rounds_exactly(case, shape):
   """A row whose every block of 32 is a power of two times integers of at most 127 in
@@ -216,6 +226,7 @@ def _rounded(x: np.ndarray) -> np.ndarray:
   return (np.clip(np.rint(blocks * inv[:, None]), -127, 127) * dx[:, None]).reshape(-1)
 
 
+@needs_compiler
 @pytest.mark.parametrize("case, shape", INTEGER_CASES)
 def test_an_integer_kernel_is_the_product_of_the_rounded_row(case, shape):
   """For a row of normal values with outliers (one value in 37 twenty times larger, as a
@@ -240,6 +251,7 @@ def test_an_integer_kernel_is_the_product_of_the_rounded_row(case, shape):
     np.testing.assert_array_equal(again(jnp.asarray(x.copy()), parts), rounded)
 
 
+@needs_compiler
 def test_rows_or_groups_that_do_not_round_keep_the_exact_product():
   """int8 rows of 48 inputs (a block of 32 would run past the row): the kernel takes
   them, and ``"int8"`` gives the exact product."""
@@ -261,6 +273,7 @@ def _custom_calls(hlo: str) -> list[str]:
   return re.findall(r'custom_call_target="(jax_residency_\w+)"', hlo)
 
 
+@needs_compiler
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("policy", ["fully_resident", "dense"])
 def test_a_one_token_step_calls_a_kernel_for_each_unit_matrix(model, scheme, policy, tmp_path):
@@ -296,6 +309,7 @@ def test_a_one_token_step_calls_a_kernel_for_each_unit_matrix(model, scheme, pol
       np.testing.assert_array_equal(many, xla(prompt))
 
 
+@needs_compiler
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_int8_activations_round_the_one_token_products_alone(model, scheme, tmp_path):
   """``place(..., activations="int8")``: the one-token step's kernels are told to round
@@ -344,8 +358,27 @@ def test_a_step_on_several_devices_keeps_xla_products():
   A step on a mesh of several devices keeps XLA's products."""
   devices = jax.devices()
   assert len(devices) > 1
-  assert fused.kernels_for(devices[:1])
-  assert not fused.kernels_for(devices[:2])
+  assert fused.kernels_for(devices[:1]) == ("exact" if native.available() else None)
+  assert fused.kernels_for(devices[:2]) is None
+
+
+def _falls_back_to_xla(model: ToyTransformer) -> None:
+  """With the kernels unavailable: a quantized placement's one-token and prompt outputs
+  are the plain model's with the decoded weights (to 1e-5, as every quantized placement,
+  docs/quantization.md), no step calls a kernel, and int8 activations asked for give
+  XLA's exact products, the same outputs."""
+  token = jnp.zeros((1, 1), jnp.int32)
+  prompt = jnp.arange(8, dtype=jnp.int32)[None] % CFG.vocab
+  plan = plan_quantization(split_model(model), "int8")
+  for x in (token, prompt):
+    want = np.asarray(dequantized_reference(model, plan, x))
+    with jr.place(model, jr.FullyResident(), quantize="int8") as placed:
+      assert not _custom_calls(placed.lower(x).compile().as_text())
+      got = np.asarray(placed(x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with jr.place(model, jr.FullyResident(), quantize="int8", activations="int8") as placed:
+      assert not _custom_calls(placed.lower(x).compile().as_text())
+      np.testing.assert_array_equal(placed(x), got)
 
 
 def test_without_a_compiler_products_stay_xla_s_and_say_so(model, monkeypatch, caplog):
@@ -355,16 +388,32 @@ def test_without_a_compiler_products_stay_xla_s_and_say_so(model, monkeypatch, c
     assert not native.available()
   assert "no C++ compiler" in native.build_error()
   assert "native quantized kernels unavailable" in caplog.text
-  token = jnp.zeros((1, 1), jnp.int32)
-  with jr.place(model, jr.FullyResident(), quantize="int8") as placed:
-    assert not _custom_calls(placed.lower(token).compile().as_text())
-    want = placed(token)
-  # Integer products asked for: XLA's exact products instead, the same outputs.
-  with jr.place(model, jr.FullyResident(), quantize="int8", activations="int8") as placed:
-    assert not _custom_calls(placed.lower(token).compile().as_text())
-    np.testing.assert_array_equal(placed(token), want)
+  _falls_back_to_xla(model)
 
 
+def test_a_compiler_that_fails_to_build_leaves_xla_s_products(model, monkeypatch, caplog, tmp_path):
+  """A compiler that runs but fails on the source (here a script that prints a version
+  and exits 1 on anything else): the warning carries its exit status and error output,
+  nothing is left in the kernel directory, and the products are XLA's."""
+  broken = tmp_path / "broken-c++"
+  broken.write_text(
+    '#!/bin/sh\nif [ "$1" = --version ]; then echo broken 1.0; exit 0; fi\n'
+    'echo "error: this compiler is broken" >&2\nexit 1\n'
+  )
+  broken.chmod(0o755)
+  kernels = tmp_path / "kernels"
+  monkeypatch.setenv(native.KERNEL_DIR_ENV, str(kernels))
+  monkeypatch.setattr(native, "_state", {})
+  monkeypatch.setattr(native, "_compiler", lambda: str(broken))
+  with caplog.at_level(logging.WARNING, logger="jax_residency"):
+    assert not native.available()
+  assert "failed (1)" in native.build_error() and "this compiler is broken" in native.build_error()
+  assert "native quantized kernels unavailable" in caplog.text
+  assert not list(kernels.iterdir())  # no library, no temporary file
+  _falls_back_to_xla(model)
+
+
+@needs_compiler
 def test_a_damaged_build_in_the_kernel_directory_is_built_again(monkeypatch, tmp_path):
   """(A file this process has loaded is never rewritten in place: a build replaces it.
   XLA takes one registration of a target per process: this test's is not passed on.)"""

@@ -20,10 +20,9 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from policies import dense
+from quantized_reference import dequantized_reference
 
 import jax_residency as jr
-from jax_residency._src.plan.quantized import QuantPlan
-from jax_residency._src.plan.split import split_model
 from jax_residency._src.quant.encoding import MIN_QUANTIZED_DIM
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
 from jax_residency.testing import serve_store
@@ -38,29 +37,6 @@ POLICIES: dict[str, Callable[[], jr.LayerWeightResidency]] = {
   "dense_cached": lambda: dense(None, device=None),
 }
 VARIANTS = ("nnx", "linen", "nnx_sharded_data2_model4", "linen_sharded_model8")
-
-
-def dequantized_reference(
-  model: Any, plan: QuantPlan, x: jax.Array, *, jit: bool = True, **kwargs: Any
-) -> jax.Array:
-  """The plain model whose quantized tensors hold their decoded values, jitted or eager
-  (each decoded value keeps the original array's sharding)."""
-  params = kwargs.get("params")
-  split = split_model(model, params=params)
-  tensors = plan.by_path()
-  values = []
-  for leaf, value in zip(split.leaves, split.values, strict=True):
-    t = tensors.get(leaf.path)
-    if t is not None:
-      parts = t.encoding.encode(np.asarray(value), "reference")
-      decoded = jax.jit(t.encoding.decode)(tuple(jnp.asarray(p) for p in parts))
-      value = jax.device_put(decoded, value.sharding)
-    values.append(value)
-  bound = split.bind_stacks(values, ())
-  if split.kind == "linen":
-    apply = jax.jit(model.apply) if jit else model.apply
-    return apply(nn.meta.unbox(bound.call.args[0]), x)
-  return nnx.jit(lambda m, x: m(x))(bound.call, x) if jit else bound.call(x)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ refused before any pass."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,6 +219,9 @@ def test_bad_drafts_and_settings_are_refused_before_any_pass(target, want):
     jr.errors.SpeculationError, match="vocabulary has 40 tokens and the target's 48"
   ):
     models.generate_llm(target, PROMPTS, N, draft=other)
+  eos = models.init_llama(dataclasses.replace(CFG, eos_token_ids=(7,)))
+  with pytest.raises(jr.errors.SpeculationError, match=r"eos_token_ids is \(7,\) and .* \(2,\)"):
+    models.generate_llm(target, PROMPTS, N, draft=eos)
   for bad in (0, -1, 2.5, True, "fast", None):
     with pytest.raises(jr.errors.SpeculationError, match=f"draft_tokens={bad!r}"):
       models.generate_llm(target, PROMPTS, N, draft=target, draft_tokens=bad)

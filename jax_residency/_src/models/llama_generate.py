@@ -176,13 +176,14 @@ def speculate(
 
   Raises:
     SpeculationError: ``draft_tokens`` neither a positive int nor ``"auto"``, or a draft
-      whose vocabulary is not the target's; raised before any pass runs.
+      whose vocabulary or special tokens are not the target's; raised before any pass
+      runs.
     ValueError: as `generate_llm`.
   """
   k = check_draft_tokens(draft_tokens)
   cfg, forward, stops, pad = _target(model, config, max_new_tokens, temperature, stop_tokens)
   draft_cfg, draft_forward = plain_or_placed(draft, Llama, draft_config, "LlamaConfig")
-  check_vocabularies(cfg.vocab_size, draft_cfg.vocab_size)
+  check_vocabularies(cfg, draft_cfg)
   ids, mask = prompt(input_ids, attention_mask)
   return speculative_decode(
     forward,

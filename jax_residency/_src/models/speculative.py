@@ -121,14 +121,26 @@ def check_draft_tokens(value: Any) -> int | str:
   return int(value)
 
 
-def check_vocabularies(target_vocab: int, draft_vocab: int) -> None:
-  """Raises `SpeculationError` unless the draft's vocabulary is the target's."""
-  if target_vocab != draft_vocab:
+def check_vocabularies(target_cfg: Any, draft_cfg: Any) -> None:
+  """Raises `SpeculationError` unless the draft's vocabulary and special tokens (begin,
+  end, padding) are the target's: a draft must share the target's tokenizer."""
+  fix = (
+    "a draft must share the target's tokenizer (for example a quantized copy of the "
+    "target, or a smaller model of the same family)"
+  )
+  if target_cfg.vocab_size != draft_cfg.vocab_size:
     raise SpeculationError(
-      f"the draft's vocabulary has {draft_vocab} tokens and the target's {target_vocab}: "
-      "a draft must share the target's tokenizer (for example a quantized copy of the "
-      "target, or a smaller model of the same family)"
+      f"the draft's vocabulary has {draft_cfg.vocab_size} tokens and the target's "
+      f"{target_cfg.vocab_size}: {fix}"
     )
+  special = (
+    ("bos_token_id", draft_cfg.bos_token_id, target_cfg.bos_token_id),
+    ("eos_token_ids", draft_cfg.eos_token_ids, target_cfg.eos_token_ids),
+    ("pad_token_id", draft_cfg.pad_token_id, target_cfg.pad_token_id),
+  )
+  for name, theirs, ours in special:
+    if theirs != ours:
+      raise SpeculationError(f"the draft's {name} is {theirs!r} and the target's {ours!r}: {fix}")
 
 
 def choose_k(alpha: float, draft_step_s: float, pass_s: Callable[[int], float]) -> int:

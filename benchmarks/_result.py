@@ -129,6 +129,19 @@ def stamp(name: str, argv: list[str] | None, quick: bool) -> dict[str, Any]:
   }
 
 
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+  """``rows`` under ``header``, each column padded to its widest cell (a terminal's table)."""
+  table = [header, *rows]
+  widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+  """``rows`` under ``header`` as the lines of a Markdown table."""
+  out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def check(checks: list[dict], name: str, ok: bool, value: Any, kind: str = TARGET) -> None:
   """Appends one check: its name, whether it held, the value it looked at, and its kind."""
   if kind not in (PARITY, TARGET):

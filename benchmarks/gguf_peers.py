@@ -650,12 +650,10 @@ HEADER = ["file", "size", *(f"{LABELS[e]} tok/s" for e in ENGINES), "tokens agre
 
 
 def render(result: dict) -> str:
-  rows = [HEADER, *_table(result)]
-  widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+  text = _result.text_table(HEADER, _table(result))
   if result.get("llama_cpp") is None:
-    lines.append("(llama_cpp not importable: no llama.cpp rows)")
-  return "\n".join(lines)
+    text += "\n(llama_cpp not importable: no llama.cpp rows)"
+  return text
 
 
 def markdown(result: dict) -> str:
@@ -686,11 +684,8 @@ def markdown(result: dict) -> str:
     "(llama.cpp rounds activations to 8 bits, so the two part at a near tie; random "
     "weights make many).",
     "",
-    "| " + " | ".join(HEADER) + " |",
-    "|" + "---|" * len(HEADER),
   ]
-  lines += ["| " + " | ".join(cells) + " |" for cells in _table(result)]
-  return "\n".join(lines)
+  return "\n".join(lines + _result.markdown_table(HEADER, _table(result)))
 
 
 if __name__ == "__main__":

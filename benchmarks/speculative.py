@@ -286,9 +286,7 @@ HEADER = ["regime", "row", "tok/s", "vs no draft", "acceptance", "tokens per tar
 
 
 def render(result: dict) -> str:
-  rows = [HEADER, *_table(result)]
-  widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+  return _result.text_table(HEADER, _table(result))
 
 
 def markdown(result: dict) -> str:
@@ -300,11 +298,8 @@ def markdown(result: dict) -> str:
     f"{result['repeat']} run(s), each row a fresh process; `disk`: the store's pages "
     "dropped before every target pass. Tokens/s include each prompt's prefill.",
     "",
-    "| " + " | ".join(HEADER) + " |",
-    "|" + "---|" * len(HEADER),
   ]
-  lines += ["| " + " | ".join(c) + " |" for c in _table(result)]
-  return "\n".join(lines)
+  return "\n".join(lines + _result.markdown_table(HEADER, _table(result)))
 
 
 if __name__ == "__main__":

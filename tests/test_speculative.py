@@ -7,6 +7,7 @@ refused before any pass."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from scipy import stats
 import jax_residency as jr
 from jax_residency import models
 from jax_residency._src.models.decoding import jitted_plain
+from jax_residency._src.models.draft_tree import DraftTree, choose, shapes
 from jax_residency._src.models.speculative import choose_k
 
 CFG = models.LlamaConfig(
@@ -44,14 +46,15 @@ def want(target) -> jax.Array:
   return models.generate_llm(target, PROMPTS, N, attention_mask=MASK, stop_tokens=())
 
 
-def _shifted(model: models.Llama, rows=(0, 1)):
-  """A draft that is always wrong on ``rows``: the target with its logits rolled by one
-  token there, so that its argmax is never the target's; right on the other rows."""
+def _reversed(model: models.Llama, rows=(0, 1)):
+  """A draft that is always wrong on ``rows``: the target with its logits negated there,
+  so that its top choices are the target's last ones (never its argmax, for any branches
+  under the vocabulary's size); right on the other rows."""
 
-  def forward(ids, mask, cache, index):
-    logits, cache = jitted_plain(model, ids, mask, cache, index)
+  def forward(ids, mask, cache, index, *tree):
+    logits, cache = jitted_plain(model, ids, mask, cache, index, *tree)
     wrong = jnp.zeros((logits.shape[0], 1, 1), bool).at[jnp.asarray(rows)].set(True)
-    return jnp.where(wrong, jnp.roll(logits, 1, axis=-1), logits), cache
+    return jnp.where(wrong, -logits, logits), cache
 
   return forward
 
@@ -64,15 +67,29 @@ def _noisy(scale: float) -> models.Llama:
   return noisy
 
 
-@pytest.mark.parametrize("draft_tokens", [1, 3, "auto"])
-def test_greedy_tokens_are_the_targets_for_any_draft(target, want, draft_tokens):
-  """An always-wrong draft (0% kept), the target itself (100%) and a noisy copy (some):
-  the tokens are the target's greedy tokens, rows of a batch (one left-padded) keeping
-  different counts."""
+SHAPES = [
+  {"draft_tokens": 1},
+  {"draft_tokens": 3},
+  {"draft_tokens": "auto"},
+  {"draft_tree": (2, 2, 1)},
+  {"draft_tree": (3,)},
+]
+
+
+def _full_paths(report) -> bool:
+  """Every round kept a whole path, root to leaf, on both rows."""
+  return report.accepted == 2 * sum(len(t) for t in report.trees) > 0
+
+
+@pytest.mark.parametrize("spec", SHAPES, ids=lambda s: str(next(iter(s.values()))))
+def test_greedy_tokens_are_the_targets_for_any_draft(target, want, spec):
+  """An always-wrong draft (0% kept), the target itself (every path whole) and a noisy
+  copy (some): the tokens are the target's greedy tokens, rows of a batch (one
+  left-padded) keeping different counts; chains, token trees and ``"auto"``."""
   noisy = _noisy(0.3)
   cases = [
-    ("wrong", _shifted(target), CFG, lambda r: r.accepted == 0),
-    ("right", target, None, lambda r: r.accepted == r.proposed > 0),
+    ("wrong", _reversed(target), CFG, lambda r: r.accepted == 0),
+    ("right", target, None, _full_paths),
     ("noisy", noisy, None, lambda r: 0 < r.accepted < r.proposed),
   ]
   for name, draft, draft_cfg, kept in cases:
@@ -82,14 +99,35 @@ def test_greedy_tokens_are_the_targets_for_any_draft(target, want, draft_tokens)
       N,
       draft=draft,
       draft_config=draft_cfg,
-      draft_tokens=draft_tokens,
       attention_mask=MASK,
       stop_tokens=(),
+      **spec,
     )
     np.testing.assert_array_equal(got, want, err_msg=name)
     assert kept(report), (name, report)
     assert report.target_passes == report.rounds + 1
     assert report.generated == N * 2
+
+
+def test_a_tree_pass_gives_each_node_the_logits_of_its_own_path(target):
+  """The target's one pass over a tree (written after a cached prompt) against the plain
+  model over the prompt and each node's path: every node attends to its ancestors only,
+  at its depth's rotary position, on both rows (one left-padded)."""
+  tree = DraftTree((2, 2))
+  nodes = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, tree.size)))
+  slots = PROMPTS.shape[1] + tree.size
+  _, cache = target(PROMPTS, MASK, models.LlamaCache.zeros(CFG, 2, slots), 0)
+  seen = jnp.sum(cache.mask, axis=1, keepdims=True)
+  visible = jnp.zeros((1, tree.size, slots), bool).at[0, :, : PROMPTS.shape[1]].set(True)
+  visible = visible.at[0, :, PROMPTS.shape[1] :].set(jnp.asarray(tree.ancestors))
+  logits, _ = target(
+    nodes, jnp.ones_like(nodes), cache, PROMPTS.shape[1], seen + tree.depth, visible
+  )
+  for node in range(tree.size):
+    path = np.flatnonzero(tree.ancestors[node])
+    ids = jnp.concatenate([PROMPTS, nodes[:, path]], axis=1)
+    mask = jnp.concatenate([MASK, jnp.ones((2, len(path)), jnp.int32)], axis=1)
+    np.testing.assert_allclose(logits[:, node], target(ids, mask)[:, -1], atol=2e-5, rtol=1e-5)
 
 
 def test_an_always_right_draft_takes_k_plus_one_tokens_a_pass(target, want):
@@ -108,7 +146,7 @@ def test_rows_that_keep_different_counts_compact_the_caches(target, want):
     target,
     PROMPTS,
     N,
-    draft=_shifted(target, rows=(1,)),
+    draft=_reversed(target, rows=(1,)),
     draft_config=CFG,
     draft_tokens=4,
     attention_mask=MASK,
@@ -134,10 +172,11 @@ def test_stop_tokens_pad_a_row_as_without_a_draft(target, want):
   np.testing.assert_array_equal(got, plain)
 
 
-def test_a_streamed_target_with_a_resident_quantized_draft(target, want, tmp_path):
+@pytest.mark.parametrize("spec", [{"draft_tokens": 3}, {"draft_tree": (2, 2)}], ids=str)
+def test_a_streamed_target_with_a_resident_quantized_draft(target, want, tmp_path, spec):
   """The target placed DenseDiskStream at host budget 0 from its store, the draft its int4
   copy placed FullyResident: the target's greedy tokens, and the target's report counts
-  one prefill pass a round (a round's k + 1 tokens) and the prompt's."""
+  one pass a round (a chain's k + 1 tokens, or a tree's nodes) and the prompt's."""
   path = str(tmp_path / "store")
   jr.save(target, path)
   draft_path = str(tmp_path / "draft")
@@ -153,20 +192,22 @@ def test_a_streamed_target_with_a_resident_quantized_draft(target, want, tmp_pat
       config=CFG,
       draft=draft,
       draft_config=CFG,
-      draft_tokens=3,
       attention_mask=MASK,
       stop_tokens=(),
+      **spec,
     )
     passes = streamed.report().passes
   np.testing.assert_array_equal(got, want)
   assert len(passes) == report.target_passes and report.accepted > 0
 
 
-def test_sampled_tokens_are_distributed_as_the_targets():
+@pytest.mark.parametrize("spec", [{"draft_tokens": 2}, {"draft_tree": (3, 1)}], ids=str)
+def test_sampled_tokens_are_distributed_as_the_targets(spec):
   """A vocabulary of 4, 3 tokens after a 2-token prompt, 6000 rows: the speculative
-  samples' joint distribution of the 2nd and 3rd tokens (given the 1st, the target's own)
-  against the target's exact probabilities, chi-square, p > 1e-3 at a fixed seed; a
-  draft with another distribution, so that both acceptance and resampling happen."""
+  samples' joint distribution of the 3 tokens against the target's exact
+  probabilities, chi-square, p > 1e-3 at a fixed seed; a draft with another
+  distribution, so that acceptance, a later sibling's acceptance (a tree) and
+  resampling all happen."""
   cfg = models.LlamaConfig(
     vocab_size=4,
     hidden_size=16,
@@ -179,7 +220,7 @@ def test_sampled_tokens_are_distributed_as_the_targets():
   rows, prompt = 6000, [1, 2]
   ids = jnp.asarray([prompt] * rows, jnp.int32)
   got, report = models.speculate(
-    target, ids, 3, draft=draft, draft_tokens=2, temperature=1.0, seed=7, stop_tokens=()
+    target, ids, 3, draft=draft, temperature=1.0, seed=7, stop_tokens=(), **spec
   )
   assert 0 < report.accepted < report.proposed
   got = np.asarray(got)
@@ -225,6 +266,15 @@ def test_bad_drafts_and_settings_are_refused_before_any_pass(target, want):
   for bad in (0, -1, 2.5, True, "fast", None):
     with pytest.raises(jr.errors.SpeculationError, match=f"draft_tokens={bad!r}"):
       models.generate_llm(target, PROMPTS, N, draft=target, draft_tokens=bad)
+  for tree, why in [
+    ((), "draft_tree=()"),
+    ("22", "draft_tree='22'"),
+    ((2, 0), "at least 1 branch"),
+    ((2, 1.5), "at least 1 branch"),
+    ((4, 4, 4, 4), "341 nodes, over the 256"),
+  ]:
+    with pytest.raises(jr.errors.SpeculationError, match=re.escape(why)):
+      models.generate_llm(target, PROMPTS, N, draft=target, draft_tree=tree)
   # both still usable
   got = models.generate_llm(target, PROMPTS, N, attention_mask=MASK, stop_tokens=())
   np.testing.assert_array_equal(got, want)
@@ -238,3 +288,14 @@ def test_auto_speculates_where_passes_cost_little_per_token():
   assert choose_k(0.0, 0.001, flat) == 0
   assert choose_k(0.8, 0.01, lambda t: 0.002 * t) == 0
   assert 1 <= choose_k(0.5, 0.01, lambda t: 0.05 + 0.001 * t) < 8
+
+
+def test_auto_branches_where_second_choices_often_hit():
+  """`draft_tree.choose`: where the target's token is often the draft's second or third
+  choice, a streamed pass is worth a tree; where only first choices hit, a chain."""
+  ranks = {1: 0.5, 2: 0.8, 3: 0.85, 4: 0.95}
+  picked = choose(ranks.get, lambda n: 0.001, lambda t: 0.5, shapes())
+  assert DraftTree(picked).size > len(picked) + 1 and not DraftTree(picked).is_chain
+  firsts = {1: 0.8, 2: 0.8, 3: 0.8, 4: 0.8}
+  assert DraftTree(choose(firsts.get, lambda n: 0.001, lambda t: 0.5, shapes())).is_chain
+  assert choose(ranks.get, lambda n: 0.001, lambda t: 0.5 * t, shapes()) == ()

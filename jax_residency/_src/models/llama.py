@@ -316,6 +316,9 @@ class Llama(nnx.Module):
   ``attention_mask`` marks, in this call and in the cache), as transformers'
   ``generate`` makes its ``position_ids``, so a left-padded row gives the
   logits it gives unpadded; ``positions`` (``(batch, t)``) overrides them.
+  ``visible`` (``(batch, t, max_len)`` bool) names the cache slots each token may
+  attend to in place of the causal rule (a slot must still be marked): a token tree
+  (docs/speculative.md) passes each node's ancestors, written at slots of their own.
 
   Example:
     >>> cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
@@ -360,6 +363,7 @@ class Llama(nnx.Module):
     cache: LlamaCache | None = None,
     index: Any = 0,
     positions: jax.Array | None = None,
+    visible: jax.Array | None = None,
   ) -> Any:
     """Logits (no ``cache``), or ``(logits, cache)`` with the tokens written at ``index``."""
     cfg = self.config
@@ -377,7 +381,7 @@ class Llama(nnx.Module):
     slots = lax.dynamic_update_slice(cache.mask, mask, (jnp.zeros_like(index), index))
     x = self.embed_tokens(input_ids)
     rope = rotary(positions, rope_frequencies(cfg))
-    biases = self._biases(slots, index, t, x.dtype)
+    biases = self._biases(slots, index, t, x.dtype, visible)
     sliding = np.asarray(cfg.layer_sliding)
 
     def body(h: jax.Array, layer: LlamaLayer, xs: Any) -> tuple[jax.Array, KV]:
@@ -392,13 +396,17 @@ class Llama(nnx.Module):
       return logits
     return logits, LlamaCache(keys, values, slots)
 
-  def _biases(self, slots: jax.Array, index: jax.Array, t: int, dtype: Any) -> list[jax.Array]:
-    """Attention biases ``(batch, 1, t, max_len)``: causal and padding (and, if some layer
-    slides, the same within ``sliding_window``: slot ``s`` is seen from ``q`` if ``q - s <
-    window``, as transformers' sliding mask compares cache positions)."""
+  def _biases(
+    self, slots: jax.Array, index: jax.Array, t: int, dtype: Any, visible: Any
+  ) -> list[jax.Array]:
+    """Attention biases ``(batch, 1, t, max_len)``: causal (or ``visible``) and padding
+    (and, if some layer slides, the same within ``sliding_window``: slot ``s`` is seen
+    from ``q`` if ``q - s < window``, as transformers' sliding mask compares cache
+    positions)."""
     queries = index + jnp.arange(t)[:, None]
     distance = queries - jnp.arange(slots.shape[1])[None, :]
-    seen = (distance >= 0)[None] & (slots[:, None, :] > 0)
+    causal = (distance >= 0)[None] if visible is None else jnp.asarray(visible, bool)
+    seen = causal & (slots[:, None, :] > 0)
     low = jnp.finfo(dtype).min
 
     def bias(ok: jax.Array) -> jax.Array:

@@ -26,6 +26,7 @@ from jax_residency._src.models.decoding import (
   plain_or_placed,
   prompt,
 )
+from jax_residency._src.models.draft_tree import check_draft_tree
 from jax_residency._src.models.llama import Llama, LlamaCache
 from jax_residency._src.models.llama_config import LlamaConfig
 from jax_residency._src.models.logits import filter_logits as filter_logits
@@ -65,6 +66,7 @@ def generate_llm(
   draft: Any = None,
   draft_config: LlamaConfig | None = None,
   draft_tokens: int | str = 4,
+  draft_tree: Sequence[int] | None = None,
 ) -> jax.Array:
   """Generates ``max_new_tokens`` tokens after a prompt, as transformers' ``generate`` does.
 
@@ -97,8 +99,11 @@ def generate_llm(
       tokens are the target's own, sampled ones distributed as the target's. `speculate`
       also returns what it did.
     draft_config: the draft's :class:`LlamaConfig`, for a placed draft.
-    draft_tokens: proposals a round (a positive int), or ``"auto"``: chosen each round
-      from measured pass times and the acceptance rate.
+    draft_tokens: proposals a round (a positive int), or ``"auto"``: a chain or a tree
+      chosen each round from measured pass and draft times and the draft's hit rates.
+    draft_tree: branches per depth, ``(b1, b2, ...)``: each round the draft expands a
+      token tree (``b1`` children of the last token, ``b2`` of each of those, ...) and
+      the target checks every node in one pass (in place of ``draft_tokens``).
 
   Returns:
     The generated tokens, ``(batch, max_new_tokens)`` int32 (the prompt not included).
@@ -106,8 +111,9 @@ def generate_llm(
   Raises:
     ValueError: ``max_new_tokens < 1``, a negative ``temperature``, or no
       ``config`` for a placed model.
-    SpeculationError: a draft with another vocabulary, or ``draft_tokens`` neither a
-      positive int nor ``"auto"`` (before any pass runs).
+    SpeculationError: a draft with another vocabulary, ``draft_tokens`` neither a
+      positive int nor ``"auto"``, or a ``draft_tree`` that is empty, has a depth of no
+      branches or too many nodes (before any pass runs).
 
   Example:
     >>> from jax_residency.models import LlamaConfig, init_llama
@@ -129,6 +135,7 @@ def generate_llm(
       config=config,
       draft_config=draft_config,
       draft_tokens=draft_tokens,
+      draft_tree=draft_tree,
       attention_mask=attention_mask,
       temperature=temperature,
       top_k=top_k,
@@ -164,6 +171,7 @@ def speculate(
   config: LlamaConfig | None = None,
   draft_config: LlamaConfig | None = None,
   draft_tokens: int | str = 4,
+  draft_tree: Sequence[int] | None = None,
   attention_mask: Any = None,
   temperature: float = 0.0,
   top_k: int | None = None,
@@ -175,12 +183,13 @@ def speculate(
   proposals, acceptance, tokens per target pass, time in each model).
 
   Raises:
-    SpeculationError: ``draft_tokens`` neither a positive int nor ``"auto"``, or a draft
-      whose vocabulary or special tokens are not the target's; raised before any pass
-      runs.
+    SpeculationError: ``draft_tokens`` neither a positive int nor ``"auto"``, a bad
+      ``draft_tree``, or a draft whose vocabulary or special tokens are not the
+      target's; raised before any pass runs.
     ValueError: as `generate_llm`.
   """
   k = check_draft_tokens(draft_tokens)
+  tree = None if draft_tree is None else check_draft_tree(draft_tree)
   cfg, forward, stops, pad = _target(model, config, max_new_tokens, temperature, stop_tokens)
   draft_cfg, draft_forward = plain_or_placed(draft, Llama, draft_config, "LlamaConfig")
   check_vocabularies(cfg, draft_cfg)
@@ -194,6 +203,7 @@ def speculate(
     mask,
     max_new_tokens,
     draft_tokens=k,
+    draft_tree=tree,
     temperature=temperature,
     top_k=top_k,
     top_p=top_p,

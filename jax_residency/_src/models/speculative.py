@@ -1,35 +1,38 @@
 """Speculative decoding for Llama-family decoders (docs/speculative.md).
 
-A draft model with the target's vocabulary proposes ``k`` tokens, one step each from
-its own cache; the target checks all of them in **one** pass over ``k + 1`` positions
-(the last token and the ``k`` proposals) with its cache, and keeps the longest prefix
-it agrees with plus one token of its own. A streamed target moves the same bytes for
-``k + 1`` positions as for one, so every accepted proposal is a token that cost no pass.
+A draft model with the target's vocabulary proposes tokens from its own cache; the
+target checks all of them in **one** pass with its cache, and keeps the longest run it
+agrees with plus one token of its own. A streamed target moves the same bytes for many
+positions as for one, so every accepted proposal is a token that cost no pass.
 
-* Greedy (``temperature=0``): a proposal is kept where it is the target's argmax, so
-  the tokens are the target's own greedy tokens, whatever the draft proposes (up to
-  the float rounding of a ``k + 1``-token pass against a one-token step: a near tie
-  could part them, as it could part two backends).
-* Sampling: speculative sampling (Leviathan et al., 2023; Chen et al., 2023): proposal
-  ``d`` drawn from the draft's filtered distribution ``q`` is kept with probability
-  ``min(1, p(d) / q(d))`` under the target's ``p``; at the first rejection the token is
-  drawn from ``max(0, p - q)`` normalized; after ``k`` kept ones, from the next ``p``.
-  The tokens are then distributed as the target's own samples.
+Every round expands a token tree (`draft_tree.DraftTree`): a chain of ``k`` proposals
+(``draft_tokens=k``) is the tree ``(1,) * k``; ``draft_tree=(b1, b2, ...)`` gives the
+nodes of each depth ``b`` children. The draft makes one call a depth, the target one
+pass over every node, each node attending to the committed cache and its own
+ancestors; the kept path is chosen by `draft_tree.walk_greedy` or `walk_sampled`.
 
-Caches: both models keep the same slot layout. A round writes the last token and the
-``k`` proposals at slots ``index .. index + k`` of each cache (the draft runs ``k + 1``
-one-token steps: the last of them only fills its cache with the ``k``-th proposal),
-then unmarks the slots past each row's kept tokens (``LlamaCache.mask``): an unmarked
-slot is never attended to and does not count towards a row's positions, and the next
-round overwrites it. Rows of a batch that keep different counts leave holes; the next
-round starts after the row that kept most, and when a round would run past the cache,
-both caches are compacted (each row's marked slots moved to the front, in order). A
-finished row (all its tokens, or a stop token) keeps none of a round's slots.
+* Greedy (``temperature=0``): a node is kept where its token is the target's argmax at
+  its parent, so the tokens are the target's own greedy tokens, whatever the draft
+  proposes (up to the float rounding of a many-token pass against a one-token step: a
+  near tie could part them, as it could part two backends).
+* Sampling: speculative sampling (Leviathan et al., 2023; Chen et al., 2023), tried
+  child by child on a tree: the tokens are distributed as the target's own samples.
 
-``draft_tokens="auto"`` fits each pass's time to the tokens it takes from the first two
-rounds (``k`` = 1, then 4), and then picks the ``k`` that maximizes the predicted
-tokens per second from the running acceptance rate, or none where no ``k`` is
-predicted faster than one token a pass (`choose_k`).
+Caches: both models keep the same slot layout. A round writes its nodes at slots
+``index .. index + size - 1`` of each cache (the draft's deepest call only fills its
+cache), then moves each row's kept path to the first of those slots and unmarks the
+rest (``LlamaCache.mask``): an unmarked slot is never attended to and does not count
+towards a row's positions, and the next round overwrites it. Rows of a batch that keep
+different counts leave holes; the next round starts after the row that kept most, and
+when a round would run past the cache, both caches are compacted (each row's marked
+slots moved to the front, in order). A finished row (all its tokens, or a stop token)
+keeps none of a round's slots.
+
+``draft_tokens="auto"`` measures its first rounds (`AUTO_PROBES`), fits the target's
+pass time to its tokens and the draft's call time to its nodes, counts how often the
+target's token is among the draft's top choices, and then picks the shape with the
+most predicted tokens per second (`draft_tree.choose`), or none where no speculation is
+predicted faster than one token a pass.
 """
 
 from __future__ import annotations
@@ -45,13 +48,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_residency._src.errors import SpeculationError
+from jax_residency._src.models.draft_tree import (
+  MAX_AUTO_BRANCHES,
+  MAX_AUTO_DEPTH,
+  Chances,
+  DraftTree,
+  choose,
+  shapes,
+  walk_greedy,
+  walk_sampled,
+)
 from jax_residency._src.models.llama import LlamaCache
 from jax_residency._src.models.logits import filter_logits
 
-#: The largest ``k`` that ``"auto"`` considers.
-MAX_AUTO_TOKENS = 8
-#: ``"auto"``'s first two rounds: the ``k`` s whose pass times it fits.
-AUTO_PROBES = (1, 4)
+#: ``"auto"``'s first rounds: the shapes whose pass and draft times it measures first
+#: (a chain of 1 and of 4, and a tree, so that both fitted lines have spread).
+AUTO_PROBES = ((1,), (1, 1, 1, 1), (4, 2, 1, 1))
 
 Forward = Callable[..., tuple[jax.Array, LlamaCache]]
 
@@ -65,12 +77,14 @@ class SpeculationReport:
     proposed: draft tokens proposed, over rows and rounds.
     accepted: proposals the target kept.
     target_passes: the target's passes: its prefill and one a round.
-    draft_steps: the draft's one-token steps (``k + 1`` a round), prefill not counted.
+    draft_steps: the draft's calls (one a depth of the round's tree, the deepest
+      included: ``k + 1`` for a chain of ``k``), prefill not counted.
     generated: tokens returned per row, summed over rows (``batch * max_new_tokens``
       unless every row stopped early).
     draft_s: seconds in the draft's prefill and steps.
     target_s: seconds in the target's prefill and passes.
-    draft_tokens: the ``k`` of each round.
+    draft_tokens: the proposals of each round (a tree's nodes but its root).
+    trees: the shape of each round's tree (``(1,) * k`` for a chain of ``k``).
   """
 
   rounds: int = 0
@@ -82,6 +96,7 @@ class SpeculationReport:
   draft_s: float = 0.0
   target_s: float = 0.0
   draft_tokens: list[int] = dataclasses.field(default_factory=list)
+  trees: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
   @property
   def acceptance_rate(self) -> float:
@@ -144,7 +159,8 @@ def check_vocabularies(target_cfg: Any, draft_cfg: Any) -> None:
 
 
 def choose_k(alpha: float, draft_step_s: float, pass_s: Callable[[int], float]) -> int:
-  """The ``k`` in ``0 .. MAX_AUTO_TOKENS`` with the most predicted tokens per second.
+  """The chain length ``k`` in ``0 .. MAX_AUTO_DEPTH`` with the most predicted tokens per
+  second (`draft_tree.choose` over chains only).
 
   A round of ``k`` proposals takes ``(k + 1) * draft_step_s + pass_s(k + 1)`` and yields
   ``(1 - alpha**(k + 1)) / (1 - alpha)`` tokens on average, where ``alpha`` is the
@@ -158,75 +174,73 @@ def choose_k(alpha: float, draft_step_s: float, pass_s: Callable[[int], float]) 
     0
   """
   alpha = min(max(alpha, 0.0), 0.999)
-  best, best_rate = 0, 1.0 / max(pass_s(1), 1e-12)
-  for k in range(1, MAX_AUTO_TOKENS + 1):
-    tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-    rate = tokens / max((k + 1) * draft_step_s + pass_s(k + 1), 1e-12)
-    if rate > best_rate:
-      best, best_rate = k, rate
-  return best
+  chains = [(1,) * k for k in range(1, MAX_AUTO_DEPTH + 1)]
+  return len(choose(lambda b: alpha, lambda n: draft_step_s, pass_s, chains))
 
 
-@functools.partial(jax.jit, static_argnames=("greedy", "top_k", "top_p"))
-def _propose(
-  logits: jax.Array, key: jax.Array, temperature: Any, greedy: bool, top_k: Any, top_p: Any
-) -> tuple[jax.Array, jax.Array]:
-  """The draft's proposal from a step's last logits, and its distribution ``q``
-  (greedy: the argmax and a one-hot)."""
-  last = logits[:, -1].astype(jnp.float32)
-  if greedy:
-    token = jnp.argmax(last, axis=-1).astype(jnp.int32)
-    return token, jax.nn.one_hot(token, last.shape[-1], dtype=jnp.float32)
-  scores = filter_logits(last, temperature, top_k, top_p)
-  token = jax.random.categorical(key, scores, axis=-1).astype(jnp.int32)
-  return token, jax.nn.softmax(scores, axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("greedy", "top_k", "top_p"))
-def _verify(
+@functools.partial(jax.jit, static_argnames=("branches", "greedy", "top_k", "top_p"))
+def _children(
   logits: jax.Array,
-  proposals: jax.Array,
-  q: jax.Array,
   key: jax.Array,
+  branches: int,
   temperature: Any,
   greedy: bool,
   top_k: Any,
   top_p: Any,
-) -> tuple[jax.Array, jax.Array]:
-  """``(kept, token)`` of each row: how many leading proposals the target keeps, and its
-  own token after them. ``logits`` ``(batch, k + 1, vocab)``: the target's after the last
-  token and after each proposal; ``proposals`` ``(batch, k)``; ``q`` ``(batch, k, vocab)``."""
-  b, t, vocab = logits.shape
-  k = t - 1
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """From the draft's logits at ``n`` nodes (``(batch, n, vocab)``): each node's
+  ``branches`` children ``(batch, n, branches)`` (greedy: its top tokens, best first;
+  sampling: independent draws from ``q``), ``q`` ``(batch, n, vocab)`` (greedy: unused
+  zeros) and the draft's top `MAX_AUTO_BRANCHES` tokens ``(batch, n, MAX_AUTO_BRANCHES)``."""
+  logits = logits.astype(jnp.float32)
+  top = jax.lax.top_k(logits, MAX_AUTO_BRANCHES)[1].astype(jnp.int32)
   if greedy:
-    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    keep = pred[:, :k] == proposals
-    kept = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)
-    return kept, jnp.take_along_axis(pred, kept[:, None], axis=1)[:, 0]
-  scores = filter_logits(logits.reshape(b * t, vocab), temperature, top_k, top_p)
-  p = jax.nn.softmax(scores, axis=-1).reshape(b, t, vocab)
-  k_accept, k_residual = jax.random.split(key)
-  p_d = jnp.take_along_axis(p[:, :k], proposals[..., None], axis=-1)[..., 0]
-  q_d = jnp.take_along_axis(q, proposals[..., None], axis=-1)[..., 0]
-  u = jax.random.uniform(k_accept, (b, k))
-  keep = u * q_d < p_d
-  kept = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)
-  # after `kept` proposals: from max(0, p - q) where one was rejected, else from p
-  p_at = jnp.take_along_axis(p, kept[:, None, None], axis=1)[:, 0]
-  q_full = jnp.concatenate([q, jnp.zeros((b, 1, vocab), q.dtype)], axis=1)
-  q_at = jnp.take_along_axis(q_full, kept[:, None, None], axis=1)[:, 0]
-  residual = jnp.maximum(p_at - q_at, 0.0)
-  residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_at)
-  token = jax.random.categorical(k_residual, jnp.log(residual), axis=-1).astype(jnp.int32)
-  return kept, token
+    kids = jax.lax.top_k(logits, branches)[1].astype(jnp.int32)
+    return kids, jnp.zeros((*logits.shape[:2], 1), jnp.float32), top
+  b, n, vocab = logits.shape
+  scores = filter_logits(logits.reshape(b * n, vocab), temperature, top_k, top_p)
+  draws = jax.random.categorical(key, scores, axis=-1, shape=(branches, b * n))
+  kids = jnp.moveaxis(draws, 0, -1).reshape(b, n, branches).astype(jnp.int32)
+  return kids, jax.nn.softmax(scores, axis=-1).reshape(b, n, vocab), top
 
 
-@jax.jit
-def _roll_back(cache: LlamaCache, index: jax.Array, kept: jax.Array, k: jax.Array) -> LlamaCache:
-  """Unmarks each row's slots after its kept tokens: ``index + kept + 1 .. index + k``."""
-  slot = jnp.arange(cache.mask.shape[1])[None, :]
-  drop = (slot >= index + kept[:, None] + 1) & (slot <= index + k)
-  return cache._replace(mask=jnp.where(drop, 0, cache.mask))
+@functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
+def _target_probs(logits: jax.Array, temperature: Any, top_k: Any, top_p: Any) -> jax.Array:
+  """The target's filtered distribution at each node, ``(batch, size, vocab)``."""
+  b, t, vocab = logits.shape
+  scores = filter_logits(
+    logits.astype(jnp.float32).reshape(b * t, vocab), temperature, top_k, top_p
+  )
+  return jax.nn.softmax(scores, axis=-1).reshape(b, t, vocab)
+
+
+@functools.partial(jax.jit, static_argnames=("slots",))
+def _visible(ancestors: jax.Array, index: jax.Array, slots: int) -> jax.Array:
+  """``(1, n, slots)``: the committed slots (before ``index``) and, in the round's slots
+  from ``index``, each node's ancestors (``ancestors`` ``(n, size)``)."""
+  committed = jnp.arange(slots)[None, :] < index
+  block = jnp.zeros((ancestors.shape[0], slots), bool)
+  block = jax.lax.dynamic_update_slice(block, ancestors, (jnp.zeros_like(index), index))
+  return (committed | block)[None]
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _keep_path(
+  cache: LlamaCache, index: jax.Array, path: jax.Array, kept: jax.Array, size: int
+) -> LlamaCache:
+  """Moves each row's kept path (node numbers ``path`` ``(batch, size)``, the first
+  ``kept`` of them) to the round's first slots, in order, and unmarks the round's
+  other slots, so that the row's tokens stay contiguous."""
+  zero = jnp.zeros_like(index)
+
+  def gather(kv: jax.Array) -> jax.Array:
+    region = jax.lax.dynamic_slice_in_dim(kv, index, size, axis=2)
+    moved = jnp.take_along_axis(region, path[None, :, :, None, None], axis=2)
+    return jax.lax.dynamic_update_slice_in_dim(kv, moved, index, axis=2)
+
+  marks = (jnp.arange(size)[None, :] < kept[:, None]).astype(cache.mask.dtype)
+  mask = jax.lax.dynamic_update_slice(cache.mask, marks, (zero, index))
+  return LlamaCache(gather(cache.k), gather(cache.v), mask)
 
 
 @jax.jit
@@ -246,11 +260,13 @@ class _Clock:
 
   def __init__(self) -> None:
     self.seconds = 0.0
+    self.last = 0.0
 
   def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
-    self.seconds += time.perf_counter() - start
+    self.last = time.perf_counter() - start
+    self.seconds += self.last
     return out
 
 
@@ -262,16 +278,26 @@ class _Sampling:
   top_k: int | None
   top_p: float | None
   key: jax.Array
+  seed: int
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
 
-  def propose(self, logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return _propose(logits, key, self.temperature, self.greedy, self.top_k, self.top_p)
+  def first(self, logits: jax.Array) -> jax.Array:
+    """The target's token from its prefill's last logits."""
+    kids, _, _ = self.children(logits[:, -1:], 1, jax.random.fold_in(self.key, 0))
+    return kids[:, 0, 0]
 
-  def verify(self, logits: Any, proposals: Any, q: Any, key: Any) -> tuple[jax.Array, jax.Array]:
-    return _verify(logits, proposals, q, key, self.temperature, self.greedy, self.top_k, self.top_p)
+  def children(self, logits: jax.Array, branches: int, key: jax.Array) -> Any:
+    return _children(logits, key, branches, self.temperature, self.greedy, self.top_k, self.top_p)
+
+  def probs(self, logits: jax.Array) -> jax.Array:
+    return _target_probs(logits, self.temperature, self.top_k, self.top_p)
+
+  def rng(self, r: int) -> np.random.Generator:
+    """The host generator of round ``r``'s accept and resample draws."""
+    return np.random.default_rng((self.seed, r))
 
 
 class _Generation:
@@ -300,15 +326,16 @@ class _Generation:
     _, self.d_cache = self.d_clock(draft, ids, mask, caches[1], 0)
     self.report.target_passes = 1
     # the first token is the target's own, from its prefill
-    first, _ = sampling.propose(logits, jax.random.fold_in(sampling.key, 0))
+    first = self.sampling.first(logits)
     self.out = np.full((batch, max_new_tokens + widest + 1), pad, np.int32)
     self.out[:, 0] = np.asarray(first)
     self.count = np.ones(batch, np.int64)
-    self.last, self.index = first, length
-    self.ones = jnp.ones((batch, 1), jnp.int32)
+    self.last, self.index = np.asarray(first), length
     self.stop_ids = np.asarray(tuple(stops), np.int32)
+    #: the fastest... every measured pass time by its tokens, and draft call by its nodes
     self.pass_times: dict[int, list[float]] = {}
-    self.draft_step_times: list[float] = []
+    self.draft_times: dict[int, list[float]] = {}
+    self.chances = Chances()
 
   def rows_done(self) -> np.ndarray:
     """The rows with all their tokens, or a stop token among them."""
@@ -318,70 +345,136 @@ class _Generation:
       done |= (np.isin(self.out[:, : self.n], self.stop_ids) & written).any(axis=1)
     return done
 
-  def round(self, k: int) -> None:
-    """The draft proposes ``k`` tokens, the target checks them in one pass, each row
-    keeps its agreed prefix and the target's next token."""
+  def round(self, tree: DraftTree) -> None:
+    """The draft expands ``tree`` from the last token, the target checks every node in
+    one pass, each row keeps its accepted path and the target's next token."""
     r = self.report.rounds
-    if self.index + k + 1 > self.slots:
+    if self.index + tree.size > self.slots:
       self.t_cache, self.d_cache = _compact(self.t_cache), _compact(self.d_cache)
       self.index = int(jnp.max(jnp.sum(self.t_cache.mask, axis=1)))
       # an unfinished row holds under length + max_new_tokens marked slots
-      assert self.index + k + 1 <= self.slots, (self.index, k, self.slots)
-    proposals, q = self._propose(k, jax.random.fold_in(self.sampling.key, 2 * r + 1))
-    verify = jnp.concatenate([self.last[:, None], proposals], axis=1)
-    before = self.t_clock.seconds
+      assert self.index + tree.size <= self.slots, (self.index, tree.size, self.slots)
+    seen = jnp.sum(self.t_cache.mask, axis=1, keepdims=True)
+    tokens, q, top = self._expand(tree, seen, jax.random.fold_in(self.sampling.key, r + 1))
+    batch = tokens.shape[0]
+    index = jnp.int32(self.index)
+    visible = None if tree.is_chain else _visible(jnp.asarray(tree.ancestors), index, self.slots)
     logits, self.t_cache = self.t_clock(
-      self.target, verify, jnp.ones_like(verify), self.t_cache, jnp.int32(self.index)
+      self.target,
+      jnp.asarray(tokens),
+      jnp.ones((batch, tree.size), jnp.int32),
+      self.t_cache,
+      index,
+      seen + jnp.asarray(tree.depth)[None],
+      visible,
     )
-    self.pass_times.setdefault(k + 1, []).append(self.t_clock.seconds - before)
-    kept, token = self.sampling.verify(
-      logits, proposals, q, jax.random.fold_in(self.sampling.key, 2 * r + 2)
-    )
+    self.pass_times.setdefault(tree.size, []).append(self.t_clock.last)
+    paths, after = self._walk(tree, tokens, logits, q, top, r)
     # a finished row (all its tokens, or a stop token) keeps none of the round's slots,
     # so that its cache stops growing
-    kept = jnp.where(jnp.asarray(self.rows_done()), -1, kept)
-    index, width = jnp.int32(self.index), jnp.int32(k)
-    self.t_cache = _roll_back(self.t_cache, index, kept, width)
-    self.d_cache = _roll_back(self.d_cache, index, kept, width)
-    self._keep(np.asarray(kept), np.asarray(token), np.asarray(proposals), k)
-    self.last = token
-
-  def _propose(self, k: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``k`` proposals ``(batch, k)`` and their distributions ``(batch, k, vocab)``; the
-    draft's (k + 1)-th step writes the k-th proposal's slot."""
-    token, proposals, qs = self.last, [], []
-    before = self.d_clock.seconds
-    for j in range(k + 1):
-      index = jnp.int32(self.index + j)
-      logits, self.d_cache = self.d_clock(
-        self.draft, token[:, None], self.ones, self.d_cache, index
-      )
-      if j < k:
-        token, q = self.sampling.propose(logits, jax.random.fold_in(key, j))
-        proposals.append(token)
-        qs.append(q)
-    self.draft_step_times.append((self.d_clock.seconds - before) / (k + 1))
-    if k:
-      return jnp.stack(proposals, axis=1), jnp.stack(qs, axis=1)
-    batch, vocab = logits.shape[0], logits.shape[-1]
-    return jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, vocab), jnp.float32)
-
-  def _keep(self, kept: np.ndarray, token: np.ndarray, proposals: np.ndarray, k: int) -> None:
-    """Appends each active row's kept proposals and the target's token; counts."""
-    active = kept >= 0
-    for row in np.flatnonzero(active):
-      n, c = int(kept[row]), int(self.count[row])
-      new = [*proposals[row, :n].tolist(), int(token[row])][: self.out.shape[1] - c]
-      self.out[row, c : c + len(new)] = new
-      self.count[row] += n + 1
+    done = self.rows_done()
+    kept = np.asarray([0 if d else len(p) for d, p in zip(done, paths, strict=True)], np.int32)
+    table = np.zeros((batch, tree.size), np.int32)
+    for row, p in enumerate(paths):
+      table[row, : len(p)] = p
+    args = (index, jnp.asarray(table), jnp.asarray(kept), tree.size)
+    self.t_cache = _keep_path(self.t_cache, *args)
+    self.d_cache = _keep_path(self.d_cache, *args)
+    for live in np.flatnonzero(~done):
+      c = int(self.count[live])
+      new = [*tokens[live, paths[live][1:]].tolist(), after[live]][: self.out.shape[1] - c]
+      self.out[live, c : c + len(new)] = new
+      self.count[live] += len(paths[live])
     report = self.report
     report.rounds += 1
-    report.proposed += int(active.sum()) * k
-    report.accepted += int(kept[active].sum())
+    report.proposed += int((~done).sum()) * tree.proposals
+    report.accepted += sum(len(p) - 1 for d, p in zip(done, paths, strict=True) if not d)
     report.target_passes += 1
-    report.draft_steps += k + 1
-    report.draft_tokens.append(k)
-    self.index += int(kept.max()) + 1
+    report.draft_steps += len(tree.levels)
+    report.draft_tokens.append(tree.proposals)
+    report.trees.append(tree.branches)
+    self.index += int(kept.max(initial=0))
+    self.last = np.asarray(after, np.int32)
+
+  def _expand(
+    self, tree: DraftTree, seen: jax.Array, key: jax.Array
+  ) -> tuple[np.ndarray, list[Any], np.ndarray]:
+    """The draft's tree from the last token, one call a depth, each depth written at its
+    own slots: the nodes' tokens ``(batch, size)``, the draft's ``q`` at each expanded
+    depth (sampling) and its top tokens at each node ``(batch, size, MAX_AUTO_BRANCHES)``."""
+    batch = self.last.shape[0]
+    tokens = np.zeros((batch, tree.size), np.int32)
+    tokens[:, 0] = self.last
+    top = np.zeros((batch, tree.size, MAX_AUTO_BRANCHES), np.int32)
+    qs: list[Any] = []
+    ancestors = jnp.asarray(tree.ancestors)
+    for d, (start, n) in enumerate(zip(tree.starts, tree.levels, strict=True)):
+      index = jnp.int32(self.index + start)
+      visible = (
+        None
+        if tree.is_chain
+        else _visible(ancestors[start : start + n], jnp.int32(self.index), self.slots)
+      )
+      logits, self.d_cache = self.d_clock(
+        self.draft,
+        jnp.asarray(tokens[:, start : start + n]),
+        jnp.ones((batch, n), jnp.int32),
+        self.d_cache,
+        index,
+        seen + d,
+        visible,
+      )
+      self.draft_times.setdefault(n, []).append(self.d_clock.last)
+      if d == len(tree.branches):
+        break  # the deepest call only fills the draft's cache
+      b = tree.branches[d]
+      kids, q, best = self.sampling.children(logits, b, jax.random.fold_in(key, d))
+      nxt = tree.starts[d + 1]
+      tokens[:, nxt : nxt + n * b] = np.asarray(kids).reshape(batch, n * b)
+      top[:, start : start + n] = np.asarray(best)
+      qs.append(q)
+    return tokens, qs, top
+
+  def _walk(
+    self,
+    tree: DraftTree,
+    tokens: np.ndarray,
+    logits: jax.Array,
+    qs: list[Any],
+    top: np.ndarray,
+    r: int,
+  ) -> tuple[list[list[int]], list[int]]:
+    """Each row's kept path and the target's token after it; counts the chances."""
+    paths, after = [], []
+    if self.sampling.greedy:
+      pred = np.asarray(jnp.argmax(logits, axis=-1))
+      for row in range(tokens.shape[0]):
+        path, token = walk_greedy(tree, tokens[row], pred[row])
+        paths.append(path)
+        after.append(token)
+        for node in path:
+          if tree.children(node):
+            hits = np.flatnonzero(top[row, node] == pred[row, node])
+            self.chances.add_rank(int(hits[0]) if hits.size else None)
+      return paths, after
+    p = np.asarray(self.sampling.probs(logits))
+    q = [np.asarray(x) for x in qs]
+    rng = self.sampling.rng(r)
+    for row in range(tokens.shape[0]):
+
+      def p_at(node: int, row: int = row) -> np.ndarray:
+        return p[row, node]
+
+      def q_at(node: int, row: int = row) -> np.ndarray:
+        d = int(tree.depth[node])
+        return q[d][row, node - tree.starts[d]]
+
+      path, token, first = walk_sampled(tree, tokens[row], p_at, q_at, rng)
+      paths.append(path)
+      after.append(token)
+      for ok in first:
+        self.chances.add_first(ok)
+    return paths, after
 
   def tokens(self, pad: int) -> jax.Array:
     """``(batch, max_new_tokens)``: each row's tokens, padding after its first stop."""
@@ -404,6 +497,7 @@ def speculative_decode(
   max_new_tokens: int,
   *,
   draft_tokens: int | str,
+  draft_tree: DraftTree | None,
   temperature: float,
   top_k: int | None,
   top_p: float | None,
@@ -412,39 +506,55 @@ def speculative_decode(
   pad: int,
 ) -> tuple[jax.Array, SpeculationReport]:
   """The tokens after ``ids`` (``(batch, max_new_tokens)``) by speculative decoding, and
-  what it did. ``target`` and ``draft`` are forwards ``(ids, mask, cache, index) ->
-  (logits, cache)`` of models with configs ``target_cfg`` and ``draft_cfg``; arguments
-  are checked by the caller (`generate_llm`)."""
+  what it did. ``target`` and ``draft`` are forwards ``(ids, mask, cache, index,
+  positions, visible) -> (logits, cache)`` of models with configs ``target_cfg`` and
+  ``draft_cfg``; a round expands ``draft_tree``, else a chain of ``draft_tokens``, else
+  (``"auto"``) the shape `_auto` picks. Arguments are checked by the caller
+  (`generate_llm`)."""
   batch, length = ids.shape
-  fixed = None if draft_tokens == "auto" else int(draft_tokens)
-  widest = MAX_AUTO_TOKENS if fixed is None else fixed
-  slots = length + max_new_tokens + 2 * (widest + 1)
+  if draft_tree is not None:
+    fixed: DraftTree | None = draft_tree
+  elif draft_tokens == "auto":
+    fixed = None
+  else:
+    fixed = DraftTree((1,) * int(draft_tokens))
+  widest = fixed.size if fixed is not None else max(DraftTree(s).size for s in shapes())
+  slots = length + max_new_tokens + 2 * widest
   caches = (
     LlamaCache.zeros(target_cfg, batch, slots),
     LlamaCache.zeros(draft_cfg, batch, slots),
   )
-  sampling = _Sampling(temperature, top_k, top_p, jax.random.key(seed))
+  sampling = _Sampling(temperature, top_k, top_p, jax.random.key(seed), seed)
   run = _Generation(target, draft, caches, ids, mask, max_new_tokens, widest, sampling, stops, pad)
   while not run.rows_done().all():
-    r = run.report.rounds
-    k = fixed if fixed is not None else _auto_k(r, run.report, run.pass_times, run.draft_step_times)
-    run.round(k)
+    run.round(fixed if fixed is not None else _auto(run))
   return run.tokens(pad), run.report
 
 
-def _auto_k(
-  r: int, report: SpeculationReport, pass_times: dict[int, list[float]], draft: list[float]
-) -> int:
-  """``"auto"``'s ``k`` for round ``r``: the probes first, then `choose_k` on a line
-  fitted to the pass times by tokens (the fastest of each count: compiles are slow)."""
-  if r < len(AUTO_PROBES):
-    return AUTO_PROBES[r]
-  counts = sorted(pass_times)
-  best = [min(pass_times[t]) for t in counts]
-  if len(counts) > 1:
-    slope, intercept = np.polyfit(counts, best, 1)
+def _fit(times: dict[int, list[float]]) -> Callable[[int], float]:
+  """A line through the fastest time of each size (compiles are slow), by size; flat
+  through one size, and never falling."""
+  sizes = sorted(times)
+  best = [min(times[t]) for t in sizes]
+  if len(sizes) > 1:
+    slope, intercept = np.polyfit(sizes, best, 1)
   else:
     slope, intercept = 0.0, best[0]
   slope = max(float(slope), 0.0)
-  alpha = report.acceptance_rate
-  return choose_k(alpha, float(np.median(draft[1:] or draft)), lambda t: intercept + slope * t)
+  intercept = float(intercept) if len(sizes) > 1 else best[0]
+  return lambda size: max(intercept + slope * size, min(best))
+
+
+def _auto(run: _Generation) -> DraftTree:
+  """``"auto"``'s shape for the next round: the probes first, then `draft_tree.choose` on
+  lines fitted to the pass and draft-call times and on the counted chances; the empty
+  tree (the target's one token a pass, the draft's one call keeping its cache) where no
+  speculation is predicted faster."""
+  r = run.report.rounds
+  if r < len(AUTO_PROBES):
+    return DraftTree(AUTO_PROBES[r])
+  greedy = run.sampling.greedy
+  shape = choose(
+    lambda b: run.chances.hit(b, greedy), _fit(run.draft_times), _fit(run.pass_times), shapes()
+  )
+  return DraftTree(shape)

@@ -57,7 +57,7 @@ PROMPTS = (
   "My favourite recipe for bread starts with",
 )
 #: The tree row's shape: branches per depth (``draft_tree=``).
-TREE = (4, 2, 1, 1, 1, 1, 1)
+TREE = (2, 1, 1, 1, 1, 1, 1, 1)
 ROWS = {"none": None, "k2": 2, "k4": 4, "k8": 8, "tree": TREE, "auto": "auto"}
 CHAINS = ("k2", "k4", "k8")
 #: The regimes the tree row runs in: disk-bound, where its target is (on this CPU each of

@@ -1,8 +1,9 @@
-"""The native one-row kernels for quantized matrices on CPU (quant/native.py, matvec.cc;
+"""The native kernels for quantized matrices on CPU (quant/native.py, matvec.cc;
 docs/quantization.md, "Reading codes once"): built here with the machine's compiler,
 equal to the product of the decoded matrix to float32 rounding, called by a one-token
-step for every unit matrix in place of XLA's fused decode, never by a prefill or a step
-on several devices, and replaced by XLA's products where they cannot be built."""
+step for every unit matrix in place of XLA's fused decode (and, with int8 activations,
+by passes of up to `native.MAX_ROWS` tokens), never by a longer prefill or a step on
+several devices, and replaced by XLA's products where they cannot be built."""
 
 from __future__ import annotations
 
@@ -252,6 +253,25 @@ def test_an_integer_kernel_is_the_product_of_the_rounded_row(case, shape):
 
 
 @needs_compiler
+@pytest.mark.parametrize("case, shape", INTEGER_CASES[-4:] + INTEGER_CASES[:2])
+def test_several_rows_are_each_the_one_row_product(case, shape):
+  """``x`` of ``(m, n)``, m up to `native.MAX_ROWS`: each row of the result is the one-row
+  call's on that row, bit for bit, exact and rounded; more rows are refused."""
+  scheme, parts, _ = _integer_case(case, shape)
+  x = jnp.asarray(
+    np.random.default_rng(1).standard_normal((native.MAX_ROWS, shape[0])), jnp.float32
+  )
+  assert native.supports(scheme, parts, x)
+  assert not native.supports(scheme, parts, jnp.concatenate([x, x[:1]]))
+  for a in native.ACTIVATIONS:
+    call = jax.jit(lambda x, p, a=a: native.matvec(scheme, x, p, a))
+    many = np.asarray(call(x, parts))
+    assert many.shape == (native.MAX_ROWS, shape[1])
+    for m in (0, 5, native.MAX_ROWS - 1):
+      np.testing.assert_array_equal(many[m], np.asarray(call(x[m], parts)), err_msg=f"{a} {m}")
+
+
+@needs_compiler
 def test_rows_or_groups_that_do_not_round_keep_the_exact_product():
   """int8 rows of 48 inputs (a block of 32 would run past the row): the kernel takes
   them, and ``"int8"`` gives the exact product."""
@@ -311,26 +331,34 @@ def test_a_one_token_step_calls_a_kernel_for_each_unit_matrix(model, scheme, pol
 
 @needs_compiler
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_int8_activations_round_the_one_token_products_alone(model, scheme, tmp_path):
+def test_int8_activations_round_passes_of_few_tokens_alone(model, scheme, tmp_path):
   """``place(..., activations="int8")``: the one-token step's kernels are told to round
   (their ``activations`` attribute is 1), its logits stay within 5e-2 of the exact
   placement's (relative to their largest; random weights, so a looser bound than the
   1e-2 that benchmarks/int8_activations.py holds a trained model to) and differ from
-  them; a prefill is the exact
-  placement's bit for bit; ``DenseDiskStream`` gives ``FullyResident``'s outputs."""
+  them; a pass of 4 tokens (a speculative round) calls the kernels too and rounds; a
+  pass of more than `native.MAX_ROWS` tokens (a prefill) is the exact placement's bit
+  for bit; ``DenseDiskStream`` gives ``FullyResident``'s outputs."""
   token = jnp.zeros((1, 1), jnp.int32)
-  prompt = jnp.arange(8, dtype=jnp.int32)[None] % CFG.vocab
+  prompt = jnp.arange(native.MAX_ROWS + 8, dtype=jnp.int32)[None] % CFG.vocab
+  few = prompt[:, :4]
   path = str(tmp_path / "store")
   jr.save(model, path, quantize=scheme)
   with jr.place(model, jr.FullyResident(), store=path) as exact:
     want_one, want_many = np.asarray(exact(token)), np.asarray(exact(prompt))
+    want_few = np.asarray(exact(few))
   with jr.place(model, jr.FullyResident(), store=path, activations="int8") as placed:
-    one, many = np.asarray(placed(token)), np.asarray(placed(prompt))
-    hlo = placed.lower(token).compile().as_text()
-  rounding = re.findall(r'custom_call_target="jax_residency_\w+_matvec".*activations = (\d)', hlo)
-  assert len(rounding) >= MATRICES and set(rounding) == {"1"}, rounding
-  rel = np.max(np.abs(one - want_one)) / np.max(np.abs(want_one))
-  assert 0 < rel <= 5e-2, rel
+    one, many, got_few = np.asarray(placed(token)), np.asarray(placed(prompt)), placed(few)
+    for call in (token, few):
+      hlo = placed.lower(call).compile().as_text()
+      rounding = re.findall(
+        r'custom_call_target="jax_residency_\w+_matvec".*activations = (\d)', hlo
+      )
+      assert len(rounding) >= MATRICES and set(rounding) == {"1"}, rounding
+    assert not _custom_calls(placed.lower(prompt).compile().as_text())
+  for got, want in ((one, want_one), (got_few, want_few)):
+    rel = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert 0 < rel <= 5e-2, rel
   np.testing.assert_array_equal(many, want_many)
   dense = jr.DenseDiskStream(host_budget_bytes=0)
   with jr.place(model, dense, store=path, activations="int8") as streamed:

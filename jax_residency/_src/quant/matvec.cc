@@ -1,4 +1,5 @@
-// One-row products with quantized matrices on CPU, reading each code once
+// Products of a few rows (up to kMaxRows) with quantized matrices on CPU, reading each
+// code once
 // (jax_residency/_src/quant/native.py builds this file and registers its handlers
 // with XLA; docs/quantization.md, "Reading codes once").
 //
@@ -7,7 +8,9 @@
 //   int4: codes (rows / 2, n) uint8, scale and offset (rows, n / g);
 //         byte [p, i] holds row p in its low nibble and row p + rows / 2 in its high
 //         one;                                             w[r, i] = c * scale + offset
-// and y[r] = sum_i x[i] * w[r, i]. The sums are taken on the codes and scaled after
+// and y[r] = sum_i x[i] * w[r, i], for each of x's m rows (y: m rows of the matrix's
+// rows): a chunk of the matrix's rows is multiplied by every row of x while it is in
+// cache, each row of x exactly as it would be alone. The sums are taken on the codes and scaled after
 // (`int8_rows`, `int4_rows`): the result differs from XLA's product of the decoded
 // matrix by float32 rounding of the sums (tests/test_native_kernels.py). With the
 // handlers' `activations` attribute 1, x is rounded to 8-bit blocks first and the sums
@@ -39,6 +42,7 @@ namespace {
 #define NOINLINE __attribute__((noinline))
 
 constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxRows = 16;  // rows of x one call takes (native.py's MAX_ROWS)
 typedef float vf __attribute__((vector_size(kLanes * 4)));
 typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
@@ -826,6 +830,24 @@ struct RoundedRow {
   }
 };
 
+// The rows of x (m rows of n), each rounded, in buffers the call owns.
+struct RoundedRows {
+  std::vector<RoundedRow> rows;
+  std::vector<XRow> view;
+  RoundedRows(const float* x, int64_t m, int64_t n) {
+    rows.reserve(m);
+    for (int64_t i = 0; i < m; ++i) {
+      rows.emplace_back(x + i * n, n);
+      view.push_back(rows.back().row);
+    }
+  }
+};
+
+// The rows of x: its element count over the row length n (0 where it does not divide).
+inline int64_t x_rows(int64_t count, int64_t n) {
+  return n > 0 && count % n == 0 && count / n >= 1 && count / n <= kMaxRows ? count / n : 0;
+}
+
 // Runs body(start, stop) over [0, total) in chunks, on the calling thread and on
 // XLA's intra-op threads. Helpers take chunks from a shared counter; the caller
 // waits only for chunks some thread has taken, so a helper that starts late (its
@@ -862,31 +884,35 @@ ffi::Error Int4Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                       ffi::ResultBuffer<ffi::F32> y, int32_t activations) {
   const auto cd = codes.dimensions();
   const auto sd = scale.dimensions();
+  const int64_t m = cd.size() == 2 ? x_rows(x.element_count(), cd[1]) : 0;
   if (cd.size() != 2 || sd.size() != 2 || sd[0] != 2 * cd[0] || sd[1] == 0 ||
-      cd[1] % sd[1] != 0 || (cd[1] / sd[1]) % kLanes != 0 || x.element_count() != cd[1] ||
-      offset.element_count() != scale.element_count() || y->element_count() != sd[0]) {
+      cd[1] % sd[1] != 0 || (cd[1] / sd[1]) % kLanes != 0 || m == 0 ||
+      offset.element_count() != scale.element_count() || y->element_count() != m * sd[0]) {
     return ffi::Error::InvalidArgument("jr_int4_matvec: operand shapes do not agree");
   }
-  const int64_t half = cd[0], n = cd[1], g = n / sd[1];
+  const int64_t half = cd[0], n = cd[1], g = n / sd[1], out = sd[0];
   const float* xp = x.typed_data();
   const uint8_t* cp = codes.typed_data();
   const float* sp = scale.typed_data();
   const float* op = offset.typed_data();
   float* yp = y->typed_data();
+  // each chunk of rows is read once for all m rows of x (it stays in L1 between them)
   if (activations != 0) {
     if (g % kQ != 0) return ffi::Error::InvalidArgument("jr_int4_matvec: groups of 32 rounded");
-    const RoundedRow xq(xp, n);
-    const XRow row = xq.row;
+    const RoundedRows xq(xp, m, n);
+    const XRow* rows = xq.view.data();
     parallel_chunks(pool, half, 16, [=](int64_t a, int64_t b) {
-      int4_rows_q(row, cp, sp, op, yp, n, g, half, a, b);
+      for (int64_t i = 0; i < m; ++i) int4_rows_q(rows[i], cp, sp, op, yp + i * out, n, g, half, a, b);
     });
     return ffi::Error::Success();
   }
-  std::vector<float> sums(n / g);
-  group_sums(xp, sums.data(), n, g);
+  std::vector<float> sums(m * (n / g));
+  for (int64_t i = 0; i < m; ++i) group_sums(xp + i * n, sums.data() + i * (n / g), n, g);
   const float* xs = sums.data();
   parallel_chunks(pool, half, 16, [=](int64_t a, int64_t b) {
-    int4_rows(xp, xs, cp, sp, op, yp, n, g, half, a, b);
+    for (int64_t i = 0; i < m; ++i) {
+      int4_rows(xp + i * n, xs + i * (n / g), cp, sp, op, yp + i * out, n, g, half, a, b);
+    }
   });
   return ffi::Error::Success();
 }
@@ -895,8 +921,9 @@ ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                       ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
                       int32_t activations) {
   const auto cd = codes.dimensions();
-  if (cd.size() != 2 || cd[1] % kLanes != 0 || x.element_count() != cd[1] ||
-      scale.element_count() != cd[0] || y->element_count() != cd[0]) {
+  const int64_t m = cd.size() == 2 ? x_rows(x.element_count(), cd[1]) : 0;
+  if (cd.size() != 2 || cd[1] % kLanes != 0 || m == 0 || scale.element_count() != cd[0] ||
+      y->element_count() != m * cd[0]) {
     return ffi::Error::InvalidArgument("jr_int8_matvec: operand shapes do not agree");
   }
   const int64_t rows = cd[0], n = cd[1];
@@ -906,15 +933,15 @@ ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   float* yp = y->typed_data();
   if (activations != 0) {
     if (n % kQ != 0) return ffi::Error::InvalidArgument("jr_int8_matvec: rows of 32 rounded");
-    const RoundedRow xq(xp, n);
-    const XRow row = xq.row;
+    const RoundedRows xq(xp, m, n);
+    const XRow* xr = xq.view.data();
     parallel_chunks(pool, rows, 32, [=](int64_t a, int64_t b) {
-      int8_rows_q(row, cp, sp, yp, n, a, b);
+      for (int64_t i = 0; i < m; ++i) int8_rows_q(xr[i], cp, sp, yp + i * rows, n, a, b);
     });
     return ffi::Error::Success();
   }
   parallel_chunks(pool, rows, 32, [=](int64_t a, int64_t b) {
-    int8_rows(xp, cp, sp, yp, n, a, b);
+    for (int64_t i = 0; i < m; ++i) int8_rows(xp + i * n, cp, sp, yp + i * rows, n, a, b);
   });
   return ffi::Error::Success();
 }
@@ -926,8 +953,11 @@ ffi::Error GgmlMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                       ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int32_t> types,
                       int32_t activations) {
   const auto bd = blocks.dimensions();
-  const int64_t n = x.element_count(), count = int64_t(types.size());
-  if (bd.size() != 2 || int64_t(y->element_count()) != bd[0] || count == 0 || count > 8) {
+  const auto xd = x.dimensions();
+  const int64_t n = xd.size() ? xd[xd.size() - 1] : 0, count = int64_t(types.size());
+  const int64_t m = x_rows(x.element_count(), n);
+  if (bd.size() != 2 || m == 0 || int64_t(y->element_count()) != m * bd[0] || count == 0 ||
+      count > 8) {
     return ffi::Error::InvalidArgument("jr_ggml_matvec: operand shapes do not agree");
   }
   const int64_t rows = bd[0], width = bd[1];
@@ -947,13 +977,15 @@ ffi::Error GgmlMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     if (n % kQ != 0) return ffi::Error::InvalidArgument("jr_ggml_matvec: rows of 32 rounded");
     RowIDot idots[8];
     for (int64_t t = 0; t < count; ++t) idots[t] = row_idot(types[t]);
-    const RoundedRow xq(xp, n);
-    const XRow row = xq.row;
+    const RoundedRows xq(xp, m, n);
+    const XRow* xr = xq.view.data();
     parallel_chunks(pool, rows, 16, [=](int64_t a, int64_t b) {
       for (int64_t r = a; r < b; ++r) {
         const uint8_t* w = bp + r * width;
         const int64_t t = count == 1 ? 0 : w[width - 1];
-        yp[r] = t < count ? idots[t](row, w, n) : __builtin_nanf("");
+        for (int64_t i = 0; i < m; ++i) {
+          yp[i * rows + r] = t < count ? idots[t](xr[i], w, n) : __builtin_nanf("");
+        }
       }
     });
     return ffi::Error::Success();
@@ -962,7 +994,9 @@ ffi::Error GgmlMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     for (int64_t r = a; r < b; ++r) {
       const uint8_t* row = bp + r * width;
       const int64_t t = count == 1 ? 0 : row[width - 1];
-      yp[r] = t < count ? dots[t](xp, row, n) : __builtin_nanf("");
+      for (int64_t i = 0; i < m; ++i) {
+        yp[i * rows + r] = t < count ? dots[t](xp + i * n, row, n) : __builtin_nanf("");
+      }
     }
   });
   return ffi::Error::Success();

@@ -69,6 +69,9 @@ ROUNDED_BLOCK = 32
 #: Vector lanes of the kernels' loops: the input dimension (int8) and the group size
 #: (int4) must be multiples of it.
 LANES = 16
+#: The most rows of ``x`` one call multiplies (``kMaxRows`` in ``matvec.cc``): the tokens
+#: of a decode step, a speculative round or a tree's depth, a short prompt.
+MAX_ROWS = 16
 SOURCE = Path(__file__).with_name("matvec.cc")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
@@ -193,16 +196,19 @@ def _unavailable(why: str) -> None:
 
 def supports(scheme: str, parts: list[Any], x: Any) -> bool:
   """Whether a kernel computes ``x @ rows.T`` for these parts: float32 ``x`` of the
-  rows' length, two-dimensional parts (no stack of units), widths the loops take.
-  ``scheme``: ``"int8"``, ``"int4"``, or ``"ggml:"`` and a GGUF tensor's types."""
-  if len(x.shape) != 1 or x.dtype != jnp.float32:
+  rows' length, one row ``(n,)`` or up to `MAX_ROWS` ``(m, n)``, two-dimensional parts
+  (no stack of units), widths the loops take. ``scheme``: ``"int8"``, ``"int4"``, or
+  ``"ggml:"`` and a GGUF tensor's types."""
+  if len(x.shape) not in (1, 2) or x.dtype != jnp.float32:
+    return False
+  if len(x.shape) == 2 and not 1 <= x.shape[0] <= MAX_ROWS:
     return False
   if scheme.startswith(GGML_SCHEME):
-    return _supports_ggml(_ggml_types(scheme), parts, x.shape[0])
+    return _supports_ggml(_ggml_types(scheme), parts, x.shape[-1])
   if scheme not in TARGETS:
     return False
   codes, scale = parts[0], parts[1]
-  if codes.ndim != 2 or scale.ndim != 2 or codes.shape[-1] != x.shape[0]:
+  if codes.ndim != 2 or scale.ndim != 2 or codes.shape[-1] != x.shape[-1]:
     return False
   if any(p.dtype != jnp.float32 for p in parts[1:]):
     return False
@@ -234,13 +240,14 @@ def rounds(scheme: str, parts: list[Any], x: Any) -> bool:
   """Whether the ``"int8"`` product rounds ``x`` for these parts (`supports` holds):
   rows of a multiple of `ROUNDED_BLOCK` values (int8, GGML), groups of one (int4)."""
   if scheme.startswith(GGML_SCHEME) or scheme == "int8":
-    return x.shape[0] % ROUNDED_BLOCK == 0
-  return (x.shape[0] // parts[1].shape[-1]) % ROUNDED_BLOCK == 0
+    return x.shape[-1] % ROUNDED_BLOCK == 0
+  return (x.shape[-1] // parts[1].shape[-1]) % ROUNDED_BLOCK == 0
 
 
 def matvec(scheme: str, x: Any, parts: list[Any], activations: str = "exact") -> jax.Array:
   """``y[r] = sum_i x[i] * w[r, i]`` for the matrix ``w`` the parts decode to (rows
-  along the input axis, `quant.schemes`), by the native kernel. ``activations``
+  along the input axis, `quant.schemes`), by the native kernel; for ``x`` of
+  ``(m, n)`` (``m <= MAX_ROWS``), ``y`` ``(m, rows)``, each row as alone. ``activations``
   (`ACTIVATIONS`): ``"int8"`` rounds ``x`` to 8-bit blocks first where `rounds` says
   so (elsewhere, and for float GGML types, the product stays exact).
 
@@ -254,9 +261,9 @@ def matvec(scheme: str, x: Any, parts: list[Any], activations: str = "exact") ->
   rounded = np.int32(activations == "int8" and rounds(scheme, parts, x))
   if scheme.startswith(GGML_SCHEME):
     ids = [ggml.ggml_type(t).type_id for t in _ggml_types(scheme)]
-    out = jax.ShapeDtypeStruct((parts[0].shape[0],), jnp.float32)
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], parts[0].shape[0]), jnp.float32)
     call = jax.ffi.ffi_call(TARGETS["ggml"], out)
     return call(x, *parts, types=np.array(ids, np.int32), activations=rounded)
   rows = parts[1].shape[0]
-  out = jax.ShapeDtypeStruct((rows,), jnp.float32)
+  out = jax.ShapeDtypeStruct((*x.shape[:-1], rows), jnp.float32)
   return jax.ffi.ffi_call(TARGETS[scheme], out)(x, *parts, activations=rounded)

@@ -20,8 +20,10 @@ streams from a store (a temporary one without ``--store``).
 
 With ``--draft DRAFT_STORE`` (a store of a model with the same vocabulary, such as the
 checkpoint converted with ``--quantize int4``), a FullyResident draft proposes
-``--draft-tokens`` tokens a round for the placed model to check in one pass
-(speculative decoding, docs/speculative.md), and what it did is printed.
+``--draft-tokens`` tokens a round (or expands the token tree ``--draft-tree``, e.g.
+``2,1,1,1``) for the placed model to check in one pass (speculative decoding,
+docs/speculative.md), and what it did is printed. ``--draft-activations int8`` rounds a
+quantized draft's products on CPU (faster; docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -96,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     default="4",
     help="the draft's proposals a round, or auto (docs/speculative.md)",
   )
+  parser.add_argument(
+    "--draft-tree",
+    help="branches per depth of a token tree, e.g. 2,1,1,1 (in place of --draft-tokens)",
+  )
+  parser.add_argument(
+    "--draft-activations",
+    choices=("exact", "int8"),
+    default="exact",
+    help="a quantized draft's products on CPU: int8 rounds each row first (faster)",
+  )
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
   source.add_argument("--ids", type=int, nargs="+", help="prompt token ids")
@@ -145,9 +157,12 @@ def main(argv: list[str] | None = None) -> int:
   if args.draft is not None:
     draft_model = models.load(args.draft)
     draft_cfg = draft_model.config
-    draft = jr.place(draft_model, jr.FullyResident(), store=str(args.draft))
+    draft = jr.place(
+      draft_model, jr.FullyResident(), store=str(args.draft), activations=args.draft_activations
+    )
     print(f"draft: {args.draft}, {draft_cfg.num_hidden_layers} layers, FullyResident")
   draft_tokens = args.draft_tokens if args.draft_tokens == "auto" else int(args.draft_tokens)
+  tree = None if args.draft_tree is None else [int(b) for b in args.draft_tree.split(",")]
   with jr.place(model, policy, store=where, activations=args.activations) as placed:
     tokens = models.generate_llm(
       placed,
@@ -162,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
       draft=draft,
       draft_config=draft_cfg,
       draft_tokens=draft_tokens,
+      draft_tree=tree,
     )
     report = placed.report()
     window = placed.metadata.device_window_units

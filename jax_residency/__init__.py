@@ -25,7 +25,7 @@ The public surface (``__all__``):
   `StackMetadata` s, `StoreInfo` (from `save`) with its `StackInfo` s, and
   `Report` (``placed.report()``) with its `PassReport` s (each with a
   `StackPass` per layer stack), `Totals`, `TierMetrics`, `WorkerMetrics`,
-  `ExpertMetrics` and
+  `ExpertMetrics`, `SpeculationTotals` and
   `TimelinePoint` s; every field is described in ``docs/reports.md``;
 * errors: the module `errors` (``jr.errors``) holds every error type and
   documents the hierarchy. The top level lists only `ResidencyError` (the base
@@ -67,6 +67,7 @@ from ._src.report.records import PassReport as PassReport
 from ._src.report.records import Report as Report
 from ._src.report.records import TimelinePoint as TimelinePoint
 from ._src.report.records import Totals as Totals
+from ._src.report.speculation import SpeculationTotals as SpeculationTotals
 from ._src.report.stream_metrics import ExpertMetrics as ExpertMetrics
 from ._src.report.stream_metrics import TierMetrics as TierMetrics
 from ._src.report.stream_metrics import WorkerMetrics as WorkerMetrics
@@ -164,6 +165,7 @@ __all__ = [
   "TierMetrics",
   "TimelinePoint",
   "Totals",
+  "SpeculationTotals",
   "WorkerMetrics",
   # errors (every error type is in jr.errors)
   "BudgetTooSmallError",

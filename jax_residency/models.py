@@ -30,6 +30,9 @@ from ._src.models.bert_load import convert_minilm as convert_minilm
 from ._src.models.bert_load import load_bert_from_safetensors as load_bert_from_safetensors
 from ._src.models.bert_load import minilm_checkpoint_dir as minilm_checkpoint_dir
 from ._src.models.bert_load import read_bert_config as read_bert_config
+from ._src.models.draft_tree import DraftTree as DraftTree
+from ._src.models.draft_tree import choose as choose_draft_tree
+from ._src.models.draft_tree import expected_tokens as expected_tokens
 from ._src.models.gguf_convert import convert_gguf as convert_gguf
 from ._src.models.gpt import GPT as GPT
 from ._src.models.gpt import GPTBlock as GPTBlock
@@ -92,6 +95,9 @@ __all__ = [
   "generate_llm",
   "speculate",
   "SpeculationReport",
+  "DraftTree",
+  "choose_draft_tree",
+  "expected_tokens",
   "generate_t5",
   "hf_tensor_map",
   "init_gpt",

@@ -34,6 +34,7 @@ RETURNED = (
   jr.TierMetrics,
   jr.WorkerMetrics,
   jr.ExpertMetrics,
+  jr.SpeculationTotals,
   jr.TimelinePoint,
   jr.ModelMetadata,
   jr.MemoryItem,

@@ -176,7 +176,8 @@ def test_stop_tokens_pad_a_row_as_without_a_draft(target, want):
 def test_a_streamed_target_with_a_resident_quantized_draft(target, want, tmp_path, spec):
   """The target placed DenseDiskStream at host budget 0 from its store, the draft its int4
   copy placed FullyResident: the target's greedy tokens, and the target's report counts
-  one pass a round (a chain's k + 1 tokens, or a tree's nodes) and the prompt's."""
+  one pass a round (a chain's k + 1 tokens, or a tree's nodes) and the prompt's, and
+  carries the generation's `SpeculationTotals`."""
   path = str(tmp_path / "store")
   jr.save(target, path)
   draft_path = str(tmp_path / "draft")
@@ -196,9 +197,14 @@ def test_a_streamed_target_with_a_resident_quantized_draft(target, want, tmp_pat
       stop_tokens=(),
       **spec,
     )
-    passes = streamed.report().passes
+    placed_report = streamed.report()
   np.testing.assert_array_equal(got, want)
-  assert len(passes) == report.target_passes and report.accepted > 0
+  assert len(placed_report.passes) == report.target_passes and report.accepted > 0
+  # the target's own report sums what speculation did with it
+  assert placed_report.speculation == report.totals()
+  assert placed_report.speculation.generations == 1
+  assert report.summary() in str(placed_report)
+  assert placed_report.to_dict()["speculation"]["accepted"] == report.accepted
 
 
 @pytest.mark.parametrize("spec", [{"draft_tokens": 2}, {"draft_tree": (3, 1)}], ids=str)

@@ -168,10 +168,11 @@ def choose(
   hit: Callable[[int], float],
   draft_call_s: Callable[[int], float],
   pass_s: Callable[[int], float],
-  candidates: Iterable[tuple[int, ...]],
+  candidates: Iterable[tuple[int, ...]] | None = None,
 ) -> tuple[int, ...]:
-  """The candidate shape with the most predicted tokens per second, or ``()`` (no draft:
-  one target pass a token) where none is predicted faster.
+  """The candidate shape (default: `shapes`) with the most predicted tokens per second,
+  or ``()`` (no draft: one target pass a token) where none is predicted faster
+  (``models.choose_draft_tree``).
 
   A round of shape ``s`` costs one draft call per depth (``draft_call_s(nodes)``, the
   deepest too: it fills the draft's cache) and one target pass over its nodes, and
@@ -186,7 +187,7 @@ def choose(
   """
   best: tuple[int, ...] = ()
   best_rate = 1.0 / max(pass_s(1), 1e-12)
-  for shape in candidates:
+  for shape in shapes() if candidates is None else candidates:
     tree = DraftTree(shape)
     cost = sum(draft_call_s(n) for n in tree.levels) + pass_s(tree.size)
     rate = expected_tokens(shape, hit) / max(cost, 1e-12)

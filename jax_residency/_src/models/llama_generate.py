@@ -36,6 +36,7 @@ from jax_residency._src.models.speculative import (
   check_vocabularies,
   speculative_decode,
 )
+from jax_residency._src.report.speculation import RecordsSpeculation
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
@@ -194,7 +195,7 @@ def speculate(
   draft_cfg, draft_forward = plain_or_placed(draft, Llama, draft_config, "LlamaConfig")
   check_vocabularies(cfg, draft_cfg)
   ids, mask = prompt(input_ids, attention_mask)
-  return speculative_decode(
+  tokens, report = speculative_decode(
     forward,
     draft_forward,
     cfg,
@@ -211,6 +212,9 @@ def speculate(
     stops=stops,
     pad=pad,
   )
+  if isinstance(model, RecordsSpeculation):  # a placed target: its report sums them
+    model.note_speculation(report.totals())
+  return tokens, report
 
 
 def _target(

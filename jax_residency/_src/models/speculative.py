@@ -60,6 +60,7 @@ from jax_residency._src.models.draft_tree import (
 )
 from jax_residency._src.models.llama import LlamaCache
 from jax_residency._src.models.logits import filter_logits
+from jax_residency._src.report.speculation import SpeculationTotals
 
 #: ``"auto"``'s first rounds: the shapes whose pass and draft times it measures first
 #: (a chain of 1 and of 4, and a tree, so that both fitted lines have spread).
@@ -101,23 +102,33 @@ class SpeculationReport:
   @property
   def acceptance_rate(self) -> float:
     """The share of proposals kept (0 when none were made)."""
-    return self.accepted / self.proposed if self.proposed else 0.0
+    return self.totals().acceptance_rate
 
   @property
   def tokens_per_pass(self) -> float:
     """Tokens returned per row and target pass (one without a draft)."""
-    rows = max(self.generated, 1) / max(self.target_passes, 1)
-    return rows / max(self._batch, 1)
+    return self.totals().tokens_per_pass
 
   _batch: int = dataclasses.field(default=1, repr=False)
 
+  def totals(self) -> SpeculationTotals:
+    """This generation's counts as a placed target's report sums them."""
+    return SpeculationTotals(
+      generations=1,
+      rounds=self.rounds,
+      proposed=self.proposed,
+      accepted=self.accepted,
+      target_passes=self.target_passes,
+      row_passes=self.target_passes * self._batch,
+      draft_steps=self.draft_steps,
+      generated=self.generated,
+      draft_s=self.draft_s,
+      target_s=self.target_s,
+    )
+
   def summary(self) -> str:
     """One line: rounds, proposals, acceptance, tokens a pass, time in each model."""
-    return (
-      f"speculation: {self.rounds} rounds, {self.accepted} of {self.proposed} proposals "
-      f"accepted ({self.acceptance_rate:.0%}), {self.tokens_per_pass:.2f} tokens per target "
-      f"pass; draft {self.draft_s:.2f} s, target {self.target_s:.2f} s"
-    )
+    return self.totals().summary()
 
 
 def check_draft_tokens(value: Any) -> int | str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from jax_residency._src.report import text
 from jax_residency._src.report.metrics import Metrics, StackPass, freeze, peak, plain, total
+from jax_residency._src.report.speculation import SpeculationTotals
 from jax_residency._src.report.stream_metrics import ExpertMetrics, TierMetrics, WorkerMetrics
 
 PREFILL = "prefill"
@@ -259,6 +260,8 @@ class Report:
       per-kind counters (file, HTTP, GCS, S3; none for ``memory://``) count
       them process-wide, so other stores of the same kind read at the same
       time count too; mapped and direct reads of local files are added.
+    speculation: what speculative decoding with this placement as the target did,
+      summed over its generations (`SpeculationTotals`); None where none ran.
 
   Example:
     >>> import jax.numpy as jnp, flax.nnx as nnx, jax_residency as jr
@@ -281,6 +284,7 @@ class Report:
   decode: Totals
   total: Totals
   fetched_bytes: int = 0
+  speculation: SpeculationTotals | None = None
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "policy", freeze(self.policy))
@@ -301,6 +305,7 @@ class Report:
       "decode": self.decode.to_dict(),
       "total": self.total.to_dict(),
       "fetched_bytes": self.fetched_bytes,
+      "speculation": None if self.speculation is None else self.speculation.to_dict(),
     }
 
   def __str__(self) -> str:

@@ -33,6 +33,7 @@ from jax_residency._src.report.records import (
   Report,
   Totals,
 )
+from jax_residency._src.report.speculation import SpeculationTotals
 from jax_residency._src.report.stream_metrics import LedgerMetrics, Tier, WorkerMetrics
 
 
@@ -78,6 +79,7 @@ class Telemetry:
     self._count = 0
     self._totals = {PREFILL: Totals(), DECODE: Totals()}
     self._lock = threading.Lock()
+    self._speculation: SpeculationTotals | None = None
     self._samplers = dict(samplers or {})
     #: Bytes fetched from the placement's store since `place` (None: no store).
     self.fetched: Callable[[], int] | None = None
@@ -194,6 +196,11 @@ class Telemetry:
       self._totals[report.phase] = self._totals[report.phase] + Totals.of(report)
       return report
 
+  def note_speculation(self, totals: SpeculationTotals) -> None:
+    """Adds one speculative generation's totals (this placement the target)."""
+    with self._lock:
+      self._speculation = totals if self._speculation is None else self._speculation + totals
+
   def note_metadata(self, metadata: ModelMetadata) -> None:
     """Reports carry ``metadata`` from now on (a call found a stack it does not place)."""
     with self._lock:
@@ -210,4 +217,5 @@ class Telemetry:
         decode=decode,
         total=prefill + decode,
         fetched_bytes=self.fetched() if self.fetched else 0,
+        speculation=self._speculation,
       )

@@ -47,6 +47,8 @@ def render(report: Report) -> str:
   last = report.last
   if last is not None and last.backend is not None:
     lines.append(f"backend memory: {_backend_line(last.backend)}")
+  if report.speculation is not None:
+    lines.append(report.speculation.summary())
   return "\n".join(lines)
 
 

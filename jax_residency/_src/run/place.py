@@ -34,6 +34,7 @@ from jax_residency._src.policy.types import (
 from jax_residency._src.quant import native
 from jax_residency._src.quant.schemes import Quantization
 from jax_residency._src.report.records import Report
+from jax_residency._src.report.speculation import SpeculationTotals
 from jax_residency._src.run.compile_cache import enable_default_cache
 from jax_residency._src.run.dense import DenseExecutor
 from jax_residency._src.run.executor import Executor
@@ -159,6 +160,11 @@ class PlacedModel:
   def report(self) -> Report:
     """What the passes so far moved and cost (an immutable :class:`Report`)."""
     return self._placed().telemetry.report()
+
+  def note_speculation(self, totals: SpeculationTotals) -> None:
+    """Adds a speculative generation's totals to this placement's report (called by
+    ``models.speculate`` when this placement is its target; `Report.speculation`)."""
+    self._placed().telemetry.note_speculation(totals)
 
   def clear_caches(self) -> None:
     """Drops cached unit copies (a dense stream's host and device tiers).

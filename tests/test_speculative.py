@@ -116,18 +116,19 @@ def test_a_tree_pass_gives_each_node_the_logits_of_its_own_path(target):
   tree = DraftTree((2, 2))
   nodes = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, tree.size)))
   slots = PROMPTS.shape[1] + tree.size
-  _, cache = target(PROMPTS, MASK, models.LlamaCache.zeros(CFG, 2, slots), 0)
+  _, cache = jitted_plain(target, PROMPTS, MASK, models.LlamaCache.zeros(CFG, 2, slots), 0)
   seen = jnp.sum(cache.mask, axis=1, keepdims=True)
   visible = jnp.zeros((1, tree.size, slots), bool).at[0, :, : PROMPTS.shape[1]].set(True)
   visible = visible.at[0, :, PROMPTS.shape[1] :].set(jnp.asarray(tree.ancestors))
-  logits, _ = target(
-    nodes, jnp.ones_like(nodes), cache, PROMPTS.shape[1], seen + tree.depth, visible
+  logits, _ = jitted_plain(
+    target, nodes, jnp.ones_like(nodes), cache, PROMPTS.shape[1], seen + tree.depth, visible
   )
   for node in range(tree.size):
     path = np.flatnonzero(tree.ancestors[node])
     ids = jnp.concatenate([PROMPTS, nodes[:, path]], axis=1)
     mask = jnp.concatenate([MASK, jnp.ones((2, len(path)), jnp.int32)], axis=1)
-    np.testing.assert_allclose(logits[:, node], target(ids, mask)[:, -1], atol=2e-5, rtol=1e-5)
+    want = jitted_plain(target, ids, mask)[:, -1]
+    np.testing.assert_allclose(logits[:, node], want, atol=2e-5, rtol=1e-5)
 
 
 def test_an_always_right_draft_takes_k_plus_one_tokens_a_pass(target, want):

@@ -279,6 +279,7 @@ def test_bad_drafts_and_settings_are_refused_before_any_pass(target, want):
     ((2, 0), "at least 1 branch"),
     ((2, 1.5), "at least 1 branch"),
     ((4, 4, 4, 4), "341 nodes, over the 256"),
+    ((49, 1), "49 children of a node from a vocabulary of 48"),
   ]:
     with pytest.raises(jr.errors.SpeculationError, match=re.escape(why)):
       models.generate_llm(target, PROMPTS, N, draft=target, draft_tree=tree)

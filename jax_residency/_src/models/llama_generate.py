@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_residency._src.errors import SpeculationError
 from jax_residency._src.models.decoding import (
   Pick,
   Timer,
@@ -194,6 +195,11 @@ def speculate(
   cfg, forward, stops, pad = _target(model, config, max_new_tokens, temperature, stop_tokens)
   draft_cfg, draft_forward = plain_or_placed(draft, Llama, draft_config, "LlamaConfig")
   check_vocabularies(cfg, draft_cfg)
+  if tree is not None and max(tree.branches) > cfg.vocab_size:
+    raise SpeculationError(
+      f"draft_tree={tree.branches} asks for {max(tree.branches)} children of a node from a "
+      f"vocabulary of {cfg.vocab_size} tokens: use at most {cfg.vocab_size} branches"
+    )
   ids, mask = prompt(input_ids, attention_mask)
   tokens, report = speculative_decode(
     forward,

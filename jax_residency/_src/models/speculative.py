@@ -204,7 +204,7 @@ def _children(
   sampling: independent draws from ``q``), ``q`` ``(batch, n, vocab)`` (greedy: unused
   zeros) and the draft's top `MAX_AUTO_BRANCHES` tokens ``(batch, n, MAX_AUTO_BRANCHES)``."""
   logits = logits.astype(jnp.float32)
-  top = jax.lax.top_k(logits, MAX_AUTO_BRANCHES)[1].astype(jnp.int32)
+  top = jax.lax.top_k(logits, min(MAX_AUTO_BRANCHES, logits.shape[-1]))[1].astype(jnp.int32)
   if greedy:
     kids = jax.lax.top_k(logits, branches)[1].astype(jnp.int32)
     return kids, jnp.zeros((*logits.shape[:2], 1), jnp.float32), top
@@ -343,7 +343,7 @@ class _Generation:
     self.count = np.ones(batch, np.int64)
     self.last, self.index = np.asarray(first), length
     self.stop_ids = np.asarray(tuple(stops), np.int32)
-    #: the fastest... every measured pass time by its tokens, and draft call by its nodes
+    #: every measured pass time by its tokens, and every draft call time by its nodes
     self.pass_times: dict[int, list[float]] = {}
     self.draft_times: dict[int, list[float]] = {}
     self.chances = Chances()

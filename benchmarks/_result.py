@@ -98,14 +98,26 @@ def commit(*paths: str) -> str:
   return head + ("+dirty" if dirty.returncode else "")
 
 
+#: CPU features that change which kernel loops run (matvec.cc) and how llama.cpp builds.
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
 def machine() -> dict[str, Any]:
-  """Cores, memory and platform of this machine."""
-  memory = 0
+  """Cores, memory, platform, and the CPU's model and vector features (VMs of one name
+  differ: the same benchmark ran on Sapphire Rapids and on AVX2-only EPYC hosts)."""
+  memory, model, flags = 0, platform.processor(), set()
   try:
     with open("/proc/meminfo") as f:
       for line in f:
         if line.startswith("MemTotal:"):
           memory = int(line.split()[1]) * 1024
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+          model = value.strip()
+        elif key.strip() == "flags":
+          flags = set(value.split())
   except OSError:
     pass
   return {
@@ -113,6 +125,8 @@ def machine() -> dict[str, Any]:
     "memory_bytes": memory,
     "platform": platform.platform(),
     "python": platform.python_version(),
+    "cpu_model": model,
+    "cpu_features": [f for f in CPU_FEATURES if f in flags],
   }
 
 

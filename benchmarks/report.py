@@ -77,8 +77,12 @@ def gib(n: float) -> str:
 
 def stamp(result: dict[str, Any]) -> str:
   m = result["machine"]
+  cpu = ""
+  if m.get("cpu_model"):  # recorded since results carried it
+    features = ", ".join(m.get("cpu_features", ())) or "no AVX2"
+    cpu = f" ({m['cpu_model']}; {features})"
   return (
-    f"Measured {result['date']} at commit {result['commit']} on {m['cpus']} cores and "
+    f"Measured {result['date']} at commit {result['commit']} on {m['cpus']} cores{cpu} and "
     f"{gib(m['memory_bytes'])} of memory: `{result['command']}`."
   )
 

@@ -551,8 +551,7 @@ def _fit(times: dict[int, list[float]]) -> Callable[[int], float]:
     slope, intercept = np.polyfit(sizes, best, 1)
   else:
     slope, intercept = 0.0, best[0]
-  slope = max(float(slope), 0.0)
-  intercept = float(intercept) if len(sizes) > 1 else best[0]
+  slope, intercept = max(float(slope), 0.0), float(intercept)
   return lambda size: max(intercept + slope * size, min(best))
 
 

@@ -20,7 +20,6 @@ import jax_residency as jr
 from jax_residency import models
 from jax_residency._src.models.decoding import jitted_plain
 from jax_residency._src.models.draft_tree import DraftTree, choose, shapes
-from jax_residency._src.models.speculative import choose_k
 
 CFG = models.LlamaConfig(
   vocab_size=48,
@@ -289,13 +288,61 @@ def test_bad_drafts_and_settings_are_refused_before_any_pass(target, want):
 
 
 def test_auto_speculates_where_passes_cost_little_per_token():
-  """`choose_k`'s model: deep speculation for a streamed pass (flat in its tokens), none
-  where a pass costs per token or the draft rarely agrees."""
+  """`choose`'s model over chains: deep speculation for a streamed pass (flat in its
+  tokens), none where a pass costs per token or the draft rarely agrees."""
+  chains = [(1,) * k for k in range(1, 9)]
   flat = lambda t: 0.5  # noqa: E731
-  assert choose_k(0.8, 0.001, flat) == 8
-  assert choose_k(0.0, 0.001, flat) == 0
-  assert choose_k(0.8, 0.01, lambda t: 0.002 * t) == 0
-  assert 1 <= choose_k(0.5, 0.01, lambda t: 0.05 + 0.001 * t) < 8
+  assert choose(lambda b: 0.8, lambda n: 0.001, flat, chains) == (1,) * 8
+  assert choose(lambda b: 0.0, lambda n: 0.001, flat, chains) == ()
+  assert choose(lambda b: 0.8, lambda n: 0.01, lambda t: 0.002 * t, chains) == ()
+  assert 1 <= len(choose(lambda b: 0.5, lambda n: 0.01, lambda t: 0.05 + 0.001 * t, chains)) < 8
+
+
+def test_auto_pools_what_it_measured_over_a_pairs_generations(target, want, monkeypatch):
+  """``"auto"`` probes once for a target and draft: a later generation with the same
+  pair, batch and sampling goes on from the shape it chose (here it may never move:
+  `AUTO_SWITCH_GAIN` infinite), a new pair probes again; the tokens stay the target's."""
+  from jax_residency._src.models import speculative
+
+  monkeypatch.setattr(speculative, "AUTO_SWITCH_GAIN", float("inf"))
+  draft = _noisy(0.3)
+  probes = [p for p in speculative.AUTO_PROBES for _ in range(2)]
+
+  def run(d):
+    got, report = models.speculate(
+      target, PROMPTS, N, draft=d, draft_tokens="auto", attention_mask=MASK, stop_tokens=()
+    )
+    np.testing.assert_array_equal(got, want)
+    return report
+
+  reports = [run(draft) for _ in range(3)]  # until the probes are done
+  tuning = speculative.auto_tuning(target, draft, (2, 0.0, None, None))
+  assert tuning.rounds == sum(r.rounds for r in reports) >= len(probes) + 1
+  chosen = tuning.shape
+  assert [t for r in reports for t in r.trees][len(probes) :][0] == chosen
+  later = run(draft)
+  assert later.trees == [chosen] * later.rounds
+  assert tuning.rounds == sum(r.rounds for r in reports) + later.rounds
+  fresh = run(_noisy(0.3))
+  assert fresh.trees[: len(probes)] == probes[: len(fresh.trees)]
+
+
+def test_a_sizes_first_time_is_set_apart_as_a_possible_compile():
+  """`TimesBySize`: a size's first call (which may compile) does not count once the size
+  has run again; ``"auto"``'s lines are fitted through the later ones."""
+  from jax_residency._src.models.speculative import TimesBySize, _fit
+
+  times = TimesBySize()
+  times.add(2, 5.0)  # compiled
+  assert times.typical() == {2: 5.0}
+  times.add(2, 0.5)
+  times.add(9, 7.0)  # compiled: not counted while 2 has later times
+  assert times.typical() == {2: 0.5}
+  times.add(9, 0.6)
+  times.add(9, 0.8)
+  assert times.typical() == {2: 0.5, 9: 0.7}
+  line = _fit(times)
+  assert line(2) == pytest.approx(0.5) and line(9) == pytest.approx(0.7)
 
 
 def test_auto_branches_where_second_choices_often_hit():

@@ -542,3 +542,51 @@ def test_each_compile_returns_the_heap_it_freed(monkeypatch):
   assert trims == [0]
   compile_time._on_duration("/jax/core/compile/jaxpr_trace_duration", 0.1)  # a trace only
   assert trims == [0]
+
+
+def test_a_program_is_compiled_once_for_shardings_written_two_ways(tmp_path):
+  """A model's cache can come back sharded ``P()`` from one call and ``P(None, None)``
+  from another (an int8-activations draft's steps): one placement written two ways, so
+  one program (`report.compile_time.signature`); a speculative generation compiles its
+  int8 draft once for its prefill and once for its one-token calls."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_residency import models
+  from jax_residency._src.report.compile_time import signature
+
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("devices",))
+  x = jnp.zeros((2, 3))
+  a, b = (jax.device_put(x, NamedSharding(mesh, spec)) for spec in (P(), P(None, None)))
+  assert signature((a,), {}) == signature((b,), {})
+  assert signature((a,), {}) != signature(
+    (jax.device_put(x, NamedSharding(mesh, P("devices"))),), {}
+  )
+
+  cfg = models.LlamaConfig(
+    vocab_size=32,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+  )
+  model = models.init_llama(cfg, seed=3)
+  store = jr.save(model, str(tmp_path / "s"), progress=False, quantize="int8").path
+  with (
+    jr.place(model, jr.FullyResident()) as target,
+    jr.place(model, jr.FullyResident(), store=store, activations="int8") as draft,
+  ):
+    _, report = models.speculate(
+      target,
+      [[3, 4, 5, 6, 7]],
+      8,
+      config=cfg,
+      draft=draft,
+      draft_config=cfg,
+      draft_tokens=2,
+      stop_tokens=(),
+    )
+    assert report.rounds >= 2
+    for placed in (target, draft):  # a prefill program and one for the rounds' calls
+      assert len(placed._placed()._compiled) == 2  # noqa: SLF001

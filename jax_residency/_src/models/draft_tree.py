@@ -164,19 +164,39 @@ def shapes(max_depth: int = MAX_AUTO_DEPTH) -> list[tuple[int, ...]]:
   return out
 
 
+def rate(
+  shape: tuple[int, ...],
+  hit: Callable[[int], float],
+  draft_call_s: Callable[[int], float],
+  pass_s: Callable[[int], float],
+) -> float:
+  """Predicted tokens per second of rounds of ``shape`` (``()``: no draft, one target
+  pass a token).
+
+  A round of shape ``s`` costs one draft call per depth (``draft_call_s(nodes)``, the
+  deepest too: it fills the draft's cache) and one target pass over its nodes, and
+  yields `expected_tokens` ``(s, hit)``.
+
+  Example:
+    >>> rate((1,), lambda b: 0.5, lambda n: 0.1, lambda t: 1.0)  # 1.5 tokens in 1.2 s
+    1.25
+  """
+  if not shape:
+    return 1.0 / max(pass_s(1), 1e-12)
+  tree = DraftTree(shape)
+  cost = sum(draft_call_s(n) for n in tree.levels) + pass_s(tree.size)
+  return expected_tokens(shape, hit) / max(cost, 1e-12)
+
+
 def choose(
   hit: Callable[[int], float],
   draft_call_s: Callable[[int], float],
   pass_s: Callable[[int], float],
   candidates: Iterable[tuple[int, ...]] | None = None,
 ) -> tuple[int, ...]:
-  """The candidate shape (default: `shapes`) with the most predicted tokens per second,
-  or ``()`` (no draft: one target pass a token) where none is predicted faster
-  (``models.choose_draft_tree``).
-
-  A round of shape ``s`` costs one draft call per depth (``draft_call_s(nodes)``, the
-  deepest too: it fills the draft's cache) and one target pass over its nodes, and
-  yields `expected_tokens` ``(s, hit)``.
+  """The candidate shape (default: `shapes`) with the most predicted tokens per second
+  (`rate`), or ``()`` (no draft: one target pass a token) where none is predicted
+  faster (``models.choose_draft_tree``).
 
   Example:
     >>> streamed = choose(lambda b: 0.7, lambda n: 0.001, lambda t: 0.5, shapes())
@@ -186,13 +206,11 @@ def choose(
     ()
   """
   best: tuple[int, ...] = ()
-  best_rate = 1.0 / max(pass_s(1), 1e-12)
+  best_rate = rate((), hit, draft_call_s, pass_s)
   for shape in shapes() if candidates is None else candidates:
-    tree = DraftTree(shape)
-    cost = sum(draft_call_s(n) for n in tree.levels) + pass_s(tree.size)
-    rate = expected_tokens(shape, hit) / max(cost, 1e-12)
-    if rate > best_rate:
-      best, best_rate = shape, rate
+    r = rate(shape, hit, draft_call_s, pass_s)
+    if r > best_rate:
+      best, best_rate = shape, r
   return best
 
 

@@ -33,6 +33,7 @@ from jax_residency._src.models.llama_config import LlamaConfig
 from jax_residency._src.models.logits import filter_logits as filter_logits
 from jax_residency._src.models.speculative import (
   SpeculationReport,
+  auto_tuning,
   check_draft_tokens,
   check_vocabularies,
   speculative_decode,
@@ -102,7 +103,9 @@ def generate_llm(
       also returns what it did.
     draft_config: the draft's :class:`LlamaConfig`, for a placed draft.
     draft_tokens: proposals a round (a positive int), or ``"auto"``: a chain or a tree
-      chosen each round from measured pass and draft times and the draft's hit rates.
+      chosen each round from measured pass and draft times and the draft's hit rates
+      (pooled over the generations with the same target and draft, batch size and
+      sampling settings in this process).
     draft_tree: branches per depth, ``(b1, b2, ...)``: each round the draft expands a
       token tree (``b1`` children of the last token, ``b2`` of each of those, ...) and
       the target checks every node in one pass (in place of ``draft_tokens``).
@@ -201,6 +204,9 @@ def speculate(
       f"vocabulary of {cfg.vocab_size} tokens: use at most {cfg.vocab_size} branches"
     )
   ids, mask = prompt(input_ids, attention_mask)
+  # "auto" pools what it measures over this pair's generations at one batch and setting
+  setting = (ids.shape[0], float(temperature), top_k, top_p)
+  tuning = auto_tuning(model, draft, setting) if tree is None and k == "auto" else None
   tokens, report = speculative_decode(
     forward,
     draft_forward,
@@ -217,6 +223,7 @@ def speculate(
     seed=seed,
     stops=stops,
     pad=pad,
+    tuning=tuning,
   )
   if isinstance(model, RecordsSpeculation):  # a placed target: its report sums them
     model.note_speculation(report.totals())

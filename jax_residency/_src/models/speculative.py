@@ -32,15 +32,20 @@ keeps none of a round's slots.
 pass time to its tokens and the draft's call time to its nodes, counts how often the
 target's token is among the draft's top choices, and then picks the shape with the
 most predicted tokens per second (`draft_tree.choose`), or none where no speculation is
-predicted faster than one token a pass.
+predicted faster than one token a pass. What it measured (`AutoTuning`) is kept for the
+same target and draft, batch size and sampling settings, and pooled over later
+generations in the process: a second prompt starts from the first one's estimates.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import statistics
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -50,10 +55,10 @@ import numpy as np
 from jax_residency._src.errors import SpeculationError
 from jax_residency._src.models.draft_tree import (
   MAX_AUTO_BRANCHES,
-  MAX_AUTO_DEPTH,
   Chances,
   DraftTree,
   choose,
+  rate,
   shapes,
   walk_greedy,
   walk_sampled,
@@ -62,9 +67,15 @@ from jax_residency._src.models.llama import LlamaCache
 from jax_residency._src.models.logits import filter_logits
 from jax_residency._src.report.speculation import SpeculationTotals
 
-#: ``"auto"``'s first rounds: the shapes whose pass and draft times it measures first
-#: (a chain of 1 and of 4, and a tree, so that both fitted lines have spread).
+#: ``"auto"``'s first rounds for a target and draft: the shapes whose pass and draft
+#: times it measures first (a chain of 1 and of 4, and a tree, so that both fitted lines
+#: have spread), each twice (a shape's first pass may compile: `TimesBySize`).
 AUTO_PROBES = ((1,), (1, 1, 1, 1), (4, 2, 1, 1))
+#: ``"auto"`` moves from the shape it runs to another one only where that one is
+#: predicted this much faster (each new shape compiles, and the estimates are noisy).
+AUTO_SWITCH_GAIN = 1.05
+#: Times ``"auto"`` keeps of each size (the most recent ones).
+AUTO_TIMES_KEPT = 16
 
 Forward = Callable[..., tuple[jax.Array, LlamaCache]]
 
@@ -169,26 +180,6 @@ def check_vocabularies(target_cfg: Any, draft_cfg: Any) -> None:
       raise SpeculationError(f"the draft's {name} is {theirs!r} and the target's {ours!r}: {fix}")
 
 
-def choose_k(alpha: float, draft_step_s: float, pass_s: Callable[[int], float]) -> int:
-  """The chain length ``k`` in ``0 .. MAX_AUTO_DEPTH`` with the most predicted tokens per
-  second (`draft_tree.choose` over chains only).
-
-  A round of ``k`` proposals takes ``(k + 1) * draft_step_s + pass_s(k + 1)`` and yields
-  ``(1 - alpha**(k + 1)) / (1 - alpha)`` tokens on average, where ``alpha`` is the
-  chance that a proposal is kept (each independently); ``k = 0`` is one target pass
-  a token, no draft.
-
-  Example:
-    >>> choose_k(0.8, 0.001, lambda t: 0.5)  # a streamed pass: speculate deeply
-    8
-    >>> choose_k(0.8, 0.01, lambda t: 0.002 * t)  # passes that cost per token: none
-    0
-  """
-  alpha = min(max(alpha, 0.0), 0.999)
-  chains = [(1,) * k for k in range(1, MAX_AUTO_DEPTH + 1)]
-  return len(choose(lambda b: alpha, lambda n: draft_step_s, pass_s, chains))
-
-
 @functools.partial(jax.jit, static_argnames=("branches", "greedy", "top_k", "top_p"))
 def _children(
   logits: jax.Array,
@@ -266,6 +257,13 @@ def _compact(cache: LlamaCache) -> LlamaCache:
   )
 
 
+def _placed_as(new: LlamaCache, old: LlamaCache) -> LlamaCache:
+  """``new`` with ``old``'s shardings: a model's program is compiled for the shardings
+  of the cache it returns, and a helper's output sharding may be an equivalent one that
+  is not equal (``P()`` for ``P(None, None)``), which would compile the program again."""
+  return jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), new, old)
+
+
 class _Clock:
   """Seconds spent in a call, its outputs ready."""
 
@@ -311,6 +309,67 @@ class _Sampling:
     return np.random.default_rng((self.seed, r))
 
 
+class TimesBySize:
+  """Seconds measured per size (a pass's tokens, or a draft call's nodes): each size's
+  first time apart, since a size's first call may compile, and its `AUTO_TIMES_KEPT`
+  latest times after that."""
+
+  def __init__(self) -> None:
+    self._first: dict[int, float] = {}
+    self._later: dict[int, collections.deque[float]] = {}
+
+  def add(self, size: int, seconds: float) -> None:
+    if size not in self._first:
+      self._first[size] = seconds
+    else:
+      self._later.setdefault(size, collections.deque(maxlen=AUTO_TIMES_KEPT)).append(seconds)
+
+  def typical(self) -> dict[int, float]:
+    """Each size's median time after its first; where no size has run twice yet, the
+    first times (compiles and all: the best there is)."""
+    if self._later:
+      return {n: statistics.median(t) for n, t in self._later.items()}
+    return dict(self._first)
+
+  def __bool__(self) -> bool:
+    return bool(self._first)
+
+
+@dataclasses.dataclass
+class AutoTuning:
+  """What ``draft_tokens="auto"`` has measured for one target and draft (at one batch
+  size and sampling setting), pooled over the generations that share it.
+
+  Attributes:
+    pass_times: the target's pass times by tokens.
+    draft_times: the draft's call times by nodes.
+    chances: how often the target's token was among the draft's top choices.
+    rounds: rounds measured.
+    shape: the shape ``"auto"`` last chose.
+  """
+
+  pass_times: TimesBySize = dataclasses.field(default_factory=TimesBySize)
+  draft_times: TimesBySize = dataclasses.field(default_factory=TimesBySize)
+  chances: Chances = dataclasses.field(default_factory=Chances)
+  rounds: int = 0
+  shape: tuple[int, ...] | None = None
+
+
+_TUNINGS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, dict[Hashable, AutoTuning]]]
+_TUNINGS = weakref.WeakKeyDictionary()
+
+
+def auto_tuning(target: Any, draft: Any, setting: Hashable) -> AutoTuning:
+  """The `AutoTuning` of ``target`` and ``draft`` (the objects given to `generate_llm`)
+  at ``setting`` (batch size and sampling), kept while both live; a fresh one where
+  either cannot be weakly referenced."""
+  try:
+    drafts = _TUNINGS.setdefault(target, weakref.WeakKeyDictionary())
+    return drafts.setdefault(draft, {}).setdefault(setting, AutoTuning())
+  except TypeError:
+    return AutoTuning()
+
+
 class _Generation:
   """A speculative generation between rounds: both caches, the next slot (``index``),
   each row's tokens so far (``out``, ``count``) and what it did (``report``)."""
@@ -327,6 +386,7 @@ class _Generation:
     sampling: _Sampling,
     stops: Sequence[int],
     pad: int,
+    tuning: AutoTuning,
   ) -> None:
     batch, length = ids.shape
     self.target, self.draft, self.sampling = target, draft, sampling
@@ -343,10 +403,8 @@ class _Generation:
     self.count = np.ones(batch, np.int64)
     self.last, self.index = np.asarray(first), length
     self.stop_ids = np.asarray(tuple(stops), np.int32)
-    #: every measured pass time by its tokens, and every draft call time by its nodes
-    self.pass_times: dict[int, list[float]] = {}
-    self.draft_times: dict[int, list[float]] = {}
-    self.chances = Chances()
+    #: pass and draft call times and the chances, pooled over this pair's generations
+    self.tuning = tuning
 
   def rows_done(self) -> np.ndarray:
     """The rows with all their tokens, or a stop token among them."""
@@ -361,7 +419,8 @@ class _Generation:
     one pass, each row keeps its accepted path and the target's next token."""
     r = self.report.rounds
     if self.index + tree.size > self.slots:
-      self.t_cache, self.d_cache = _compact(self.t_cache), _compact(self.d_cache)
+      self.t_cache = _placed_as(_compact(self.t_cache), self.t_cache)
+      self.d_cache = _placed_as(_compact(self.d_cache), self.d_cache)
       self.index = int(jnp.max(jnp.sum(self.t_cache.mask, axis=1)))
       # an unfinished row holds under length + max_new_tokens marked slots
       assert self.index + tree.size <= self.slots, (self.index, tree.size, self.slots)
@@ -379,7 +438,7 @@ class _Generation:
       seen + jnp.asarray(tree.depth)[None],
       visible,
     )
-    self.pass_times.setdefault(tree.size, []).append(self.t_clock.last)
+    self.tuning.pass_times.add(tree.size, self.t_clock.last)
     paths, after = self._walk(tree, tokens, logits, q, top, r)
     # a finished row (all its tokens, or a stop token) keeps none of the round's slots,
     # so that its cache stops growing
@@ -389,8 +448,8 @@ class _Generation:
     for row, p in enumerate(paths):
       table[row, : len(p)] = p
     args = (index, jnp.asarray(table), jnp.asarray(kept), tree.size)
-    self.t_cache = _keep_path(self.t_cache, *args)
-    self.d_cache = _keep_path(self.d_cache, *args)
+    self.t_cache = _placed_as(_keep_path(self.t_cache, *args), self.t_cache)
+    self.d_cache = _placed_as(_keep_path(self.d_cache, *args), self.d_cache)
     for live in np.flatnonzero(~done):
       c = int(self.count[live])
       new = [*tokens[live, paths[live][1:]].tolist(), after[live]][: self.out.shape[1] - c]
@@ -404,6 +463,7 @@ class _Generation:
     report.draft_steps += len(tree.levels)
     report.draft_tokens.append(tree.proposals)
     report.trees.append(tree.branches)
+    self.tuning.rounds += 1
     self.index += int(kept.max(initial=0))
     self.last = np.asarray(after, np.int32)
 
@@ -435,7 +495,7 @@ class _Generation:
         seen + d,
         visible,
       )
-      self.draft_times.setdefault(n, []).append(self.d_clock.last)
+      self.tuning.draft_times.add(n, self.d_clock.last)
       if d == len(tree.branches):
         break  # the deepest call only fills the draft's cache
       b = tree.branches[d]
@@ -466,7 +526,7 @@ class _Generation:
         for node in path:
           if tree.children(node):
             hits = np.flatnonzero(top[row, node] == pred[row, node])
-            self.chances.add_rank(int(hits[0]) if hits.size else None)
+            self.tuning.chances.add_rank(int(hits[0]) if hits.size else None)
       return paths, after
     p = np.asarray(self.sampling.probs(logits))
     q = [np.asarray(x) for x in qs]
@@ -484,7 +544,7 @@ class _Generation:
       paths.append(path)
       after.append(token)
       for ok in first:
-        self.chances.add_first(ok)
+        self.tuning.chances.add_first(ok)
     return paths, after
 
   def tokens(self, pad: int) -> jax.Array:
@@ -515,13 +575,14 @@ def speculative_decode(
   seed: int,
   stops: Sequence[int],
   pad: int,
+  tuning: AutoTuning | None = None,
 ) -> tuple[jax.Array, SpeculationReport]:
   """The tokens after ``ids`` (``(batch, max_new_tokens)``) by speculative decoding, and
   what it did. ``target`` and ``draft`` are forwards ``(ids, mask, cache, index,
   positions, visible) -> (logits, cache)`` of models with configs ``target_cfg`` and
   ``draft_cfg``; a round expands ``draft_tree``, else a chain of ``draft_tokens``, else
-  (``"auto"``) the shape `_auto` picks. Arguments are checked by the caller
-  (`generate_llm`)."""
+  (``"auto"``) the shape `_auto` picks from ``tuning`` (default: a fresh one). Arguments
+  are checked by the caller (`generate_llm`)."""
   batch, length = ids.shape
   if draft_tree is not None:
     fixed: DraftTree | None = draft_tree
@@ -536,17 +597,21 @@ def speculative_decode(
     LlamaCache.zeros(draft_cfg, batch, slots),
   )
   sampling = _Sampling(temperature, top_k, top_p, jax.random.key(seed), seed)
-  run = _Generation(target, draft, caches, ids, mask, max_new_tokens, widest, sampling, stops, pad)
+  tuning = AutoTuning() if tuning is None else tuning
+  run = _Generation(
+    target, draft, caches, ids, mask, max_new_tokens, widest, sampling, stops, pad, tuning
+  )
   while not run.rows_done().all():
     run.round(fixed if fixed is not None else _auto(run))
   return run.tokens(pad), run.report
 
 
-def _fit(times: dict[int, list[float]]) -> Callable[[int], float]:
-  """A line through the fastest time of each size (compiles are slow), by size; flat
+def _fit(times: TimesBySize) -> Callable[[int], float]:
+  """A line through each size's typical time (`TimesBySize.typical`), by size; flat
   through one size, and never falling."""
-  sizes = sorted(times)
-  best = [min(times[t]) for t in sizes]
+  typical = times.typical()
+  sizes = sorted(typical)
+  best = [typical[t] for t in sizes]
   if len(sizes) > 1:
     slope, intercept = np.polyfit(sizes, best, 1)
   else:
@@ -556,15 +621,24 @@ def _fit(times: dict[int, list[float]]) -> Callable[[int], float]:
 
 
 def _auto(run: _Generation) -> DraftTree:
-  """``"auto"``'s shape for the next round: the probes first, then `draft_tree.choose` on
-  lines fitted to the pass and draft-call times and on the counted chances; the empty
-  tree (the target's one token a pass, the draft's one call keeping its cache) where no
-  speculation is predicted faster."""
-  r = run.report.rounds
-  if r < len(AUTO_PROBES):
-    return DraftTree(AUTO_PROBES[r])
+  """``"auto"``'s shape for the next round: the probes first (each twice), then
+  `draft_tree.choose` on lines fitted to the pass and draft-call times and on the
+  counted chances, moving from the last choice only for a predicted gain of
+  `AUTO_SWITCH_GAIN`; the empty tree (the target's one token a pass, the draft's one
+  call keeping its cache) where no speculation is predicted faster."""
+  tuning = run.tuning
+  if tuning.rounds < 2 * len(AUTO_PROBES):
+    return DraftTree(AUTO_PROBES[tuning.rounds // 2])
   greedy = run.sampling.greedy
-  shape = choose(
-    lambda b: run.chances.hit(b, greedy), _fit(run.draft_times), _fit(run.pass_times), shapes()
-  )
+
+  def hit(b: int) -> float:
+    return tuning.chances.hit(b, greedy)
+
+  draft_s, pass_s = _fit(tuning.draft_times), _fit(tuning.pass_times)
+  shape = choose(hit, draft_s, pass_s, shapes())
+  if tuning.shape is not None and shape != tuning.shape:
+    now, new = (rate(s, hit, draft_s, pass_s) for s in (tuning.shape, shape))
+    if new < AUTO_SWITCH_GAIN * now:
+      shape = tuning.shape
+  tuning.shape = shape
   return DraftTree(shape)

@@ -157,6 +157,19 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
   def aval(x: Any) -> Any:
     weak = bool(getattr(x, "weak_type", isinstance(x, bool | int | float | complex)))
-    return (np.shape(x), jax.dtypes.result_type(x), weak, getattr(x, "sharding", None))
+    return (np.shape(x), jax.dtypes.result_type(x), weak, _sharding_key(x))
 
   return tree, tuple(aval(x) for x in leaves)
+
+
+def _sharding_key(x: Any) -> Any:
+  """An array's sharding, with a `NamedSharding`'s spec written one way: ``P()`` and
+  ``P(None, None)`` place an array alike, and a program's outputs may carry either (a
+  prefill's cache one, a decode step's the other), which must not compile it twice."""
+  sharding = x.sharding if isinstance(x, jax.Array) else None
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = list(sharding.spec)
+    while spec and spec[-1] is None:
+      spec.pop()
+    return ("named", sharding.mesh, tuple(spec), sharding.memory_kind)
+  return sharding

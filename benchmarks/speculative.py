@@ -14,8 +14,8 @@ draft proposing ``k`` = 2, 4 and 8 tokens a round, the token tree `TREE`
 (``draft_tree=``), and ``draft_tokens="auto"``; in two
 regimes: ``cache`` (the store's pages in the page cache) and ``disk`` (the store's pages
 dropped before every target pass, as a model larger than memory reads them). Each row
-warms up first (its pass shapes compiled; ``"auto"``'s: those it picks on the first
-prompt), then decodes ``--tokens`` new
+warms up first, in its regime, with the first prompt's generation (its pass shapes
+compiled; ``"auto"`` goes on from what it measured there), then decodes ``--tokens`` new
 tokens after each of the prompts, left-padded to one length (one prefill shape); a row's
 tokens/s is its tokens over its seconds, prefills included (the same in every row), and
 its figure the median of ``--repeat`` runs.
@@ -161,11 +161,10 @@ def child(args: argparse.Namespace) -> dict:
     counts = {"passes": rep.target_passes, "proposed": rep.proposed, "accepted": rep.accepted}
     return np.asarray(out)[0].tolist(), counts
 
-  # warm-up, from the page cache: the first prompt's generation, so that the row's
-  # programs are compiled for its cache size and pass shapes ("auto": those it picks)
-  regime, args.regime = args.regime, "cache"
+  # warm-up, in the row's regime: the first prompt's generation, so that the row's
+  # programs are compiled for its cache size and pass shapes, and "auto" has measured
+  # (and goes on from) its probes' times in this regime
   generate(0, args.tokens, k)
-  args.regime = regime
   runs = []
   for row in range(len(ids)):
     start = time.perf_counter()

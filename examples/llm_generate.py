@@ -18,8 +18,9 @@ streams from a store (a temporary one without ``--store``).
       --store /tmp/llama-store --prompt "the old cat" -n 32
   python examples/llm_generate.py CHECKPOINT_DIR --policy layerwise_host --ids 1 4 77 55
 
-With ``--draft DRAFT_STORE`` (a store of a model with the same vocabulary, such as the
-checkpoint converted with ``--quantize int4``), a FullyResident draft proposes
+With ``--draft DRAFT`` (a checkpoint directory, quantized int4 once and cached, a GGUF
+file, or a store of a model with the same vocabulary: ``models.draft_from``, which also
+checks that it fits beside the placed model's device budget), a FullyResident draft proposes
 ``--draft-tokens`` tokens a round (or expands the token tree ``--draft-tree``, e.g.
 ``2,1,1,1``) for the placed model to check in one pass (speculative decoding,
 docs/speculative.md), and what it did is printed. ``--draft-activations int8`` rounds a
@@ -90,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--draft",
     type=Path,
-    help="speculative decoding: a store of a draft model with the same vocabulary (for "
-    "example the checkpoint converted with --quantize int4), placed FullyResident",
+    help="speculative decoding: a draft with the same vocabulary, placed FullyResident: a "
+    "checkpoint directory (quantized int4 once, cached), a GGUF file, or a store "
+    "(models.draft_from)",
   )
   parser.add_argument(
     "--draft-tokens",
@@ -153,17 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded {args.checkpoint} in {time.perf_counter() - start:.2f} s")
   policy = make_policy(args)
   where = None if store is None else str(store)
-  draft = draft_cfg = None
-  if args.draft is not None:
-    draft_model = models.load(args.draft)
-    draft_cfg = draft_model.config
-    draft = jr.place(
-      draft_model, jr.FullyResident(), store=str(args.draft), activations=args.draft_activations
-    )
-    print(f"draft: {args.draft}, {draft_cfg.num_hidden_layers} layers, FullyResident")
   draft_tokens = args.draft_tokens if args.draft_tokens == "auto" else int(args.draft_tokens)
   tree = None if args.draft_tree is None else [int(b) for b in args.draft_tree.split(",")]
   with jr.place(model, policy, store=where, activations=args.activations) as placed:
+    draft = None
+    if args.draft is not None:
+      slots = len(ids) + args.max_new_tokens + 2 * 256  # the widest round: 256 nodes
+      draft = models.draft_from(
+        args.draft, target=placed, max_len=slots, activations=args.draft_activations
+      )
+      print(f"draft: {draft.store}, {draft.config.num_hidden_layers} layers, FullyResident")
+      print(draft.metadata.memory_table())
     tokens = models.generate_llm(
       placed,
       [ids],
@@ -175,14 +177,13 @@ def main(argv: list[str] | None = None) -> int:
       seed=args.seed,
       progress=True,  # the prefill time and decode rate, or with a draft what it did
       draft=draft,
-      draft_config=draft_cfg,
       draft_tokens=draft_tokens,
       draft_tree=tree,
     )
     report = placed.report()
     window = placed.metadata.device_window_units
-  if draft is not None:
-    draft.close()
+    if draft is not None:
+      draft.close()
   out = np.asarray(tokens)[0].tolist()
   print(f"generated ids: {out}")
   if tokenizer is not None:

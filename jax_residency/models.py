@@ -66,6 +66,9 @@ from ._src.models.t5_load import init_t5 as init_t5
 from ._src.models.t5_load import load_t5 as load_t5
 from ._src.models.t5_load import read_t5_config as read_t5_config
 from ._src.models.t5_load import t5_params_from_hf as t5_params_from_hf
+from ._src.run.draft import Draft as Draft
+from ._src.run.draft import draft_from as draft_from
+from ._src.run.draft import kv_cache_bytes as kv_cache_bytes
 
 __all__ = [
   "GPT",
@@ -97,6 +100,9 @@ __all__ = [
   "SpeculationReport",
   "DraftTree",
   "choose_draft_tree",
+  "Draft",
+  "draft_from",
+  "kv_cache_bytes",
   "expected_tokens",
   "generate_t5",
   "hf_tensor_map",

@@ -543,3 +543,12 @@ def test_the_example_generates_from_a_prompt(tmp_path, zygote):
   assert "tokens/s" in proc.stdout
   want = models.generate_llm(models.load_llama(tied), example["ids"], 6)
   assert f"generated ids: {np.asarray(want)[0].tolist()}" in proc.stdout
+  # the store it wrote as the draft (models.draft_from): the same greedy tokens
+  drafted = [*cmd, "dense", "--store", str(tmp_path / "store"), "--prompt", example["text"]]
+  drafted += ["-n", "6", "--draft", str(tmp_path / "store"), "--draft-tokens", "2"]
+  proc = run_script(
+    drafted, zygote, env=user_env(tmp_path), capture_output=True, text=True, timeout=240, cwd=REPO
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "KV cache" in proc.stdout and "proposals accepted" in proc.stdout
+  assert f"generated ids: {np.asarray(want)[0].tolist()}" in proc.stdout

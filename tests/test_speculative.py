@@ -302,7 +302,7 @@ def test_auto_pools_what_it_measured_over_a_pairs_generations(target, want, monk
   """``"auto"`` probes once for a target and draft: a later generation with the same
   pair, batch and sampling goes on from the shape it chose (here it may never move:
   `AUTO_SWITCH_GAIN` infinite), a new pair probes again; the tokens stay the target's."""
-  from jax_residency._src.models import speculative
+  from jax_residency._src.models import speculative_auto as speculative
 
   monkeypatch.setattr(speculative, "AUTO_SWITCH_GAIN", float("inf"))
   draft = _noisy(0.3)
@@ -330,7 +330,7 @@ def test_auto_pools_what_it_measured_over_a_pairs_generations(target, want, monk
 def test_a_sizes_first_time_is_set_apart_as_a_possible_compile():
   """`TimesBySize`: a size's first call (which may compile) does not count once the size
   has run again; ``"auto"``'s lines are fitted through the later ones."""
-  from jax_residency._src.models.speculative import TimesBySize, _fit
+  from jax_residency._src.models.speculative_auto import TimesBySize, fit_line
 
   times = TimesBySize()
   times.add(2, 5.0)  # compiled
@@ -341,7 +341,7 @@ def test_a_sizes_first_time_is_set_apart_as_a_possible_compile():
   times.add(9, 0.6)
   times.add(9, 0.8)
   assert times.typical() == {2: 0.5, 9: 0.7}
-  line = _fit(times)
+  line = fit_line(times)
   assert line(2) == pytest.approx(0.5) and line(9) == pytest.approx(0.7)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -39,17 +39,30 @@ def jitted_plain(model: nnx.Module, *args: Any) -> Any:
   return _call_split(graphdef, state, *args)
 
 
+@runtime_checkable
+class Configured(Protocol):
+  """A placed model that carries its config (`models.Draft`): generators take it
+  without ``config=``."""
+
+  config: Any
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 def plain_or_placed(
   model: Any, model_type: type[Any], config: Any, what: str
 ) -> tuple[Any, Callable[..., Any]]:
   """``(config, forward)`` of a generator's model: a ``model_type`` runs jitted with its
-  own config; anything else (a placed model) runs as it is, with ``config``.
+  own config; anything else (a placed model) runs as it is, with ``config`` (default: a
+  `Configured` model's own).
 
   Raises:
     ValueError: a placed model and no ``config``; the message names ``what`` to pass.
   """
   if isinstance(model, model_type):
     return model.config, functools.partial(jitted_plain, model)
+  if config is None and isinstance(model, Configured):
+    return model.config, model
   if config is None:
     raise ValueError(f"generate with a placed model needs config=<the model's {what}>")
   return config, model

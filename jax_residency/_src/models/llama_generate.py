@@ -33,11 +33,11 @@ from jax_residency._src.models.llama_config import LlamaConfig
 from jax_residency._src.models.logits import filter_logits as filter_logits
 from jax_residency._src.models.speculative import (
   SpeculationReport,
-  auto_tuning,
   check_draft_tokens,
   check_vocabularies,
   speculative_decode,
 )
+from jax_residency._src.models.speculative_auto import auto_tuning
 from jax_residency._src.report.speculation import RecordsSpeculation
 
 

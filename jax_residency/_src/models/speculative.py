@@ -28,7 +28,7 @@ when a round would run past the cache, both caches are compacted (each row's mar
 slots moved to the front, in order). A finished row (all its tokens, or a stop token)
 keeps none of a round's slots.
 
-``draft_tokens="auto"`` measures its first rounds (`AUTO_PROBES`), fits the target's
+``draft_tokens="auto"`` (`speculative_auto`) measures its first rounds, fits the target's
 pass time to its tokens and the draft's call time to its nodes, counts how often the
 target's token is among the draft's top choices, and then picks the shape with the
 most predicted tokens per second (`draft_tree.choose`), or none where no speculation is
@@ -39,13 +39,10 @@ generations in the process: a second prompt starts from the first one's estimate
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import statistics
 import time
-import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -55,27 +52,15 @@ import numpy as np
 from jax_residency._src.errors import SpeculationError
 from jax_residency._src.models.draft_tree import (
   MAX_AUTO_BRANCHES,
-  Chances,
   DraftTree,
-  choose,
-  rate,
   shapes,
   walk_greedy,
   walk_sampled,
 )
 from jax_residency._src.models.llama import LlamaCache
 from jax_residency._src.models.logits import filter_logits
+from jax_residency._src.models.speculative_auto import AutoTuning, next_shape
 from jax_residency._src.report.speculation import SpeculationTotals
-
-#: ``"auto"``'s first rounds for a target and draft: the shapes whose pass and draft
-#: times it measures first (a chain of 1 and of 4, and a tree, so that both fitted lines
-#: have spread), each twice (a shape's first pass may compile: `TimesBySize`).
-AUTO_PROBES = ((1,), (1, 1, 1, 1), (4, 2, 1, 1))
-#: ``"auto"`` moves from the shape it runs to another one only where that one is
-#: predicted this much faster (each new shape compiles, and the estimates are noisy).
-AUTO_SWITCH_GAIN = 1.05
-#: Times ``"auto"`` keeps of each size (the most recent ones).
-AUTO_TIMES_KEPT = 16
 
 Forward = Callable[..., tuple[jax.Array, LlamaCache]]
 
@@ -307,67 +292,6 @@ class _Sampling:
   def rng(self, r: int) -> np.random.Generator:
     """The host generator of round ``r``'s accept and resample draws."""
     return np.random.default_rng((self.seed, r))
-
-
-class TimesBySize:
-  """Seconds measured per size (a pass's tokens, or a draft call's nodes): each size's
-  first time apart, since a size's first call may compile, and its `AUTO_TIMES_KEPT`
-  latest times after that."""
-
-  def __init__(self) -> None:
-    self._first: dict[int, float] = {}
-    self._later: dict[int, collections.deque[float]] = {}
-
-  def add(self, size: int, seconds: float) -> None:
-    if size not in self._first:
-      self._first[size] = seconds
-    else:
-      self._later.setdefault(size, collections.deque(maxlen=AUTO_TIMES_KEPT)).append(seconds)
-
-  def typical(self) -> dict[int, float]:
-    """Each size's median time after its first; where no size has run twice yet, the
-    first times (compiles and all: the best there is)."""
-    if self._later:
-      return {n: statistics.median(t) for n, t in self._later.items()}
-    return dict(self._first)
-
-  def __bool__(self) -> bool:
-    return bool(self._first)
-
-
-@dataclasses.dataclass
-class AutoTuning:
-  """What ``draft_tokens="auto"`` has measured for one target and draft (at one batch
-  size and sampling setting), pooled over the generations that share it.
-
-  Attributes:
-    pass_times: the target's pass times by tokens.
-    draft_times: the draft's call times by nodes.
-    chances: how often the target's token was among the draft's top choices.
-    rounds: rounds measured.
-    shape: the shape ``"auto"`` last chose.
-  """
-
-  pass_times: TimesBySize = dataclasses.field(default_factory=TimesBySize)
-  draft_times: TimesBySize = dataclasses.field(default_factory=TimesBySize)
-  chances: Chances = dataclasses.field(default_factory=Chances)
-  rounds: int = 0
-  shape: tuple[int, ...] | None = None
-
-
-_TUNINGS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, dict[Hashable, AutoTuning]]]
-_TUNINGS = weakref.WeakKeyDictionary()
-
-
-def auto_tuning(target: Any, draft: Any, setting: Hashable) -> AutoTuning:
-  """The `AutoTuning` of ``target`` and ``draft`` (the objects given to `generate_llm`)
-  at ``setting`` (batch size and sampling), kept while both live; a fresh one where
-  either cannot be weakly referenced."""
-  try:
-    drafts = _TUNINGS.setdefault(target, weakref.WeakKeyDictionary())
-    return drafts.setdefault(draft, {}).setdefault(setting, AutoTuning())
-  except TypeError:
-    return AutoTuning()
 
 
 class _Generation:
@@ -602,43 +526,5 @@ def speculative_decode(
     target, draft, caches, ids, mask, max_new_tokens, widest, sampling, stops, pad, tuning
   )
   while not run.rows_done().all():
-    run.round(fixed if fixed is not None else _auto(run))
+    run.round(fixed if fixed is not None else next_shape(run.tuning, run.sampling.greedy))
   return run.tokens(pad), run.report
-
-
-def _fit(times: TimesBySize) -> Callable[[int], float]:
-  """A line through each size's typical time (`TimesBySize.typical`), by size; flat
-  through one size, and never falling."""
-  typical = times.typical()
-  sizes = sorted(typical)
-  best = [typical[t] for t in sizes]
-  if len(sizes) > 1:
-    slope, intercept = np.polyfit(sizes, best, 1)
-  else:
-    slope, intercept = 0.0, best[0]
-  slope, intercept = max(float(slope), 0.0), float(intercept)
-  return lambda size: max(intercept + slope * size, min(best))
-
-
-def _auto(run: _Generation) -> DraftTree:
-  """``"auto"``'s shape for the next round: the probes first (each twice), then
-  `draft_tree.choose` on lines fitted to the pass and draft-call times and on the
-  counted chances, moving from the last choice only for a predicted gain of
-  `AUTO_SWITCH_GAIN`; the empty tree (the target's one token a pass, the draft's one
-  call keeping its cache) where no speculation is predicted faster."""
-  tuning = run.tuning
-  if tuning.rounds < 2 * len(AUTO_PROBES):
-    return DraftTree(AUTO_PROBES[tuning.rounds // 2])
-  greedy = run.sampling.greedy
-
-  def hit(b: int) -> float:
-    return tuning.chances.hit(b, greedy)
-
-  draft_s, pass_s = _fit(tuning.draft_times), _fit(tuning.pass_times)
-  shape = choose(hit, draft_s, pass_s, shapes())
-  if tuning.shape is not None and shape != tuning.shape:
-    now, new = (rate(s, hit, draft_s, pass_s) for s in (tuning.shape, shape))
-    if new < AUTO_SWITCH_GAIN * now:
-      shape = tuning.shape
-  tuning.shape = shape
-  return DraftTree(shape)

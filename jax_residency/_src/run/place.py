@@ -10,6 +10,7 @@ through :mod:`jax_residency._src.stream.engine`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ from jax_residency._src.loop.stacks import find_stacks
 from jax_residency._src.plan import shardings as pl
 from jax_residency._src.plan.arguments import check_place_arguments
 from jax_residency._src.plan.budget import ModelMetadata
+from jax_residency._src.plan.memory import MemoryItem
 from jax_residency._src.plan.quantized import check_wanted, for_placement
 from jax_residency._src.plan.split import SplitModel, split_model
 from jax_residency._src.policy.types import (
@@ -210,6 +212,15 @@ class PlacedModel:
     if self._executor is None:
       return f"PlacedModel({self.policy!r}, stacks found on the first call, {state})"
     return f"PlacedModel({self.policy!r}, layers={self.unit_count}, stacks={self.stacks}, {state})"
+
+
+def plan_beside(placed: PlacedModel, item: MemoryItem) -> None:
+  """Adds ``item`` to ``placed.metadata.memory``: memory its user holds for it beside the
+  placement's own (a draft's KV cache, `run.draft`)."""
+  executor = placed._placed()
+  executor.metadata = dataclasses.replace(
+    executor.metadata, memory=(*executor.metadata.memory, item)
+  )
 
 
 def check_activations(activations: object, mesh: Mesh) -> None:

@@ -1,0 +1,259 @@
+"""A draft for speculative decoding made from the target's own checkpoint
+(docs/speculative.md, "A draft from the same checkpoint").
+
+The natural draft for a streamed model is a quantized copy of itself placed
+`FullyResident`: it shares the tokenizer, agrees with the target on most tokens, and is a
+fraction of its bytes. `draft_from` writes that copy once (from a Hugging Face checkpoint
+directory quantized, from a GGUF file in its own GGML types, or from a converted store's
+recorded source), places it, and counts what it holds on the device: its weights and the
+KV cache a generation allocates for it, checked against the device memory the target
+leaves free before anything is placed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jax_residency._src.cache_dir import library_cache_dir
+from jax_residency._src.errors import DeviceBudgetTooSmallError, QuantizationError
+from jax_residency._src.models.gguf_convert import convert_gguf
+from jax_residency._src.models.hf_convert import (
+  CONVERSION_FILE,
+  HF_CONFIG_FILE,
+  convert_hf,
+  load,
+)
+from jax_residency._src.models.llama_config import LlamaConfig
+from jax_residency._src.plan.memory import DEVICE_BUDGET, MemoryItem
+from jax_residency._src.policy.types import FullyResident
+from jax_residency._src.report.text import format_bytes
+from jax_residency._src.run.place import place, plan_beside
+
+#: The quantization of a draft made from a float checkpoint.
+DEFAULT_DRAFT_QUANTIZATION = "int4"
+#: The memory item a draft's KV cache is planned as.
+KV_CACHE_ITEM = "KV cache"
+
+
+def kv_cache_bytes(cfg: LlamaConfig, batch: int, max_len: int) -> int:
+  """Bytes of a `LlamaCache` of ``max_len`` slots for ``batch`` rows: keys and values for
+  every layer in the model's dtype, and the int32 slot marks.
+
+  Example:
+    >>> cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    >>> kv_cache_bytes(cfg, batch=1, max_len=10)  # 2 x 2 layers x 10 x 2 heads x 4 x 4 B + 40
+    1320
+  """
+  per_slot = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_width
+  itemsize = np.dtype(cfg.dtype).itemsize
+  return 2 * batch * max_len * per_slot * itemsize + batch * max_len * 4
+
+
+def draft_store_path(source: str | os.PathLike[str], quantize: Any) -> str:
+  """Where `draft_from` keeps the draft of ``source`` by default: under the library's
+  cache directory, named by the source's name, its absolute path and modification time,
+  and the quantization (a changed source gets a new draft)."""
+  src = Path(source).resolve()
+  stamp = f"{src}:{src.stat().st_mtime_ns}:{json.dumps(quantize, sort_keys=True, default=str)}"
+  digest = hashlib.sha256(stamp.encode()).hexdigest()[:10]
+  scheme = "gguf" if quantize is None else _scheme_name(quantize)
+  return os.path.join(library_cache_dir(), "drafts", f"{src.stem}-{digest}-{scheme}")
+
+
+def _scheme_name(quantize: Any) -> str:
+  if isinstance(quantize, str):
+    return quantize
+  if isinstance(quantize, Mapping):
+    return str(quantize.get("scheme", "quantized"))
+  return str(getattr(quantize, "scheme", "quantized"))
+
+
+def _written(store: str) -> bool:
+  return os.path.isfile(os.path.join(store, "commit_success.txt")) and os.path.isfile(
+    os.path.join(store, HF_CONFIG_FILE)
+  )
+
+
+def _write_draft(source: Path, quantize: Any, store: str | None, progress: bool | None) -> str:
+  """The draft's store for ``source``: written once, then reused."""
+  if source.is_file():
+    if source.suffix != ".gguf":
+      raise FileNotFoundError(
+        f"draft_from({str(source)!r}): not a .gguf file; pass a GGUF file, a Hugging Face "
+        "checkpoint directory or a store written by convert"
+      )
+    if quantize is not None:
+      raise QuantizationError(
+        f"draft_from({str(source)!r}, quantize={quantize!r}): a GGUF file's tensors are kept "
+        "in their own GGML types (Q4_1, Q8_0, ...); pass quantize=None, or the model's float "
+        "checkpoint directory to quantize it"
+      )
+    out = store or draft_store_path(source, None)
+    if not _written(out):
+      convert_gguf(source, out, progress=progress, overwrite=True)
+    return out
+  if (source / HF_CONFIG_FILE).is_file():  # a store written by convert
+    if quantize is None:
+      return os.fspath(source)
+    recorded = source / CONVERSION_FILE
+    origin = json.loads(recorded.read_text()).get("source") if recorded.is_file() else None
+    if origin is None or not Path(origin).exists():
+      raise FileNotFoundError(
+        f"draft_from({str(source)!r}, quantize={quantize!r}): the store records no source "
+        f"to quantize from ({origin!r} in {CONVERSION_FILE}); pass the checkpoint directory "
+        "or GGUF file it was converted from, or quantize=None to use the store as it is"
+      )
+    return _write_draft(
+      Path(origin), None if origin.endswith(".gguf") else quantize, store, progress
+    )
+  if (source / "config.json").is_file():  # a Hugging Face checkpoint directory
+    quant = DEFAULT_DRAFT_QUANTIZATION if quantize is None else quantize
+    out = store or draft_store_path(source, quant)
+    if not _written(out):
+      convert_hf(source, out, quantize=quant, progress=progress, overwrite=True)
+    return out
+  raise FileNotFoundError(
+    f"draft_from({str(source)!r}): neither a GGUF file, a Hugging Face checkpoint directory "
+    f"(no config.json) nor a store written by convert (no {HF_CONFIG_FILE})"
+  )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Draft:
+  """A placed draft and its config: pass it as `generate_llm`'s ``draft=`` (no
+  ``draft_config`` needed). Calls run the placed model; close it when done (or use it
+  as a context manager).
+
+  Attributes:
+    placed: the `FullyResident` placement (its ``metadata.memory`` lists the weights
+      and the `KV_CACHE_ITEM`).
+    config: the draft's :class:`LlamaConfig`.
+    store: the store the draft was placed from.
+  """
+
+  placed: Any
+  config: LlamaConfig
+  store: str
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self.placed(*args, **kwargs)
+
+  @property
+  def metadata(self) -> Any:
+    return self.placed.metadata
+
+  def report(self) -> Any:
+    return self.placed.report()
+
+  def close(self) -> None:
+    self.placed.close()
+
+  def __enter__(self) -> Draft:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+
+def draft_from(
+  source: str | os.PathLike[str],
+  *,
+  quantize: str | Mapping[str, Any] | None = None,
+  store: str | os.PathLike[str] | None = None,
+  target: Any = None,
+  device_budget_bytes: int | None = None,
+  max_len: int = 2048,
+  batch: int = 1,
+  activations: str = "exact",
+  progress: bool | None = None,
+) -> Draft:
+  """A draft for `generate_llm`'s ``draft=``: ``source`` quantized and placed
+  `FullyResident`, its weights and KV cache counted against the device memory left.
+
+  Args:
+    source: a Hugging Face checkpoint directory (quantized ``quantize``, default int4),
+      a ``.gguf`` file (kept in its GGML types), or a store written by ``convert``
+      (used as it is; with ``quantize``, the checkpoint or file it records as its
+      source is quantized instead).
+    quantize: the draft's quantization (``"int4"``, ``"int8"``, ``{"scheme": "int4",
+      "group_size": 64}``); None: int4 for a checkpoint, as stored otherwise.
+    store: where to write the draft (default: under the library's cache directory,
+      `draft_store_path`); a draft already written there is reused.
+    target: the placed target: the draft must fit in the device memory its policy's
+      device budget leaves beside its plan (``metadata.planned_device_bytes``).
+    device_budget_bytes: the device bytes the draft may hold (in place of ``target``'s).
+    max_len: the cache slots a generation allocates for the draft (the prompt, the new
+      tokens and twice the widest round: `speculate`), planned as its KV cache.
+    batch: rows of a generation, planned in the KV cache.
+    activations: the draft's products (``"int8"``: integer products on CPU,
+      docs/quantization.md).
+    progress: a progress bar while the draft is written (None: when stderr is a terminal).
+
+  Returns:
+    The `Draft` (its ``metadata.memory`` lists its weights and a `KV_CACHE_ITEM` item).
+
+  Raises:
+    FileNotFoundError: ``source`` is none of the three, or a store's recorded source is
+      gone.
+    QuantizationError: ``quantize`` given for a GGUF file.
+    DeviceBudgetTooSmallError: the draft's weights and KV cache exceed the device bytes
+      left, with the arithmetic; raised before the draft is placed.
+  """
+  path = _write_draft(Path(source), quantize, None if store is None else os.fspath(store), progress)
+  model = load(path)
+  cfg: LlamaConfig = model.config
+  kv = kv_cache_bytes(cfg, batch, max_len)
+  left, where = _device_left(target, device_budget_bytes)
+
+  def too_small(weights: str, required: int) -> DeviceBudgetTooSmallError:
+    return DeviceBudgetTooSmallError(
+      f"the draft {path} needs {weights} of weights + {format_bytes(kv)} of KV cache "
+      f"({batch} row(s) x {max_len} slots x {cfg.num_hidden_layers} layers) on the device, "
+      f"over the {format_bytes(left or 0)} {where}: use a smaller draft (quantize='int4'), "
+      "a shorter max_len, or a larger device budget",
+      required=required,
+      budget=left,
+    )
+
+  if left is not None and kv >= left:
+    raise too_small("some", kv)
+  policy = FullyResident() if left is None else FullyResident(device_budget_bytes=left - kv)
+  try:
+    placed = place(model, policy, store=path, activations=activations)
+  except DeviceBudgetTooSmallError as e:
+    weights = int(e.required or 0)
+    raise too_small(format_bytes(weights), weights + kv) from e
+  item = MemoryItem(
+    name=KV_CACHE_ITEM,
+    memory="device",
+    nbytes=kv,
+    counted_in=DEVICE_BUDGET,
+    note=f"{batch} row(s) x {max_len} slots of keys and values (draft_from's max_len)",
+  )
+  plan_beside(placed, item)
+  return Draft(placed=placed, config=cfg, store=path)
+
+
+def _device_left(target: Any, budget: int | None) -> tuple[int | None, str]:
+  """The device bytes the draft may hold, and how that figure comes about."""
+  if budget is not None:
+    return int(budget), "of device_budget_bytes"
+  if target is None:
+    return None, ""
+  own = target.policy.offload().device_budget_bytes
+  if own is None:
+    return None, ""
+  planned = target.metadata.planned_device_bytes
+  return (
+    int(own) - planned,
+    f"the target leaves (its device budget {format_bytes(own)} - its plan {format_bytes(planned)})",
+  )

@@ -58,8 +58,8 @@ def test_a_checkpoint_makes_an_int4_draft_that_plans_its_kv_cache(target, want, 
 
 
 def test_a_gguf_file_is_a_draft_in_its_own_types_and_refuses_requantizing(tmp_path):
-  """A GGUF file is converted as it is; asking to quantize it again is refused, naming
-  the fix, before anything is written."""
+  """A GGUF file is converted as it is; asking to quantize it again (or a store converted
+  from it) is refused, naming the fix, before anything is written."""
   with pytest.raises(jr.QuantizationError, match="quantize=None"):
     models.draft_from(GGUF, quantize="int4", store=tmp_path / "q")
   assert not (tmp_path / "q").exists()
@@ -69,6 +69,8 @@ def test_a_gguf_file_is_a_draft_in_its_own_types_and_refuses_requantizing(tmp_pa
       want = models.generate_llm(t, PROMPT, 6, config=plain.config, stop_tokens=())
       got = models.generate_llm(t, PROMPT, 6, config=plain.config, draft=draft, stop_tokens=())
     np.testing.assert_array_equal(got, want)
+  with pytest.raises(jr.QuantizationError, match="quantize=None"):  # its store's source too
+    models.draft_from(tmp_path / "g", quantize="int8")
 
 
 def test_a_converted_store_drafts_from_its_recorded_source(tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ from jax_residency._src.models.hf_convert import (
 from jax_residency._src.models.llama_config import LlamaConfig
 from jax_residency._src.plan.memory import DEVICE_BUDGET, MemoryItem
 from jax_residency._src.policy.types import FullyResident
+from jax_residency._src.quant.schemes import Quantization
 from jax_residency._src.report.text import format_bytes
 from jax_residency._src.run.place import place, plan_beside
 
@@ -58,23 +59,16 @@ def kv_cache_bytes(cfg: LlamaConfig, batch: int, max_len: int) -> int:
   return 2 * batch * max_len * per_slot * itemsize + batch * max_len * 4
 
 
-def draft_store_path(source: str | os.PathLike[str], quantize: Any) -> str:
+def draft_store_path(source: str | os.PathLike[str], quantize: Quantization | None) -> str:
   """Where `draft_from` keeps the draft of ``source`` by default: under the library's
   cache directory, named by the source's name, its absolute path and modification time,
-  and the quantization (a changed source gets a new draft)."""
+  and the quantization (a changed source gets a new draft; None: a GGUF file's own types)."""
   src = Path(source).resolve()
-  stamp = f"{src}:{src.stat().st_mtime_ns}:{json.dumps(quantize, sort_keys=True, default=str)}"
+  how = None if quantize is None else quantize.to_dict()
+  stamp = f"{src}:{src.stat().st_mtime_ns}:{json.dumps(how, sort_keys=True)}"
   digest = hashlib.sha256(stamp.encode()).hexdigest()[:10]
-  scheme = "gguf" if quantize is None else _scheme_name(quantize)
+  scheme = "gguf" if quantize is None else quantize.scheme
   return os.path.join(library_cache_dir(), "drafts", f"{src.stem}-{digest}-{scheme}")
-
-
-def _scheme_name(quantize: Any) -> str:
-  if isinstance(quantize, str):
-    return quantize
-  if isinstance(quantize, Mapping):
-    return str(quantize.get("scheme", "quantized"))
-  return str(getattr(quantize, "scheme", "quantized"))
 
 
 def _written(store: str) -> bool:
@@ -83,7 +77,9 @@ def _written(store: str) -> bool:
   )
 
 
-def _write_draft(source: Path, quantize: Any, store: str | None, progress: bool | None) -> str:
+def _write_draft(
+  source: Path, quantize: Quantization | None, store: str | None, progress: bool | None
+) -> str:
   """The draft's store for ``source``: written once, then reused."""
   if source.is_file():
     if source.suffix != ".gguf":
@@ -93,7 +89,8 @@ def _write_draft(source: Path, quantize: Any, store: str | None, progress: bool 
       )
     if quantize is not None:
       raise QuantizationError(
-        f"draft_from({str(source)!r}, quantize={quantize!r}): a GGUF file's tensors are kept "
+        f"draft_from({str(source)!r}, quantize={quantize.to_dict()!r}): a GGUF file's tensors "
+        "are kept "
         "in their own GGML types (Q4_1, Q8_0, ...); pass quantize=None, or the model's float "
         "checkpoint directory to quantize it"
       )
@@ -108,15 +105,14 @@ def _write_draft(source: Path, quantize: Any, store: str | None, progress: bool 
     origin = json.loads(recorded.read_text()).get("source") if recorded.is_file() else None
     if origin is None or not Path(origin).exists():
       raise FileNotFoundError(
-        f"draft_from({str(source)!r}, quantize={quantize!r}): the store records no source "
+        f"draft_from({str(source)!r}, quantize={quantize.to_dict()!r}): the store records no "
+        "source "
         f"to quantize from ({origin!r} in {CONVERSION_FILE}); pass the checkpoint directory "
         "or GGUF file it was converted from, or quantize=None to use the store as it is"
       )
-    return _write_draft(
-      Path(origin), None if origin.endswith(".gguf") else quantize, store, progress
-    )
+    return _write_draft(Path(origin), quantize, store, progress)
   if (source / "config.json").is_file():  # a Hugging Face checkpoint directory
-    quant = DEFAULT_DRAFT_QUANTIZATION if quantize is None else quantize
+    quant = Quantization.of(DEFAULT_DRAFT_QUANTIZATION) if quantize is None else quantize
     out = store or draft_store_path(source, quant)
     if not _written(out):
       convert_hf(source, out, quantize=quant, progress=progress, overwrite=True)
@@ -208,7 +204,8 @@ def draft_from(
     DeviceBudgetTooSmallError: the draft's weights and KV cache exceed the device bytes
       left, with the arithmetic; raised before the draft is placed.
   """
-  path = _write_draft(Path(source), quantize, None if store is None else os.fspath(store), progress)
+  wanted = None if quantize is None else Quantization.of(quantize)
+  path = _write_draft(Path(source), wanted, None if store is None else os.fspath(store), progress)
   model = load(path)
   cfg: LlamaConfig = model.config
   kv = kv_cache_bytes(cfg, batch, max_len)

@@ -107,8 +107,11 @@ def test_a_draft_over_the_device_memory_left_is_refused_with_the_arithmetic(tmp_
       models.draft_from(HF, quantize=INT4, store=store, target=t, max_len=64)
     assert e.value.required == need and e.value.budget == need - 1
     assert "the target leaves" in str(e.value)
-    with pytest.raises(jr.DeviceBudgetTooSmallError, match="KV cache"):
-      models.draft_from(HF, quantize=INT4, store=store, device_budget_bytes=100, max_len=64)
+    with pytest.raises(jr.DeviceBudgetTooSmallError, match="its weights .* KV cache"):
+      models.draft_from(HF, quantize=INT4, store=store, device_budget_bytes="100B", max_len=64)
+    for bad in ({"max_len": 0}, {"batch": 1.5}):
+      with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
+        models.draft_from(HF, quantize=INT4, store=store, **bad)
     assert models.generate_llm(t, PROMPT, 2, config=model.config).shape == (1, 2)
   roomy = jr.DenseDiskStream(host_budget_bytes=0, device_budget_bytes=plan + need)
   with jr.place(model, roomy, store=target_store) as t:

@@ -243,3 +243,39 @@ def test_plan_auto_prints_the_ranking(store, tmp_path):
   assert out.splitlines()[2].split()[1] == "FullyResident()"  # unbounded: nothing moves
   code, out, _ = call("plan", path, "--auto", "--prompt-len", "4", "--device-budget", "1KiB")
   assert code == 1 and "smallest device budget" in out
+
+
+def test_a_draft_beside_the_target_takes_its_share_of_the_device_budget(model, store):
+  """``draft_device_bytes``: every candidate fits the device budget less the draft's
+  bytes and carries that as its budget; a draft that leaves nothing, or too little for
+  any placement, or is no byte count, is refused naming the fix."""
+  static = jr.save(model, "memory://planner/probe-draft", progress=False).static_nbytes
+  device, draft = static + 6 * UNIT, 2 * UNIT
+  common = {"host_budget_bytes": 3 * UNIT, "workload": WORK}
+  alone = jr.plan(store, _measurement(store), device_budget_bytes=device, **common)
+  beside = jr.plan(
+    store, _measurement(store), device_budget_bytes=device, draft_device_bytes=draft, **common
+  )
+  assert {c.policy.offload().device_budget_bytes for c in beside} == {device - draft}
+  for c in beside:
+    assert c.metadata.static_device_bytes + c.metadata.device_window_bytes <= device - draft
+  assert len(beside) < len(alone)  # FullyResident (all 6 units) no longer fits
+  assert "FullyResident" in {type(c.policy).__name__ for c in alone}
+  assert "FullyResident" not in {type(c.policy).__name__ for c in beside}
+  with pytest.raises(jr.PlacementError, match="leaves nothing of device_budget_bytes"):
+    jr.plan(
+      store, _measurement(store), device_budget_bytes=device, draft_device_bytes=device, **common
+    )
+  with pytest.raises(jr.PlacementError, match="what a draft of .* leaves"):
+    jr.plan(
+      store,
+      _measurement(store),
+      device_budget_bytes=device,
+      draft_device_bytes=device - 1,
+      **common,
+    )
+  for bad in (-1, 1.5, True):
+    with pytest.raises(jr.PlacementError, match="draft_device_bytes"):
+      jr.plan(
+        store, _measurement(store), device_budget_bytes=device, draft_device_bytes=bad, **common
+      )

@@ -33,6 +33,7 @@ from jax_residency._src.models.hf_convert import (
 )
 from jax_residency._src.models.llama_config import LlamaConfig
 from jax_residency._src.plan.memory import DEVICE_BUDGET, MemoryItem
+from jax_residency._src.policy.sizes import parse_bytes
 from jax_residency._src.policy.types import FullyResident
 from jax_residency._src.quant.schemes import Quantization
 from jax_residency._src.report.text import format_bytes
@@ -166,7 +167,7 @@ def draft_from(
   quantize: str | Mapping[str, Any] | None = None,
   store: str | os.PathLike[str] | None = None,
   target: Any = None,
-  device_budget_bytes: int | None = None,
+  device_budget_bytes: int | str | None = None,
   max_len: int = 2048,
   batch: int = 1,
   activations: str = "exact",
@@ -186,7 +187,8 @@ def draft_from(
       `draft_store_path`); a draft already written there is reused.
     target: the placed target: the draft must fit in the device memory its policy's
       device budget leaves beside its plan (``metadata.planned_device_bytes``).
-    device_budget_bytes: the device bytes the draft may hold (in place of ``target``'s).
+    device_budget_bytes: the device bytes the draft may hold (in place of ``target``'s;
+      an int or a size such as ``"2GiB"``).
     max_len: the cache slots a generation allocates for the draft (the prompt, the new
       tokens and twice the widest round: `speculate`), planned as its KV cache.
     batch: rows of a generation, planned in the KV cache.
@@ -203,7 +205,14 @@ def draft_from(
     QuantizationError: ``quantize`` given for a GGUF file.
     DeviceBudgetTooSmallError: the draft's weights and KV cache exceed the device bytes
       left, with the arithmetic; raised before the draft is placed.
+    ValueError: ``max_len`` or ``batch`` is not a positive int.
   """
+  for name, value in (("max_len", max_len), ("batch", batch)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(
+        f"draft_from(..., {name}={value!r}): pass a positive int (max_len: the prompt, the "
+        "new tokens and twice the widest round; batch: the rows of a generation)"
+      )
   wanted = None if quantize is None else Quantization.of(quantize)
   path = _write_draft(Path(source), wanted, None if store is None else os.fspath(store), progress)
   model = load(path)
@@ -211,24 +220,24 @@ def draft_from(
   kv = kv_cache_bytes(cfg, batch, max_len)
   left, where = _device_left(target, device_budget_bytes)
 
-  def too_small(weights: str, required: int) -> DeviceBudgetTooSmallError:
+  def too_small(weights: int | None) -> DeviceBudgetTooSmallError:
+    what = "its weights" if weights is None else f"{format_bytes(weights)} of weights"
     return DeviceBudgetTooSmallError(
-      f"the draft {path} needs {weights} of weights + {format_bytes(kv)} of KV cache "
+      f"the draft {path} needs {what} + {format_bytes(kv)} of KV cache "
       f"({batch} row(s) x {max_len} slots x {cfg.num_hidden_layers} layers) on the device, "
       f"over the {format_bytes(left or 0)} {where}: use a smaller draft (quantize='int4'), "
       "a shorter max_len, or a larger device budget",
-      required=required,
+      required=kv + (weights or 0),
       budget=left,
     )
 
   if left is not None and kv >= left:
-    raise too_small("some", kv)
+    raise too_small(None)
   policy = FullyResident() if left is None else FullyResident(device_budget_bytes=left - kv)
   try:
     placed = place(model, policy, store=path, activations=activations)
   except DeviceBudgetTooSmallError as e:
-    weights = int(e.required or 0)
-    raise too_small(format_bytes(weights), weights + kv) from e
+    raise too_small(int(e.required or 0)) from e
   item = MemoryItem(
     name=KV_CACHE_ITEM,
     memory="device",
@@ -240,10 +249,10 @@ def draft_from(
   return Draft(placed=placed, config=cfg, store=path)
 
 
-def _device_left(target: Any, budget: int | None) -> tuple[int | None, str]:
+def _device_left(target: Any, budget: int | str | None) -> tuple[int | None, str]:
   """The device bytes the draft may hold, and how that figure comes about."""
   if budget is not None:
-    return int(budget), "of device_budget_bytes"
+    return parse_bytes(budget, name="device_budget_bytes"), "of device_budget_bytes"
   if target is None:
     return None, ""
   own = target.policy.offload().device_budget_bytes

@@ -42,7 +42,7 @@ from typing import Any
 from jax_residency._src.errors import BudgetTooSmallError, PlacementError
 from jax_residency._src.plan.budget import ModelMetadata, check_budgets
 from jax_residency._src.policy.options import format_budget
-from jax_residency._src.policy.sizes import format_bytes
+from jax_residency._src.policy.sizes import format_bytes, parse_bytes
 from jax_residency._src.policy.types import (
   DenseDiskStream,
   FullyResident,
@@ -156,8 +156,14 @@ def plan(
   regime: str = "disk",
   dtype: Any = None,
   quantize: Any = None,
+  draft_device_bytes: int = 0,
 ) -> list[Candidate]:
   """Every placement of ``store`` the budgets admit, fastest first (module docstring).
+
+  ``draft_device_bytes``: device memory held beside the target, such as a speculative
+  draft's weights and KV cache (``models.draft_from(...).metadata.planned_device_bytes``):
+  the candidates fit ``device_budget_bytes`` less it, and carry that as their device
+  budget (place the draft with ``models.draft_from(..., device_budget_bytes=...)``).
 
   ``store`` is a store, or a Hugging Face ``config.json`` (or a directory with one)
   planned as ``convert hf`` would store it, in ``dtype`` (default: its ``torch_dtype``)
@@ -168,8 +174,8 @@ def plan(
     MeasurementMismatchError: ``measurement`` is of another store or backend.
     PlacementError: the measurement has no step time for the workload's inputs (the
       message says how to measure them), no placement fits (the message gives the
-      smallest budgets one fits), or ``store`` is a config.json and ``measurement`` was
-      measured, not given.
+      smallest budgets one fits), a draft that leaves the target no device memory, or
+      ``store`` is a config.json and ``measurement`` was measured, not given.
 
   Example:
     >>> import os, tempfile, jax.numpy as jnp
@@ -199,6 +205,7 @@ def plan(
       "accelerator's figures given as numbers: jr.plan(config, jr.Accelerator(...)"
       ".measurement(config, workload), ...)"
     )
+  device_budget_bytes = _beside_draft(device_budget_bytes, draft_device_bytes)
   measurement.check(store)
   steps = [
     _steps(measurement, sig) for sig in (workload.prefill_signature, workload.decode_signature)
@@ -247,8 +254,38 @@ def plan(
       )
     )
   if not found:
-    raise PlacementError(_nothing_fits(sizes, device_budget_bytes, host_budget_bytes))
+    why = _nothing_fits(sizes, device_budget_bytes, host_budget_bytes)
+    if draft_device_bytes:
+      why += (
+        f" The device budget is what a draft of {draft_device_bytes} "
+        f"({format_bytes(draft_device_bytes)}) leaves: a smaller draft leaves more."
+      )
+    raise PlacementError(why)
   return sorted(found, key=lambda c: (c.total_seconds, c.decode_seconds))
+
+
+def _beside_draft(budget: int | str | None, draft: int) -> int | None:
+  """The target's device budget (given as an int or a size such as ``"8GiB"``) beside
+  ``draft`` bytes of a draft, in bytes.
+
+  Raises:
+    PlacementError: ``draft`` is not a non-negative int, or leaves no device memory.
+  """
+  if isinstance(draft, bool) or not isinstance(draft, int) or draft < 0:
+    raise PlacementError(
+      f"draft_device_bytes={draft!r}: pass the draft's device bytes as an int >= 0 "
+      "(models.draft_from(...).metadata.planned_device_bytes)"
+    )
+  device = parse_bytes(budget, name="device_budget_bytes")
+  if device is None or not draft:
+    return device
+  if draft >= device:
+    raise PlacementError(
+      f"a draft of {draft} ({format_bytes(draft)}) on the device leaves nothing of "
+      f"device_budget_bytes={device} ({format_bytes(device)}) for the target: use a smaller "
+      "draft (quantize='int4', a shorter max_len) or a larger device budget"
+    )
+  return device - draft
 
 
 def _steps(measurement: Measurement, signature: str) -> dict[str, float]:

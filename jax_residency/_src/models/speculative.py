@@ -80,7 +80,6 @@ class SpeculationReport:
       unless every row stopped early).
     draft_s: seconds in the draft's prefill and steps.
     target_s: seconds in the target's prefill and passes.
-    draft_tokens: the proposals of each round (a tree's nodes but its root).
     trees: the shape of each round's tree (``(1,) * k`` for a chain of ``k``).
   """
 
@@ -92,8 +91,12 @@ class SpeculationReport:
   generated: int = 0
   draft_s: float = 0.0
   target_s: float = 0.0
-  draft_tokens: list[int] = dataclasses.field(default_factory=list)
   trees: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+
+  @property
+  def draft_tokens(self) -> list[int]:
+    """The proposals of each round (a tree's nodes but its root)."""
+    return [DraftTree(shape).proposals for shape in self.trees]
 
   @property
   def acceptance_rate(self) -> float:
@@ -271,8 +274,12 @@ class _Sampling:
   temperature: float
   top_k: int | None
   top_p: float | None
-  key: jax.Array
   seed: int
+
+  @functools.cached_property
+  def key(self) -> jax.Array:
+    """The root of the draws made in JAX (the draft's children, the first token)."""
+    return jax.random.key(self.seed)
 
   @property
   def greedy(self) -> bool:
@@ -349,10 +356,12 @@ class _Generation:
       # an unfinished row holds under length + max_new_tokens marked slots
       assert self.index + tree.size <= self.slots, (self.index, tree.size, self.slots)
     seen = jnp.sum(self.t_cache.mask, axis=1, keepdims=True)
-    tokens, q, top = self._expand(tree, seen, jax.random.fold_in(self.sampling.key, r + 1))
+    ancestors = jnp.asarray(tree.ancestors)
+    key = jax.random.fold_in(self.sampling.key, r + 1)
+    tokens, q, top = self._expand(tree, ancestors, seen, key)
     batch = tokens.shape[0]
     index = jnp.int32(self.index)
-    visible = None if tree.is_chain else _visible(jnp.asarray(tree.ancestors), index, self.slots)
+    visible = None if tree.is_chain else _visible(ancestors, index, self.slots)
     logits, self.t_cache = self.t_clock(
       self.target,
       jnp.asarray(tokens),
@@ -385,24 +394,23 @@ class _Generation:
     report.accepted += sum(len(p) - 1 for d, p in zip(done, paths, strict=True) if not d)
     report.target_passes += 1
     report.draft_steps += len(tree.levels)
-    report.draft_tokens.append(tree.proposals)
     report.trees.append(tree.branches)
     self.tuning.rounds += 1
     self.index += int(kept.max(initial=0))
     self.last = np.asarray(after, np.int32)
 
   def _expand(
-    self, tree: DraftTree, seen: jax.Array, key: jax.Array
+    self, tree: DraftTree, ancestors: jax.Array, seen: jax.Array, key: jax.Array
   ) -> tuple[np.ndarray, list[Any], np.ndarray]:
-    """The draft's tree from the last token, one call a depth, each depth written at its
-    own slots: the nodes' tokens ``(batch, size)``, the draft's ``q`` at each expanded
-    depth (sampling) and its top tokens at each node ``(batch, size, MAX_AUTO_BRANCHES)``."""
+    """The draft's tree from the last token (``ancestors``: the tree's table on the device),
+    one call a depth, each depth written at its own slots: the nodes' tokens ``(batch,
+    size)``, the draft's ``q`` at each expanded depth (sampling) and its top tokens at
+    each node ``(batch, size, MAX_AUTO_BRANCHES)``."""
     batch = self.last.shape[0]
     tokens = np.zeros((batch, tree.size), np.int32)
     tokens[:, 0] = self.last
     top = np.zeros((batch, tree.size, MAX_AUTO_BRANCHES), np.int32)
     qs: list[Any] = []
-    ancestors = jnp.asarray(tree.ancestors)
     for d, (start, n) in enumerate(zip(tree.starts, tree.levels, strict=True)):
       index = jnp.int32(self.index + start)
       visible = (
@@ -520,7 +528,7 @@ def speculative_decode(
     LlamaCache.zeros(target_cfg, batch, slots),
     LlamaCache.zeros(draft_cfg, batch, slots),
   )
-  sampling = _Sampling(temperature, top_k, top_p, jax.random.key(seed), seed)
+  sampling = _Sampling(temperature, top_k, top_p, seed)
   tuning = AutoTuning() if tuning is None else tuning
   run = _Generation(
     target, draft, caches, ids, mask, max_new_tokens, widest, sampling, stops, pad, tuning

@@ -355,7 +355,9 @@ class _Generation:
       self.index = int(jnp.max(jnp.sum(self.t_cache.mask, axis=1)))
       # an unfinished row holds under length + max_new_tokens marked slots
       assert self.index + tree.size <= self.slots, (self.index, tree.size, self.slots)
-    seen = jnp.sum(self.t_cache.mask, axis=1, keepdims=True)
+    # each row's positions so far, as a host array: the models' inputs are then alike
+    # (uncommitted) in every round, and no program or eager op compiles again for them
+    seen = np.asarray(jnp.sum(self.t_cache.mask, axis=1, keepdims=True))
     ancestors = jnp.asarray(tree.ancestors)
     key = jax.random.fold_in(self.sampling.key, r + 1)
     tokens, q, top = self._expand(tree, ancestors, seen, key)
@@ -368,7 +370,7 @@ class _Generation:
       jnp.ones((batch, tree.size), jnp.int32),
       self.t_cache,
       index,
-      seen + jnp.asarray(tree.depth)[None],
+      jnp.asarray(seen + tree.depth[None]),
       visible,
     )
     self.tuning.pass_times.add(tree.size, self.t_clock.last)
@@ -400,7 +402,7 @@ class _Generation:
     self.last = np.asarray(after, np.int32)
 
   def _expand(
-    self, tree: DraftTree, ancestors: jax.Array, seen: jax.Array, key: jax.Array
+    self, tree: DraftTree, ancestors: jax.Array, seen: np.ndarray, key: jax.Array
   ) -> tuple[np.ndarray, list[Any], np.ndarray]:
     """The draft's tree from the last token (``ancestors``: the tree's table on the device),
     one call a depth, each depth written at its own slots: the nodes' tokens ``(batch,
@@ -424,7 +426,7 @@ class _Generation:
         jnp.ones((batch, n), jnp.int32),
         self.d_cache,
         index,
-        seen + d,
+        jnp.asarray(seen + d),
         visible,
       )
       self.tuning.draft_times.add(n, self.d_clock.last)

@@ -50,9 +50,6 @@ class TimesBySize:
       return {n: statistics.median(t) for n, t in self._later.items()}
     return dict(self._first)
 
-  def __bool__(self) -> bool:
-    return bool(self._first)
-
 
 @dataclasses.dataclass
 class AutoTuning:

@@ -1,26 +1,45 @@
-"""What a store has read: the counting half of `UnitStore` (which sets ``_mappers``,
-``_pool``, ``_local``, ``_fetched`` and ``_infos``), as `StackLayout` is its
-description half."""
+"""What a store has read since it opened: a part `UnitStore` holds (its counters)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
 
+from jax_residency._src.store import discovery
 from jax_residency._src.store.buffers import BufferPool
 from jax_residency._src.store.mapped import UnitMapper
 from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.stored_stack import LocalFetches
+from jax_residency._src.store.unit_reader import ReadCounters
 from jax_residency._src.typing import ParamPath
 
 
 class ReadCounts:
-  """Bytes read, mapped, fetched and buffered by a store since it opened."""
+  """Bytes read, mapped, fetched and buffered by a store since it opened.
 
-  _mappers: list[UnitMapper]
-  _pool: BufferPool
-  _local: LocalFetches | None
-  _fetched: FetchCounter
-  _infos: dict[ParamPath, Any]
+  Args:
+    mappers: the store's raw-chunk mappers (`mapped.UnitMapper`), one per local stack.
+    pool: the store's read buffers.
+    local: counts reads through TensorStore of a local store's files (None: remote).
+    fetched: TensorStore's counter for the store's kind of storage.
+    infos: every array of the store, by path.
+  """
+
+  def __init__(
+    self,
+    mappers: Sequence[UnitMapper],
+    pool: BufferPool,
+    local: LocalFetches | None,
+    fetched: FetchCounter,
+    infos: Mapping[ParamPath, discovery.ArrayInfo],
+  ) -> None:
+    self._mappers, self._pool, self._local = list(mappers), pool, local
+    self._fetched, self._infos = fetched, dict(infos)
+
+  def count(self, path: ParamPath, unit: int | None) -> None:
+    """Counts a read through TensorStore of unit ``unit`` of the array at ``path``
+    (None: all of it)."""
+    if self._local is not None:
+      self._local.count(self._infos[path], unit)
 
   @property
   def advised_bytes(self) -> int:
@@ -41,10 +60,6 @@ class ReadCounts:
     local = self._local.total if self._local is not None else 0
     return local + sum(m.total_bytes + m.direct_bytes for m in self._mappers)
 
-  def _count(self, path: ParamPath, unit: int | None) -> None:
-    if self._local is not None:
-      self._local.count(self._infos[path], unit)
-
   @property
   def fetched_bytes_total(self) -> int:
     """Bytes fetched from the store's storage since it was opened (metadata included):
@@ -61,14 +76,15 @@ class ReadCounts:
   @property
   def buffer_peak_bytes(self) -> int:
     """Most bytes of unit buffers, live and idle, and mapped chunk ranges held at once
-    since `reset_buffer_peak`."""
+    since the pool's peak was last reset."""
     return self._pool.peak_bytes
 
-  def retire_mapped(self, arrays: Any) -> int:
-    """Unmaps the pages of mapped unit arrays whose last step has completed, before the
-    arrays themselves go (`mapped.UnitMapper.retire`); returns the bytes retired."""
-    return sum(m.retire(arrays) for m in self._mappers)
-
-  def reset_buffer_peak(self) -> None:
-    """Starts `buffer_peak_bytes` over from the buffers held now."""
-    self._pool.reset_peak()
+  def snapshot(self) -> ReadCounters:
+    """Every counter now, as one record."""
+    return ReadCounters(
+      advised_bytes=self.advised_bytes,
+      mapped_bytes=self.mapped_bytes_total,
+      fetched_bytes=self.fetched_bytes_total,
+      buffer_bytes=self.buffer_bytes,
+      buffer_peak_bytes=self.buffer_peak_bytes,
+    )

@@ -145,16 +145,28 @@ def locate(stacks: Sequence[StoredStack], i: Any, path: str) -> tuple[StoredStac
 
 
 class StackLayout:
-  """What a store's stacks and static arrays are, from its metadata: the
-  description half of `UnitStore`, which sets ``_stacks``, ``_static`` and
-  ``_unit_count``."""
+  """What a store's stacks and static arrays are, from its metadata: a part `UnitStore`
+  holds (its layout).
 
-  _stacks: list[StoredStack]
-  _static: dict[ParamPath, discovery.ArrayInfo]
-  _unit_count: int
-  path: Any  # the store's path (a property of `UnitStore`)
-  #: The tensors the store holds quantized (its sidecar's record), or None.
-  quantization: QuantPlan | None = None
+  Args:
+    path: the store's path, as its `StoreInfo` names it.
+    stacks: the stacks, in the model's forward order (`split_stacks`).
+    static: the static arrays, by full path.
+    quantization: the tensors the store holds quantized (its sidecar's record), or None.
+  """
+
+  def __init__(
+    self,
+    path: str,
+    stacks: Sequence[StoredStack],
+    static: Mapping[ParamPath, discovery.ArrayInfo],
+    quantization: QuantPlan | None = None,
+  ) -> None:
+    self.path = path
+    self._stacks = list(stacks)
+    self._static = dict(static)
+    self._unit_count = sum(s.count for s in self._stacks)
+    self.quantization = quantization
 
   @property
   def unit_prefix(self) -> ParamPath:

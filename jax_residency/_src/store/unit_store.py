@@ -34,6 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_residency._src import errors
+from jax_residency._src.plan.quantized import QuantPlan
 from jax_residency._src.policy.options import DEFAULT_MAX_CACHED_SHARDS
 from jax_residency._src.store import (
   checkpoints,
@@ -48,7 +49,7 @@ from jax_residency._src.store import (
 )
 from jax_residency._src.store.buffers import BufferPool
 from jax_residency._src.store.discovery import SIDECAR_KEY
-from jax_residency._src.store.info import StoreInfo as StoreInfo
+from jax_residency._src.store.info import StackInfo, StoreInfo
 from jax_residency._src.store.read_counts import ReadCounts
 from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.remote import FetchCounter
@@ -60,13 +61,14 @@ from jax_residency._src.store.stored_stack import (
   locate,
   split_stacks,
 )
+from jax_residency._src.store.unit_reader import ReadCounters
 from jax_residency._src.store.unit_reads import (
   UnitRead,
   in_order,
   issue_unit_read,
   read_error,
 )
-from jax_residency._src.typing import ParamPath, path_str
+from jax_residency._src.typing import ParamPath, TensorSpec, path_str
 
 if TYPE_CHECKING:
   from jax.typing import DTypeLike
@@ -75,7 +77,7 @@ if TYPE_CHECKING:
 DEFAULT_SPARE_UNIT_BUFFERS = 3
 
 
-class UnitStore(StackLayout, ReadCounts):
+class UnitStore:
   """A store opened for reading: metadata up front, tensor data on demand.
 
   Open with `UnitStore.open`. Thread-safe: the engine's main thread and its
@@ -86,6 +88,11 @@ class UnitStore(StackLayout, ReadCounts):
   `unit_nbytes` (see `BufferPool`); up to `spare_unit_buffers` idle
   buffers are kept for reuse, on top of what the caller holds. TensorStore's
   chunk cache is off; a bounded 16 MiB cache holds OCDBT index nodes.
+
+  A store is made of parts it holds: its `layout` (what its stacks and static arrays
+  are), its read buffers (`BufferPool`), a raw-chunk mapper per local stack
+  (`mapped.UnitMapper`) and its counters (`ReadCounts`). It is the dense stream's
+  `unit_reader.UnitReader`.
   """
 
   def __init__(
@@ -98,6 +105,8 @@ class UnitStore(StackLayout, ReadCounts):
     use_ocdbt: bool,
     max_cached_shards: int,
     spare_unit_buffers: int,
+    quantization: QuantPlan | None = None,
+    fetched: FetchCounter | None = None,
   ):
     self._loc = location
     self._context = context
@@ -105,9 +114,7 @@ class UnitStore(StackLayout, ReadCounts):
     self._stacks, self._static = split_stacks(
       arrays, stacks, local=location.local, use_ocdbt=use_ocdbt
     )
-    self._prefix = self._stacks[0].prefix
-    self._units = self._stacks[0].arrays
-    self._unit_count = sum(s.count for s in self._stacks)
+    self.layout = StackLayout(location.path, self._stacks, self._static, quantization)
     self._names = {p: a.stored_name for p, a in arrays.items()}  # by path: Orbax's name
     self._drivers = {a.stored_name: a.driver for a in arrays.values()}
     self._handles = handles.HandleCache(max_cached_shards, self._open_handle)
@@ -121,10 +128,12 @@ class UnitStore(StackLayout, ReadCounts):
     # A placement serves the store it opened: reads check it was not replaced since.
     self._watch = generation.Watch(location.local, location.path) if location.local else None
     local = location.local
-    self._local = LocalFetches(local, use_ocdbt=use_ocdbt) if local else None
     self._cache_bytes = 0  # of the chunk cache (see `open`'s cache_largest_chunk)
     self._infos = dict(arrays)
-    self._fetched = FetchCounter(location.path, local=location.local is not None)
+    if fetched is None:
+      fetched = FetchCounter(location.path, local=location.local is not None)
+    local_fetches = LocalFetches(local, use_ocdbt=use_ocdbt) if local else None
+    self.counts = ReadCounts(self._mappers, self._pool, local_fetches, fetched, arrays)
 
   @classmethod
   def open(
@@ -198,9 +207,10 @@ class UnitStore(StackLayout, ReadCounts):
       use_ocdbt=found.use_ocdbt,
       max_cached_shards=max_cached_shards,
       spare_unit_buffers=spare_unit_buffers,
+      quantization=checks.recorded_quantization(found, loc.path),
+      fetched=fetched,
     )
-    store._fetched, store._cache_bytes = fetched, cache_bytes
-    store.quantization = checks.recorded_quantization(found, loc.path)
+    store._cache_bytes = cache_bytes
     return store
 
   # -- description
@@ -216,9 +226,132 @@ class UnitStore(StackLayout, ReadCounts):
 
   def __repr__(self) -> str:
     return (
-      f"UnitStore(path={self.path!r}, unit_prefix={self._prefix}, "
-      f"unit_count={self._unit_count}, unit_nbytes={self.unit_nbytes})"
+      f"UnitStore(path={self.path!r}, unit_prefix={self.unit_prefix}, "
+      f"unit_count={self.unit_count}, unit_nbytes={self.unit_nbytes})"
     )
+
+  # The layout's description, as the store's own (`StackLayout`).
+
+  @property
+  def unit_prefix(self) -> ParamPath:
+    """The (first) stack's path."""
+    return self.layout.unit_prefix
+
+  @property
+  def info(self) -> StoreInfo:
+    return self.layout.info
+
+  @property
+  def quantization(self) -> QuantPlan | None:
+    """The tensors the store holds quantized (its sidecar's record), or None."""
+    return self.layout.quantization
+
+  @property
+  def stored_stacks(self) -> tuple[StoredStack, ...]:
+    """Every stack opened, with its arrays' chunking (`StoredStack`)."""
+    return self.layout.stored_stacks
+
+  @property
+  def stacks(self) -> tuple[StackInfo, ...]:
+    """Every stack opened, in order; unit ids run through them one after another."""
+    return self.layout.stacks
+
+  @property
+  def unit_count(self) -> int:
+    """Units over all stacks."""
+    return self.layout.unit_count
+
+  @property
+  def unit_specs(self) -> dict[ParamPath, TensorSpec]:
+    """The (first) stack's unit tensors, keyed by path relative to `unit_prefix`."""
+    return self.layout.unit_specs
+
+  def stack_specs(self, k: int) -> dict[ParamPath, TensorSpec]:
+    """Stack ``k``'s unit tensors, keyed by path relative to its prefix."""
+    return self.layout.stack_specs(k)
+
+  @property
+  def static_specs(self) -> dict[ParamPath, TensorSpec]:
+    """Static tensors, keyed by full path: (shape, dtype)."""
+    return self.layout.static_specs
+
+  @property
+  def unit_nbytes(self) -> int:
+    """Bytes of one unit (of the largest, with several stacks)."""
+    return self.layout.unit_nbytes
+
+  @property
+  def total_unit_bytes(self) -> int:
+    return self.layout.total_unit_bytes
+
+  @property
+  def static_nbytes(self) -> int:
+    return self.layout.static_nbytes
+
+  @property
+  def chunked_per_unit(self) -> bool:
+    """Whether every unit array holds at most one unit per chunk (streamable)."""
+    return self.layout.chunked_per_unit
+
+  @property
+  def bytes_read_per_byte_used(self) -> float:
+    """See `StackLayout.bytes_read_per_byte_used`."""
+    return self.layout.bytes_read_per_byte_used
+
+  @property
+  def largest_shared_chunk(self) -> int:
+    """See `StackLayout.largest_shared_chunk`."""
+    return self.layout.largest_shared_chunk
+
+  @property
+  def compressed(self) -> bool:
+    """Whether any unit array is compressed (slower reads; `rechunk_store` drops it)."""
+    return self.layout.compressed
+
+  # The counters, as the store's own (`ReadCounts`).
+
+  @property
+  def advised_bytes(self) -> int:
+    """See `ReadCounts.advised_bytes`."""
+    return self.counts.advised_bytes
+
+  @property
+  def mapped_bytes_total(self) -> int:
+    """See `ReadCounts.mapped_bytes_total`."""
+    return self.counts.mapped_bytes_total
+
+  @property
+  def own_read_bytes(self) -> int:
+    """See `ReadCounts.own_read_bytes`."""
+    return self.counts.own_read_bytes
+
+  @property
+  def fetched_bytes_total(self) -> int:
+    """See `ReadCounts.fetched_bytes_total`."""
+    return self.counts.fetched_bytes_total
+
+  @property
+  def buffer_bytes(self) -> int:
+    """See `ReadCounts.buffer_bytes`."""
+    return self.counts.buffer_bytes
+
+  @property
+  def buffer_peak_bytes(self) -> int:
+    """See `ReadCounts.buffer_peak_bytes`."""
+    return self.counts.buffer_peak_bytes
+
+  def read_counters(self) -> ReadCounters:
+    """Every counter now (`UnitReader.read_counters`)."""
+    return self.counts.snapshot()
+
+  def reset_buffer_peak(self) -> None:
+    """Starts `buffer_peak_bytes` over from the buffers held now."""
+    self._pool.reset_peak()
+
+  def retire_mapped(self, arrays: Any) -> int:
+    """Unmaps the pages of mapped unit arrays whose last step has completed, before the
+    arrays themselves go (`mapped.UnitMapper.retire`); returns the bytes retired."""
+    return sum(m.retire(arrays) for m in self._mappers)
 
   def limit_buffers(self, units: int | None, *, reclaim: Callable[[], None] | None = None) -> None:
     """Holds unit buffers, live and idle, to ``units`` whole-unit buffers.
@@ -366,7 +499,7 @@ class UnitStore(StackLayout, ReadCounts):
     )
     read.id = int(i)
     for key in read.tensorstore_keys:
-      self._count(stack.prefix + (key if key in stack.arrays else tuple(key[:-1])), j)
+      self.counts.count(stack.prefix + (key if key in stack.arrays else tuple(key[:-1])), j)
     return read
 
   def advise_unit(self, i: int, *, experts: bool = True) -> int:
@@ -380,7 +513,11 @@ class UnitStore(StackLayout, ReadCounts):
     return stack.mapper.advise_unit(j, huge=self._map, pieces=experts)
 
   def read_unit(
-    self, i: int, *, index: Mapping[ParamPath, tuple[Any, ...]] | None = None
+    self,
+    i: int,
+    *,
+    index: Mapping[ParamPath, tuple[Any, ...]] | None = None,
+    skip: Collection[ParamPath] = (),
   ) -> dict[ParamPath, np.ndarray]:
     """Reads the tensors of unit `i`, keyed by path relative to its stack's prefix.
 
@@ -394,8 +531,9 @@ class UnitStore(StackLayout, ReadCounts):
       index: If given, read only these tensors, each restricted to its tuple of
         slices/ints over the per-unit shape (`()` means all of it) — a process
         reads just what its devices own.
+      skip: Tensors to leave out (a unit's experts, read by `read_experts_async`).
     """
-    return self.read_unit_async(i, index=index).result()
+    return self.read_unit_async(i, index=index, skip=skip).result()
 
   def read_units(
     self,
@@ -422,7 +560,7 @@ class UnitStore(StackLayout, ReadCounts):
     every unit), each chunk decoded once, into ``out`` if given; returns it."""
     handle = self.array_handle(path)
     future = handle.read() if out is None else ts.array(out, copy=False, write=True).write(handle)
-    self._count(tuple(path), None)
+    self.counts.count(tuple(path), None)
     name = path_str(tuple(path))
 
     def fail(e: BaseException) -> errors.StoreError:  # naming the unit whose chunk failed

@@ -38,6 +38,7 @@ from jax_residency._src.policy.experts import ExpertResidency
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.report.metrics import Tally
 from jax_residency._src.report.stream_metrics import ExpertMetrics, Tier
+from jax_residency._src.store.unit_reader import UnitReader
 from jax_residency._src.stream.expert_plan import StackExperts
 from jax_residency._src.stream.expert_rows import ExpertRows, RowBuffers, put_rows
 from jax_residency._src.stream.ledger import Eviction, ResidencyLedger
@@ -52,21 +53,17 @@ class ExpertStream:
     self,
     *,
     policy: ExpertResidency,
-    source: Any,
+    source: UnitReader,
     stacks: Sequence[StackUnits],
     owner: Sequence[StackUnits],
     ordinary: Any,
     platform: str,
   ) -> None:
-    stored = getattr(source, "stored_stacks", None)
-    if stored is None:
-      raise PlacementError(
-        "expert residency needs a store (jax_residency.save) to read experts from"
-      )
+    stored = source.stored_stacks
     self._stacks = {st.name: StackExperts.of(st, s) for st, s in zip(stacks, stored, strict=True)}
     if not any(self._stacks.values()):
       raise StoreLayoutError(
-        f"{getattr(source, 'path', 'the store')}: no layer stack stores its experts a chunk "
+        f"{source.path}: no layer stack stores its experts a chunk "
         "per expert, so expert residency cannot read one expert without the others. Rewrite "
         "it with `jax-residency rechunk STORE NEW --experts mlp.experts` (the experts' path "
         "inside a layer), or place it without experts=."
@@ -99,7 +96,7 @@ class ExpertStream:
   def for_stacks(
     cls,
     policy: ExpertResidency,
-    source: Any,
+    source: UnitReader,
     stacks: Sequence[StackUnits],
     ordinary: Any,
     platform: str,

@@ -1,76 +1,79 @@
 """Reading one unit for the dense stream, with failures named by unit.
 
-`UnitSource` is what the engine needs of a store (`store.unit_store.UnitStore` is
-one). `read_unit` reads a unit now; `start_read` issues its read and returns a callable
-that waits for it (where the source reads asynchronously). Either raises the store's
-own `StoreError` as it is, and any other failure as a `StoreError` naming the unit.
+The stream reads through a `store.unit_reader.UnitReader` (`UnitStore` is one) and
+nothing else. `UnitReads` reads unit ``i`` as its stack needs it (a process's boxes on a
+multi-process mesh, without the experts read apart): `read` now, `start` issues the read
+and returns a callable that waits for it. Either raises the store's own `StoreError` as
+it is, and any other failure as a `StoreError` naming the unit.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from typing import Any, NoReturn, Protocol
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import NoReturn
 
 import numpy as np
 
 from jax_residency._src.errors import ClosedError, StoreError
+from jax_residency._src.plan.budget import ModelMetadata
 from jax_residency._src.store.buffers import release_dropped_buffers
+from jax_residency._src.store.unit_reader import UnitReader
+from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.stream.tally import PassTally
 from jax_residency._src.typing import ParamPath
 
-Index = Mapping[ParamPath, tuple[Any, ...]] | None
+Unit = Mapping[ParamPath, np.ndarray]
 
 
-class UnitSource(Protocol):
-  """What the engine needs from a unit store."""
+class UnitReads:
+  """Reads of the stream's units from ``source``.
 
-  @property
-  def unit_count(self) -> int: ...
+  Args:
+    source: the store.
+    owner: the stack of each unit id (its read boxes, its host bytes).
+    skip: the tensors of unit ``i`` a unit read leaves out (its experts, read apart).
+    tally: where a read the stream waits on counts its stall.
+  """
 
-  def read_unit(self, i: int, /, *, index: Index = None) -> Mapping[ParamPath, np.ndarray]: ...
+  def __init__(
+    self,
+    source: UnitReader,
+    owner: Sequence[StackUnits],
+    skip: Callable[[int], tuple[ParamPath, ...]],
+    tally: PassTally,
+  ) -> None:
+    self.source, self.owner, self._skip, self.tally = source, owner, skip, tally
 
-
-def read_unit(
-  source: UnitSource, i: int, index: Index, skip: tuple[ParamPath, ...] = ()
-) -> Mapping[ParamPath, np.ndarray]:
-  """Unit ``i`` of ``source`` (only the boxes ``index`` names, on a multi-process mesh;
-  without the tensors in ``skip``, a unit's experts read apart)."""
-  try:
-    if skip:
-      return source.read_unit_async(i, skip=skip).result()  # type: ignore[attr-defined]
-    return source.read_unit(i) if index is None else source.read_unit(i, index=index)
-  except (StoreError, ClosedError):
-    raise
-  except Exception as e:
-    raise_read_error(i, e)
-    raise  # unreachable
-
-
-def start_read(
-  source: UnitSource, i: int, index: Index, skip: tuple[ParamPath, ...] = ()
-) -> Callable[[], Mapping[ParamPath, np.ndarray]]:
-  """Issues the read of unit ``i``; the returned callable waits for it."""
-  start_async = getattr(source, "read_unit_async", None)
-  if start_async is None:
-    return lambda: read_unit(source, i, index, skip)
-  try:
-    if skip:
-      pending = start_async(i, skip=skip)
-    else:
-      pending = start_async(i) if index is None else start_async(i, index=index)
-  except Exception as e:  # noqa: BLE001 - re-raised with the unit named
-    return functools.partial(raise_read_error, i, e)
-
-  def finish() -> Mapping[ParamPath, np.ndarray]:
+  def read(self, i: int) -> Unit:
+    """Unit ``i``, read now."""
     try:
-      return pending.result()
-    except (StoreError, ClosedError):
-      raise
-    except Exception as e:
+      return self.source.read_unit(i, index=self.owner[i].read_index, skip=self._skip(i))
+    except Exception as e:  # noqa: BLE001 - raised again, with the unit named
       raise_read_error(i, e)
-      raise  # unreachable
 
-  return finish
+  def read_waiting(self, i: int) -> Unit:
+    """Unit ``i``, read now while a step waits for it (a stall)."""
+    start = time.perf_counter()
+    data = self.read(i)
+    self.tally.stall(time.perf_counter() - start)
+    return data
+
+  def start(self, i: int) -> Callable[[], Unit]:
+    """Issues the read of unit ``i``; the returned callable waits for it."""
+    try:
+      pending = self.source.read_unit_async(i, index=self.owner[i].read_index, skip=self._skip(i))
+    except Exception as e:  # noqa: BLE001 - re-raised with the unit named, when waited on
+      return functools.partial(raise_read_error, i, e)
+
+    def finish() -> Unit:
+      try:
+        return pending.result()
+      except Exception as e:  # noqa: BLE001 - raised again, with the unit named
+        raise_read_error(i, e)
+
+    return finish
 
 
 def raise_read_error(i: int, e: Exception) -> NoReturn:
@@ -80,10 +83,9 @@ def raise_read_error(i: int, e: Exception) -> NoReturn:
 
 
 def tune_source(
-  source: Any, metadata: Any, *, staging: int, unit_bytes: int, multiprocess: bool
+  source: UnitReader, metadata: ModelMetadata, *, staging: int, unit_bytes: int, multiprocess: bool
 ) -> None:
-  """Bounds ``source``'s read buffers by the plan (``metadata``: `ModelMetadata`), and
-  maps reads where it can.
+  """Bounds ``source``'s read buffers by the plan, and maps reads where it can.
 
   Idle read buffers are kept for reuse only while every buffer, live or idle, fits
   what the plan gives host-side unit buffers: the host cache, the ``staging`` unit,
@@ -91,21 +93,9 @@ def tune_source(
   host memory, whole units are mapped from the store's files instead of copied (see
   `mapped`): the page cache is the read buffer.
   """
-  limit_buffers = getattr(source, "limit_buffers", None)
-  if limit_buffers is not None:
-    window = metadata.device_window_units if metadata.device_is_host else 0
-    cached = metadata.item_bytes("host cache") + staging
-    units = window + (cached // unit_bytes if unit_bytes else 0)
-    limit_buffers(units, reclaim=release_dropped_buffers)
-  use_mapped = getattr(source, "use_mapped_reads", None)
-  if use_mapped is not None and metadata.device_is_host and not multiprocess:
-    use_mapped()
-
-
-def retire_finished(source: Any, arrays: Any) -> None:
-  """Unmaps the pages of a unit's mapped arrays whose last step has completed, before
-  XLA lets go of them (`mapped.UnitMapper.retire`); nothing for other arrays or
-  sources."""
-  retire = getattr(source, "retire_mapped", None)
-  if retire is not None and arrays is not None:
-    retire(arrays)
+  window = metadata.device_window_units if metadata.device_is_host else 0
+  cached = metadata.item_bytes("host cache") + staging
+  units = window + (cached // unit_bytes if unit_bytes else 0)
+  source.limit_buffers(units, reclaim=release_dropped_buffers)
+  if metadata.device_is_host and not multiprocess:
+    source.use_mapped_reads()

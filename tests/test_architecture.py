@@ -440,3 +440,80 @@ def test_no_import_cycles() -> None:
     "jax_residency modules import each other in a cycle (imports inside functions "
     "count); move what both need into a module below them:\n  " + "\n  ".join(cycles)
   )
+
+
+def attribute_probes(mod: Module) -> list[str]:
+  """Calls of ``getattr``/``hasattr`` on an object in ``mod``: a seam read by probing, not
+  declared. Probing an imported module for what the platform has (``hasattr(mmap, ...)``)
+  is no seam, and not counted."""
+  tree = ast.parse(mod.source(), mod.path)
+  imported = {
+    (a.asname or a.name).split(".")[0]
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Import)
+    for a in node.names
+  }
+  return [
+    f"{mod.name}:{node.lineno}: {node.func.id}(...)"
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Call)
+    and isinstance(node.func, ast.Name)
+    and node.func.id in ("getattr", "hasattr")
+    and not (isinstance(node.args[0], ast.Name) and node.args[0].id in imported)
+  ]
+
+
+def test_the_stream_reads_its_store_through_the_declared_protocol(tmp_path) -> None:
+  """docs/design.md, 5.3: the dense stream reads a store through `UnitReader`, every
+  member declared; nothing in `stream/` probes an object for a member it may lack."""
+  fake = tmp_path / "fake.py"
+  fake.write_text(
+    "import mmap\nadvise = getattr(source, 'advise_unit', None)\nhasattr(source, 'x')\n"
+    "hasattr(mmap, 'MADV_DONTNEED')\n"
+  )
+  found = attribute_probes(Module("jax_residency._src.stream.fake", str(fake), False))
+  assert [line.split(": ", 1)[1] for line in found] == ["getattr(...)", "hasattr(...)"]
+  stream = [m for name, m in modules().items() if name.startswith("jax_residency._src.stream.")]
+  assert len(stream) > 10
+  bad = [line for mod in stream for line in attribute_probes(mod)]
+  assert not bad, "declare what the stream needs in store/unit_reader.py:\n  " + "\n  ".join(bad)
+
+
+def package_bases(mod: Module, ours: set[str]) -> list[str]:
+  """Classes of ``mod`` built on a class of this package (a mixin, or a base the
+  subclass must fill in), by the base's name."""
+  tree = ast.parse(mod.source(), mod.path)
+  out = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ClassDef):
+      for base in node.bases:
+        name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+        if name in ours:
+          out.append(f"{mod.name}:{node.lineno}: {node.name}({name})")
+  return out
+
+
+def test_store_classes_are_made_of_parts_not_mixins(tmp_path) -> None:
+  """docs/design.md, 5.3: a store holds its parts (layout, buffers, mappers, counters);
+  no class in `store/` inherits from another of this package's classes (its errors and
+  protocols aside)."""
+  mods = modules()
+  ours = {
+    node.name
+    for name, mod in mods.items()
+    if not name.startswith("jax_residency._src.errors")
+    for node in ast.walk(ast.parse(mod.source(), mod.path))
+    if isinstance(node, ast.ClassDef)
+    and not any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases)
+  }
+  assert {"UnitStore", "StackLayout", "ReadCounts"} <= ours
+  fake = tmp_path / "fake.py"
+  fake.write_text("class Store(StackLayout, ReadCounts):\n  pass\n")
+  found = package_bases(Module("jax_residency._src.store.fake", str(fake), False), ours)
+  assert [line.split(": ", 1)[1] for line in found] == [
+    "Store(StackLayout)",
+    "Store(ReadCounts)",
+  ]
+  store = [m for name, m in mods.items() if name.startswith("jax_residency._src.store.")]
+  bad = [line for mod in store for line in package_bases(mod, ours)]
+  assert not bad, "hold the part as an attribute instead:\n  " + "\n  ".join(bad)

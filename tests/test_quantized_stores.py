@@ -162,20 +162,22 @@ def test_policies_that_run_the_same_step_agree_bit_for_bit(placed_output, varian
 
 
 @pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler to build the kernels")
+@pytest.mark.parametrize("activations", native.ACTIVATIONS)
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_with_the_native_kernels_policies_that_run_the_same_step_agree_bit_for_bit(
-  stores, case, scheme
+  stores, case, scheme, activations
 ):
   """A one-token step on one CPU device multiplies by the native kernels
-  (docs/quantization.md, "Native kernels on CPU"): FullyResident and LayerwiseHost
-  (depths 1 and 2) give the same bits, and so do a dense stream with and without a host
-  cache. The two groups run different programs around the kernels, and agree to float32
-  rounding (on this toy they differ by an ulp or two)."""
+  (docs/quantization.md, "Native kernels on CPU"; with ``activations="int8"``, rounding
+  the row first): FullyResident and LayerwiseHost (depths 1 and 2) give the same bits,
+  and so do a dense stream with and without a host cache. The two groups run different
+  programs around the kernels, and agree to 1e-5 (on this toy they differ by an ulp or
+  two)."""
   path, _ = stores("nnx", scheme)
   model, token = case("nnx")["model"], jnp.zeros((1, 1), jnp.int32)
   outs = {}
   for name, make in POLICIES.items():
-    with jr.place(model, make(), store=path) as placed:
+    with jr.place(model, make(), store=path, activations=activations) as placed:
       if name == "fully_resident":  # the kernels are what runs, not XLA's fused decode
         assert f"jax_residency_{scheme}_matvec" in placed.lower(token).compile().as_text()
       outs[name] = np.asarray(placed(token))

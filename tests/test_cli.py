@@ -89,7 +89,7 @@ def test_demo_first_run_builds_the_store_and_prints_one_table(demo, store):
   rows = lines[header + 1 : header + 4]
   assert [r.split()[0] for r in rows] == list(demo_mod.POLICY_NAMES)
   assert all("✓" in r for r in rows)
-  # Measured windows, except layerwise_host's, which is inside its program: the plan's.
+  # Windows the pass held, except layerwise_host's, which is inside its program: the plan's.
   assert [("(planned)" in r) for r in rows] == [
     n == "layerwise_host" for n in demo_mod.POLICY_NAMES
   ]

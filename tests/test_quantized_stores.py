@@ -23,6 +23,7 @@ from policies import dense
 from quantized_reference import dequantized_reference
 
 import jax_residency as jr
+from jax_residency._src.quant import native
 from jax_residency._src.quant.encoding import MIN_QUANTIZED_DIM
 from jax_residency._src.store.discovery import FORMAT_VERSION, SIDECAR_KEY
 from jax_residency.testing import serve_store
@@ -158,6 +159,32 @@ def test_policies_that_run_the_same_step_agree_bit_for_bit(placed_output, varian
   direct, cached = (placed_output(variant, p, scheme) for p in ("dense_direct", "dense_cached"))
   np.testing.assert_array_equal(cached, direct)
   np.testing.assert_allclose(one_program[0], direct, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler to build the kernels")
+@pytest.mark.parametrize("activations", native.ACTIVATIONS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_with_the_native_kernels_policies_that_run_the_same_step_agree_bit_for_bit(
+  stores, case, scheme, activations
+):
+  """A one-token step on one CPU device multiplies by the native kernels
+  (docs/quantization.md, "Native kernels on CPU"; with ``activations="int8"``, rounding
+  the row first): FullyResident and LayerwiseHost (depths 1 and 2) give the same bits,
+  and so do a dense stream with and without a host cache. The two groups run different
+  programs around the kernels, and agree to 1e-5 (on this toy they differ by an ulp or
+  two)."""
+  path, _ = stores("nnx", scheme)
+  model, token = case("nnx")["model"], jnp.zeros((1, 1), jnp.int32)
+  outs = {}
+  for name, make in POLICIES.items():
+    with jr.place(model, make(), store=path, activations=activations) as placed:
+      if name == "fully_resident":  # the kernels are what runs, not XLA's fused decode
+        assert f"jax_residency_{scheme}_matvec" in placed.lower(token).compile().as_text()
+      outs[name] = np.asarray(placed(token))
+  for name in ("layerwise_k1", "layerwise_k2"):
+    np.testing.assert_array_equal(outs[name], outs["fully_resident"], err_msg=name)
+  np.testing.assert_array_equal(outs["dense_cached"], outs["dense_direct"])
+  np.testing.assert_allclose(outs["dense_direct"], outs["fully_resident"], rtol=1e-5, atol=1e-6)
 
 
 # --- a mixture of experts: each expert's kernels quantized as matrices of their own -------

@@ -328,8 +328,9 @@ class DemoResult:
       "",
       "peak RSS: the whole process while the policy was placed and run. On CPU the device is",
       "host memory too, and fully_resident / layerwise_host also hold the plain model.",
-      "device window: the unit bytes a pass held on the device, measured; layerwise_host's",
-      "window is inside its compiled program, so its planned size is shown.",
+      "device window: unit bytes on the device: dense_disk_stream's peak in the pass, the units",
+      "fully_resident holds at its end; layerwise_host's window is inside its compiled",
+      "program, so its planned size is shown.",
       f"{'all outputs match the plain model' if self.ok else 'PARITY FAILED'}; "
       f"{self.seconds:.1f} s ({_process_seconds():.1f} s since the process started)",
     ]
@@ -380,8 +381,10 @@ def _demo_row(run: PolicyRun) -> list[str]:
 
 
 def _window(run: PolicyRun) -> str:
-  """The device window column: the pass's measured peak, or for ``layerwise_host``, whose
-  window is inside its compiled program (no array the placement holds), the plan's."""
+  """The device window column: the pass's ``peak_device_*`` (a dense stream's measured
+  peak; the unit arrays ``fully_resident`` holds at the pass's end), or for
+  ``layerwise_host``, whose window is inside its compiled program (no array the
+  placement holds), the plan's."""
   p = _last_pass(run)
   if run.name == "layerwise_host":
     meta = run.report.metadata

@@ -101,8 +101,16 @@ class PassReport(_Moved):
       such cache).
     disk_to_host_bytes, disk_to_device_bytes, host_to_device_bytes: bytes moved.
     stalls, stall_seconds: times the pass waited for a unit, and for how long.
-    peak_device_units, peak_device_bytes: most unit copies / bytes on a device.
-    peak_host_units, peak_host_bytes: most unit copies / bytes in host memory.
+    peak_device_units, peak_device_bytes: most unit copies / bytes on a device:
+      for a dense stream, measured as held (its device ledger, plus the units it
+      keeps on the device); for ``FullyResident`` / ``LayerwiseHost``, not a
+      measured peak but the unit arrays the placement holds in device memory when
+      the pass ends (they hold every unit for their whole life; ``LayerwiseHost``'s
+      device window is inside its program, in ``step_temp_bytes``).
+    peak_host_units, peak_host_bytes: most unit copies / bytes in host memory:
+      for a dense stream, measured as held (its host ledger, plus its host-resident
+      units); for ``LayerwiseHost``, the unit arrays it holds in ``pinned_host``
+      memory when the pass ends, per device; 0 for ``FullyResident``.
     peak_buffer_bytes: for a dense stream, the most bytes of unit read buffers
       (live and idle) the store held at once: the host memory under the host
       cache, staging and (on CPU, where they are the device arrays) the device

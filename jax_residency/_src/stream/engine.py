@@ -36,11 +36,10 @@ from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.experts import ExpertResidency
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.report.compile_time import signature
-from jax_residency._src.report.records import TimelinePoint
 from jax_residency._src.report.stream_metrics import Tier
 from jax_residency._src.report.telemetry import Telemetry
-from jax_residency._src.store.buffers import release_dropped_buffers
 from jax_residency._src.store.unit_reader import UnitReader
+from jax_residency._src.stream.device_window import DeviceWindow
 from jax_residency._src.stream.expert_cache import ExpertStream
 from jax_residency._src.stream.kept import KeptUnits
 from jax_residency._src.stream.ledger import Eviction, ResidencyLedger
@@ -115,6 +114,7 @@ class DenseStreamEngine:
       staging=staging,
       unit_bytes=max(st.host_bytes for st in self._stacks),
       multiprocess=any(st.read_index is not None for st in self._stacks),
+      map_reads=not host_enabled,
     )
     self._loader: UnitLoader = (
       CachedLoader(
@@ -127,11 +127,13 @@ class DenseStreamEngine:
       else DirectLoader(reads, experts=self._experts is None)
     )
     self._staged: dict[Any, StagedForward] = {}
-    self._pass_start = time.perf_counter()
     self._at_start = source.read_counters()
     self._run_lock = threading.Lock()
     # Units kept resident (device_resident_units, host_resident_units): read now, once.
     self._kept = KeptUnits(metadata.resident, self._owner, reads.read)
+    self._window = DeviceWindow(
+      self.ledger, self._kept, self._owner, self._loader, source, self._tally
+    )
 
   def _expert_stream(self, policy: ExpertResidency | None) -> ExpertStream | None:
     """With expert residency, the expert caches; units are then read and charged
@@ -158,8 +160,8 @@ class DenseStreamEngine:
     """One forward pass; counters are committed only if it succeeds."""
     with self._run_lock:
       staged = self._stage(args, kwargs)
-      self._begin_pass()
-      start = self._pass_start = time.perf_counter()
+      start = time.perf_counter()
+      self._begin_pass(start)
       ok = False
       try:
         out = run_staged(
@@ -216,8 +218,8 @@ class DenseStreamEngine:
     self._on_trace(ctx)
     return out
 
-  def _begin_pass(self) -> None:
-    self._ran: tuple[int | None, int | None] = (None, None)  # see `_fetch`
+  def _begin_pass(self, start: float) -> None:
+    self._window.begin_pass(start)
     self.ledger.begin_pass()
     if self._experts is not None:
       self._experts.begin_pass()
@@ -258,65 +260,13 @@ class DenseStreamEngine:
         peak_host_bytes=host.peak_bytes + host_bytes,
       )
 
-  # --- the unit loop's callbacks --------------------------------------------
+  # --- the unit loop's callbacks ---------------------------------------------
 
   def _fetch(self, i: int, upcoming: Sequence[int]) -> list[Any]:
-    arrays = self._kept.on_device(i)
-    self._ran = (self._ran[1], i)  # the unit run before this one, and this one
-    if arrays is None:
-      self.ledger.protect(Tier.DEVICE, (i, *self._next_in_stack(i, upcoming)))
-      arrays = self.ledger.get(Tier.DEVICE, i)
-      if arrays is None:
-        arrays = self._load_device(i)
-    point = TimelinePoint(
-      seconds=time.perf_counter() - self._pass_start,
-      unit=i,
-      host_bytes=self.ledger.resident_bytes(Tier.HOST),
-      device_bytes=self.ledger.resident_bytes(Tier.DEVICE),
-    )
-    self._tally.ran(self._owner[i].name, point)
-    return arrays
-
-  def _next_in_stack(self, i: int, upcoming: Sequence[int]) -> tuple[int, ...]:
-    """The unit the device window moves in after ``i``: the next one not kept on the
-    device, if it is of ``i``'s stack (the window of a stack holds only its units)."""
-    for j in upcoming:
-      if self._kept.on_device(j) is None:
-        return (j,) if self._owner[j] is self._owner[i] else ()
-    return ()
+    return self._window.fetch(i, upcoming)
 
   def _after_step(self, i: int, upcoming: Sequence[int]) -> None:
-    # Reads ahead follow the forward, into the next stack (the host cache is shared).
-    self._loader.after_step(self._kept.streamed(upcoming, self._loader.lookahead))
-    for j in self._next_in_stack(i, upcoming):
-      if not self.ledger.contains(Tier.DEVICE, j):
-        self.ledger.protect(Tier.DEVICE, (i, j))
-        self._load_device(j, finished=self._ran[0])  # its step is done (run_staged)
-
-  def _load_device(self, i: int, finished: int | None = None) -> list[Any]:
-    """Takes unit ``i`` from its loader (or the resident host units) to the device tier.
-
-    The device bytes are reserved first, so the unit that makes room is gone
-    before the read lands: on CPU the read buffer is the device array (no copy),
-    and the device tier never holds more than its window, reads included. An evicted
-    ``finished`` unit (its step done) no host cache holds is unmapped now
-    (`retire_finished`).
-    """
-    st = self._owner[i]
-    done = None if finished is None else self.ledger.peek(Tier.DEVICE, finished)
-    with self.ledger.reserve(Tier.DEVICE, i, st.device_bytes) as reservation:
-      if finished in reservation.evicted and not self.ledger.contains(Tier.HOST, finished):
-        retire_finished(self._source, done)
-      del done
-      if reservation.evicted:
-        release_dropped_buffers()
-      kept = self._kept.in_host(i)
-      host, from_host = (kept, True) if kept is not None else self._loader.load(i)
-      arrays = st.to_device(host, alias=True, in_place=True)
-      del host
-      reservation.commit(arrays)
-    self._tally.moved(st.name, st.host_bytes, from_host=from_host)
-    return arrays
+    self._window.after_step(i, upcoming)
 
   def _on_evict(self, eviction: Eviction) -> None:
     self._loader.note_evicted(eviction)
@@ -338,10 +288,3 @@ class DenseStreamEngine:
     self._kept.close()
     self._static = []
     self._staged.clear()
-
-
-def retire_finished(source: UnitReader, arrays: list[jax.Array] | None) -> None:
-  """Unmaps the pages of a unit's mapped arrays whose last step has completed, before
-  XLA lets go of them (`UnitReader.retire_mapped`); nothing for a unit not held."""
-  if arrays is not None:
-    source.retire_mapped(arrays)

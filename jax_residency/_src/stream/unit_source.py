@@ -83,19 +83,26 @@ def raise_read_error(i: int, e: Exception) -> NoReturn:
 
 
 def tune_source(
-  source: UnitReader, metadata: ModelMetadata, *, staging: int, unit_bytes: int, multiprocess: bool
+  source: UnitReader,
+  metadata: ModelMetadata,
+  *,
+  staging: int,
+  unit_bytes: int,
+  multiprocess: bool,
+  map_reads: bool,
 ) -> None:
   """Bounds ``source``'s read buffers by the plan, and maps reads where it can.
 
   Idle read buffers are kept for reuse only while every buffer, live or idle, fits
   what the plan gives host-side unit buffers: the host cache, the ``staging`` unit,
-  and (CPU) the device window, whose arrays are read buffers. Where device memory is
-  host memory, whole units are mapped from the store's files instead of copied (see
-  `mapped`): the page cache is the read buffer.
+  and (CPU) the device window, whose arrays are read buffers. With ``map_reads``,
+  where device memory is host memory, whole units are mapped from the store's files
+  instead of copied (see `mapped`): the page cache is the read buffer. A host cache
+  holds copies instead (docs/design.md, 4.2).
   """
   window = metadata.device_window_units if metadata.device_is_host else 0
   cached = metadata.item_bytes("host cache") + staging
   units = window + (cached // unit_bytes if unit_bytes else 0)
   source.limit_buffers(units, reclaim=release_dropped_buffers)
-  if metadata.device_is_host and not multiprocess:
+  if map_reads and metadata.device_is_host and not multiprocess:
     source.use_mapped_reads()

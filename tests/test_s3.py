@@ -25,6 +25,7 @@ from cli_call import call
 from flax import nnx
 from policies import REMOTE_POLICIES
 from test_object_store_commits import _top_keys
+from test_store_safety import WRITES, _save, _version, interrupt_at_write
 from toy_fixtures import toy_fixtures
 from user_env import run_script, user_env
 
@@ -199,3 +200,28 @@ def test_a_save_killed_at_any_moment_leaves_the_old_store_or_the_new(
     np.testing.assert_array_equal(got, np.asarray(models[seed](tokens)), err_msg=moment)
     jr.save(models[2], url, progress=False, overwrite=True)  # removes what the kill left
     assert len(_top_keys(url)) == 2, moment
+
+
+@pytest.mark.parametrize("k", [1, WRITES // 2 + 1, WRITES])  # the first, a middle, the last
+def test_an_interrupt_while_any_write_is_in_flight_leaves_the_old_store_on_s3(s3, monkeypatch, k):
+  """Ctrl-C while the save waits for its `k`-th chunk write to the server, that write
+  still in flight (test_store_safety.py's, on S3): the writer waits for every write it
+  started before deleting its generation, so none lands afterwards; the pointer still
+  names the old store, and the path holds nothing else."""
+  url = f"s3://{BUCKET}/interrupted-{k}"
+  _save(url, seed=0)
+  before = _top_keys(url)
+  late = interrupt_at_write(monkeypatch, k)
+  removed, remove_generation = [], pointers.remove_generation
+
+  def remove(kv, name):  # what is still in flight when the generation is deleted
+    removed.append(late[0].landed.is_set())
+    return remove_generation(kv, name)
+
+  monkeypatch.setattr(pointers, "remove_generation", remove)
+  with pytest.raises(KeyboardInterrupt):
+    _save(url, seed=1, overwrite=True)
+  late[0].settled()
+  assert removed == [True]
+  assert _top_keys(url) == before  # the pointer and the old generation: nothing of the new
+  assert _version(url) == 0

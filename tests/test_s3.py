@@ -9,6 +9,7 @@ rechunks; a save killed (SIGKILL) at several moments leaves the old store or the
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ import pytest
 from cli_call import call
 from flax import nnx
 from policies import REMOTE_POLICIES
+from test_faults import _SPREAD, SPREAD, check_spread
 from test_object_store_commits import _top_keys
 from test_store_safety import WRITES, _save, _version, interrupt_at_write
 from toy_fixtures import toy_fixtures
@@ -225,3 +227,19 @@ def test_an_interrupt_while_any_write_is_in_flight_leaves_the_old_store_on_s3(s3
   assert removed == [True]
   assert _top_keys(url) == before  # the pointer and the old generation: nothing of the new
   assert _version(url) == 0
+
+
+def test_sigint_or_sigterm_at_a_spread_of_moments_leaves_one_store_on_s3(s3, zygote, tmp_path):
+  """test_faults.py's real SIGINT or SIGTERM at a spread of moments of a save, on S3 (a
+  6 MiB store, three moments): each save stops (or finishes), the pointer names the old
+  store or the new, whole, and no generation but that one is left under the path."""
+  url = f"s3://{BUCKET}/spread"
+  done = run_script(
+    [sys.executable, "-c", _SPREAD, url, "", json.dumps(SPREAD[::3]), "96"],
+    zygote,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    env=user_env(tmp_path),
+  )
+  check_spread(done)

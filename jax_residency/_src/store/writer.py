@@ -319,17 +319,19 @@ class StoreWriter:
     """Points the object store's path at the generation just written, then removes the
     others (a failure there leaves garbage the next save removes, not a failed save)."""
     root = self._result(lambda: ts.KvStore.open(self.dest.base, context=self.context))
-    with commit.held():  # a switch whose wait was cut might land after `abort` removed it
+    # One step: a switch whose wait was cut might land after `abort` removed its
+    # generation, and the old generation is removed before an interrupt stops the save.
+    with commit.held():
       pointers.switch(root, name)
       self._generation = None  # in place: nothing for `abort` to remove
-    try:
-      pointers.remove_others(root, keep=name)
-    except ValueError as e:
-      warnings.warn(
-        f"The store at {self.dest.path} was written, but removing its old generation "
-        f"failed ({e}); the next save to that path removes it.",
-        stacklevel=3,
-      )
+      try:
+        pointers.remove_others(root, keep=name)
+      except ValueError as e:
+        warnings.warn(
+          f"The store at {self.dest.path} was written, but removing its old generation "
+          f"failed ({e}); the next save to that path removes it.",
+          stacklevel=3,
+        )
 
   def abort(self) -> None:
     """Waits for every write and operation in flight (each one this writer started), then

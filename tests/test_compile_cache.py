@@ -175,11 +175,13 @@ def test_an_unwritable_cache_dir_leaves_jax_alone(jax_config, monkeypatch, tmp_p
   assert read("jax_compilation_cache_dir") is None
 
 
+@pytest.mark.parametrize("where", ["the xla directory", "the cache directory above it"])
 @pytest.mark.parametrize("how", ["mode 0777", "another user's"])
-def test_a_cache_dir_others_can_write_is_not_loaded_from(jax_config, caplog, how):
-  """A program planted in it would run in this process: JAX is left alone, with one
-  warning naming the directory and the fix."""
-  shared = jax_config / compile_cache.SUBDIR
+def test_a_cache_dir_others_can_write_is_not_loaded_from(jax_config, caplog, how, where):
+  """A program planted in it, or an xla directory swapped for another through the cache
+  directory above it, would run in this process: JAX is left alone, with one warning
+  naming the directory and the fix."""
+  shared = jax_config / compile_cache.SUBDIR if where == "the xla directory" else jax_config
   shared.mkdir(parents=True)
   if how == "mode 0777":
     shared.chmod(0o777)

@@ -732,6 +732,150 @@ def test_sigint_or_sigterm_during_a_write_removes_its_temporary_store(tmp_path, 
     assert r["term_handler_restored"], r
 
 
+#: A child that overwrites a store of 16 x 4 KiB x ROWS and is sent SIGINT or SIGTERM at a
+#: spread of moments of the write (argv: the destination; a local copy of the old store to
+#: put there first, or "" to save it there; the cases as JSON: [signal, fraction of the
+#: write's time]; ROWS). The write is what runs inside `commit.terminations_raise`, timed on
+#: two saves; the signal comes from another thread, only while the write runs (after
+#: it, SIGTERM's default action would end the child).
+_SPREAD = r"""
+import contextlib, json, os, shutil, signal, sys, threading, time
+import numpy as np
+import tensorstore as ts
+from jax_residency._src.store import commit, pointers, writer
+from jax_residency._src.store.discovery import locate
+from jax_residency._src.store.handles import store_context
+from jax_residency._src.store.unit_store import UnitStore
+
+dest, scratch, cases, rows = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+UNITS = {(k,): (4, rows, 1024) for k in ("a", "b", "c", "d")}  # rows=384: 1.5 MiB a chunk, 24 MiB
+
+def save(version, path):  # a model's weights as jr.save hands them to the writer
+  units = {k: np.full(shape, version + i, np.float32) for i, (k, shape) in enumerate(UNITS.items())}
+  static = {("embed",): np.full((256, 512), version, np.float32)}
+  writer.save_store(
+    path, static=static, units=units, unit_prefix=("layers",), progress=False, overwrite=True
+  )
+
+# The write, from its start to its end, is what runs inside `commit.terminations_raise`.
+state, lock, entered = {"inside": False, "took": []}, threading.Lock(), threading.Event()
+real = commit.terminations_raise
+
+@contextlib.contextmanager
+def watched():
+  with real():
+    with lock:
+      state["inside"], start = True, time.perf_counter()
+    entered.set()
+    try:
+      yield
+    finally:
+      with lock:
+        state["inside"] = False
+        state["took"].append(time.perf_counter() - start)
+
+commit.terminations_raise = watched
+save(0, scratch or dest)  # the store being replaced
+for _ in range(2):  # the first pays for more than the later ones
+  save(7, dest + "-timed")
+took = min(state["took"][1:])
+
+def holds(path):  # which version the path holds, whole
+  with UnitStore.open(path) as store:
+    static = store.read_static()[("embed",)]
+    units = [store.read_unit(i) for i in range(store.unit_count)]
+  whole = lambda v: all((u[k] == v + i).all() for u in units for i, k in enumerate(UNITS))
+  return [v for v in (0, 7) if (static == v).all() and whole(v)]
+
+def beside(path):  # a temporary, or a generation the pointer does not name
+  if "://" not in path:
+    parent, name = os.path.split(path)
+    return sorted(set(os.listdir(parent)) - {name, name + "-timed"})
+  kv = ts.KvStore.open(locate(path).base, context=store_context()).result()
+  keys = {k.decode().split("/")[0] for k in kv.list().result()}
+  pointer = json.loads(kv.read(pointers.POINTER_KEY).result().value)["generation"]
+  return sorted(keys - {pointers.POINTER_KEY, pointer})
+
+results = []
+for name, fraction in cases:
+  if scratch:
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(scratch, dest)
+  else:
+    save(0, dest)
+  sent = []
+  entered.clear()
+
+  def fire(name=name, delay=fraction * took):
+    entered.wait()
+    time.sleep(delay)
+    with lock:  # only while the write runs: SIGTERM's default action ends a process
+      if state["inside"]:
+        os.kill(os.getpid(), getattr(signal, name))
+        sent.append(1)
+
+  thread = threading.Thread(target=fire)
+  thread.start()
+  try:
+    save(7, dest)
+    got = "finished"
+  except KeyboardInterrupt:
+    got = "KeyboardInterrupt"
+  except SystemExit as e:
+    got = f"SystemExit({e.code})"
+  thread.join()
+  results.append({
+    "case": [name, fraction], "got": got, "sent": bool(sent), "holds": holds(dest),
+    "beside": beside(dest),
+  })
+print(json.dumps({"took": took, "results": results}))
+"""
+
+#: The moments of `_SPREAD`'s signals: fractions of the write's time (its first chunk
+#: writes, the waits for them, the commit), SIGINT and SIGTERM taking turns.
+SPREAD = [
+  ["SIGINT" if i % 2 == 0 else "SIGTERM", f]
+  for i, f in enumerate((0.0, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9))
+]
+
+
+def check_spread(done) -> None:
+  """What `_SPREAD` reported: a save that got the signal stopped, and one that did not
+  (the signal would have come after it) finished; the path holds the old store (or, for
+  a signal that came as the store went in place, the new one), whole, and nothing is
+  left beside it; most signals came during their save."""
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads(done.stdout.splitlines()[-1])["results"]
+  for r in results:
+    name, _ = r["case"]
+    stopped = "KeyboardInterrupt" if name == "SIGINT" else "SystemExit(143)"
+    assert r["got"] == (stopped if r["sent"] else "finished"), r
+    assert r["holds"] in ([0], [7]) if r["sent"] else r["holds"] == [7], r
+    assert r["beside"] == [], r
+  assert sum(r["sent"] for r in results) >= len(results) - 2, results
+
+
+def test_sigint_or_sigterm_at_a_spread_of_moments_leaves_one_store_and_no_temporary(
+  tmp_path, zygote
+):
+  """A real SIGINT or SIGTERM at moments spread over a 24 MiB save (its writes, their
+  waits, the commit), in a fresh process: each save stops (or finishes, when the signal
+  came as the store went in place), the path holds the old store or the new, whole, and
+  no temporary is left beside it. On S3: tests/test_s3.py."""
+  dest = tmp_path / "saves" / "store"
+  dest.parent.mkdir()
+  done = run_script(
+    [sys.executable, "-c", _SPREAD, str(dest), str(tmp_path / "old"), json.dumps(SPREAD), "384"],
+    zygote,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    cwd=ROOT,
+    env=_reader_env(),
+  )
+  check_spread(done)
+
+
 # --- RELIABILITY.md --------------------------------------------------------------------------
 
 

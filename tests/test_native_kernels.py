@@ -21,6 +21,7 @@ from flax import nnx
 from quantized_reference import dequantized_reference
 
 import jax_residency as jr
+from jax_residency._src.cache_dir import CACHE_DIR_ENV
 from jax_residency._src.plan.quantized import plan_quantization
 from jax_residency._src.plan.split import split_model
 from jax_residency._src.quant import fused, ggml, ggml_mixed, native
@@ -51,7 +52,6 @@ def test_the_kernels_build_and_register_here():
   assert list(native.kernel_dir().glob("matvec-*.so"))
 
 
-@needs_compiler
 @needs_compiler
 @pytest.mark.parametrize(
   "quant, shape",
@@ -119,7 +119,6 @@ def ggml_rows(types: tuple[str, ...], rows: int, n: int, seed: int) -> np.ndarra
   return raw
 
 
-@needs_compiler
 @needs_compiler
 @pytest.mark.parametrize(
   "types, shape",
@@ -419,26 +418,33 @@ def test_without_a_compiler_products_stay_xla_s_and_say_so(model, monkeypatch, c
   _falls_back_to_xla(model)
 
 
-def test_a_compiler_that_fails_to_build_leaves_xla_s_products(model, monkeypatch, caplog, tmp_path):
-  """A compiler that runs but fails on the source (here a script that prints a version
-  and exits 1 on anything else): the warning carries its exit status and error output,
-  nothing is left in the kernel directory, and the products are XLA's."""
+def _broken_compiler(tmp_path: Path) -> Path:
+  """A compiler that runs but fails on any source: a script that prints a version and
+  exits 1 on anything else."""
   broken = tmp_path / "broken-c++"
   broken.write_text(
     '#!/bin/sh\nif [ "$1" = --version ]; then echo broken 1.0; exit 0; fi\n'
     'echo "error: this compiler is broken" >&2\nexit 1\n'
   )
   broken.chmod(0o755)
+  return broken
+
+
+def test_a_compiler_that_fails_to_build_leaves_xla_s_products(model, monkeypatch, caplog, tmp_path):
+  """``$CXX`` names a compiler that fails on the source: one warning, carrying its exit
+  status and error output; nothing left in the kernel directory; the products are
+  XLA's, the decoded-weights model's outputs to float32 rounding."""
   kernels = tmp_path / "kernels"
   monkeypatch.setenv(native.KERNEL_DIR_ENV, str(kernels))
   monkeypatch.setattr(native, "_state", {})
-  monkeypatch.setattr(native, "_compiler", lambda: str(broken))
+  monkeypatch.setenv("CXX", str(_broken_compiler(tmp_path)))
   with caplog.at_level(logging.WARNING, logger="jax_residency"):
     assert not native.available()
+    _falls_back_to_xla(model)
   assert "failed (1)" in native.build_error() and "this compiler is broken" in native.build_error()
-  assert "native quantized kernels unavailable" in caplog.text
+  warned = [r for r in caplog.records if "native quantized kernels unavailable" in r.getMessage()]
+  assert len(warned) == 1, caplog.text
   assert not list(kernels.iterdir())  # no library, no temporary file
-  _falls_back_to_xla(model)
 
 
 @needs_compiler
@@ -476,14 +482,20 @@ def _not_private(tmp_path: Path, how: str) -> Path:
   return path
 
 
+@pytest.mark.parametrize("where", ["the kernel directory", "the cache directory above it"])
 @pytest.mark.parametrize("how", ["mode 0777", "another user's"])
 def test_a_kernel_directory_others_can_write_is_neither_built_into_nor_loaded_from(
-  monkeypatch, tmp_path, caplog, how
+  monkeypatch, tmp_path, caplog, how, where
 ):
-  """A library planted there would run in this process: no build, no load, XLA's products,
+  """A library planted there, or a kernel directory swapped for another through the cache
+  directory above it, would run in this process: no build, no load, XLA's products,
   and a warning naming the directory and the fix (docs/quantization.md)."""
   shared = _not_private(tmp_path, how)
-  monkeypatch.setenv(native.KERNEL_DIR_ENV, str(shared))
+  if where == "the kernel directory":
+    monkeypatch.setenv(native.KERNEL_DIR_ENV, str(shared))
+  else:
+    monkeypatch.delenv(native.KERNEL_DIR_ENV, raising=False)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(shared))
   monkeypatch.setattr(native, "_state", {})
   loaded = []
   monkeypatch.setattr(native.ctypes.cdll, "LoadLibrary", lambda p: loaded.append(p))
@@ -493,4 +505,33 @@ def test_a_kernel_directory_others_can_write_is_neither_built_into_nor_loaded_fr
   why = native.build_error()
   assert str(shared) in why and "chmod 700" in why and native.KERNEL_DIR_ENV in why
   assert ("mode 0o777" in why) if how == "mode 0777" else ("owned by user id 65534" in why)
-  assert str(shared) in caplog.text
+  assert len(caplog.records) == 1 and str(shared) in caplog.text
+
+
+@pytest.mark.parametrize("how", ["mode 0777", "another user's"])
+def test_a_kernel_library_others_can_write_is_not_loaded(monkeypatch, tmp_path, caplog, how):
+  """A library file in a private kernel directory, but of another user or writable by
+  others (left from when the directory was shared, say): not loaded, XLA's products, and
+  a warning naming the file and the fix."""
+  kernels = tmp_path / "kernels"
+  kernels.mkdir(mode=0o700)
+  monkeypatch.setenv(native.KERNEL_DIR_ENV, str(kernels))
+  monkeypatch.setattr(native, "_state", {})
+  monkeypatch.setenv("CXX", str(_broken_compiler(tmp_path)))
+  planted = native.library_path(native._compiler())
+  planted.write_bytes(b"\x7fELF planted")
+  if how == "mode 0777":
+    planted.chmod(0o666)
+  elif os.getuid() != 0:
+    pytest.skip("handing a file to another user needs root")
+  else:
+    os.chown(planted, 65534, 65534)
+  loaded = []
+  monkeypatch.setattr(native.ctypes.cdll, "LoadLibrary", lambda p: loaded.append(p))
+  with caplog.at_level(logging.WARNING, logger="jax_residency"):
+    assert not native.available()
+  assert loaded == []
+  why = native.build_error()
+  assert str(planted) in why and "remove it" in why and native.KERNEL_DIR_ENV in why
+  assert ("mode 0o666" in why) if how == "mode 0777" else ("owned by user id 65534" in why)
+  assert len(caplog.records) == 1 and str(planted) in caplog.text

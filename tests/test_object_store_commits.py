@@ -6,6 +6,8 @@ overwrite; tests/test_s3.py kills real writers against an S3 server.
 
 from __future__ import annotations
 
+import signal
+import threading
 import uuid
 
 import pytest
@@ -89,6 +91,28 @@ def test_a_failed_overwrite_on_an_object_store_leaves_the_old_store_and_nothing_
     _save(url, 1, overwrite=True)
   assert _version(url) == 0
   assert _top_keys(url) == before  # the new generation was removed
+
+
+def test_sigint_as_the_pointer_switches_finishes_the_switch_and_its_cleanup(monkeypatch) -> None:
+  """A real SIGINT that arrives as the pointer is written: the switch and the removal of
+  the old generation run to their end (an interrupt cutting the switch's wait could
+  let the pointer land on a generation the cleanup then deletes), then the save raises
+  KeyboardInterrupt; the path holds the new store and nothing else."""
+  if threading.current_thread() is not threading.main_thread():
+    pytest.skip("signals are handled on the main thread, and this test is not on it")
+  url = _url()
+  _save(url, 0)
+  switch = pointers.switch
+
+  def interrupted(kv, name):
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    switch(kv, name)
+
+  monkeypatch.setattr(pointers, "switch", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    _save(url, 1, overwrite=True)
+  assert _version(url) == 1
+  _one_generation(url)
 
 
 def test_a_flat_store_on_an_object_store_is_replaced_through_a_pointer() -> None:

@@ -9,6 +9,7 @@ rechunks; a save killed (SIGKILL) at several moments leaves the old store or the
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import socket
@@ -24,7 +25,9 @@ import pytest
 from cli_call import call
 from flax import nnx
 from policies import REMOTE_POLICIES
+from test_faults import _SPREAD, SPREAD, check_spread
 from test_object_store_commits import _top_keys
+from test_store_safety import WRITES, _save, _version, interrupt_at_write
 from toy_fixtures import toy_fixtures
 from user_env import run_script, user_env
 
@@ -199,3 +202,44 @@ def test_a_save_killed_at_any_moment_leaves_the_old_store_or_the_new(
     np.testing.assert_array_equal(got, np.asarray(models[seed](tokens)), err_msg=moment)
     jr.save(models[2], url, progress=False, overwrite=True)  # removes what the kill left
     assert len(_top_keys(url)) == 2, moment
+
+
+@pytest.mark.parametrize("k", [1, WRITES // 2 + 1, WRITES])  # the first, a middle, the last
+def test_an_interrupt_while_any_write_is_in_flight_leaves_the_old_store_on_s3(s3, monkeypatch, k):
+  """Ctrl-C while the save waits for its `k`-th chunk write to the server, that write
+  still in flight (test_store_safety.py's, on S3): the writer waits for every write it
+  started before deleting its generation, so none lands afterwards; the pointer still
+  names the old store, and the path holds nothing else."""
+  url = f"s3://{BUCKET}/interrupted-{k}"
+  _save(url, seed=0)
+  before = _top_keys(url)
+  late = interrupt_at_write(monkeypatch, k)
+  removed, remove_generation = [], pointers.remove_generation
+
+  def remove(kv, name):  # what is still in flight when the generation is deleted
+    removed.append(late[0].landed.is_set())
+    return remove_generation(kv, name)
+
+  monkeypatch.setattr(pointers, "remove_generation", remove)
+  with pytest.raises(KeyboardInterrupt):
+    _save(url, seed=1, overwrite=True)
+  late[0].settled()
+  assert removed == [True]
+  assert _top_keys(url) == before  # the pointer and the old generation: nothing of the new
+  assert _version(url) == 0
+
+
+def test_sigint_or_sigterm_at_a_spread_of_moments_leaves_one_store_on_s3(s3, zygote, tmp_path):
+  """test_faults.py's real SIGINT or SIGTERM at a spread of moments of a save, on S3 (a
+  6 MiB store, three moments): each save stops (or finishes), the pointer names the old
+  store or the new, whole, and no generation but that one is left under the path."""
+  url = f"s3://{BUCKET}/spread"
+  done = run_script(
+    [sys.executable, "-c", _SPREAD, url, "", json.dumps(SPREAD[::3]), "96"],
+    zygote,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    env=user_env(tmp_path),
+  )
+  check_spread(done)

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -451,7 +452,92 @@ def test_an_interrupt_while_the_writer_starts_leaves_no_temporary(tmp_path, monk
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(wr.tqdm, "tqdm", interrupted)  # after the temporary directory exists
+  monkeypatch.setattr(wr.tqdm, "tqdm", interrupted)  # as the writer starts
   with pytest.raises(KeyboardInterrupt):
     _save(path, seed=1, overwrite=True)
   assert os.listdir(tmp_path) == ["store"] and _version(path) == 0
+
+
+# --- an interrupt while a write is in flight ----------------------------------------------
+
+#: The chunk writes of `_save`: the static array's, and one per unit of each unit array.
+WRITES = 1 + 2 * N
+
+
+class LateWrite:
+  """A chunk write whose wait is interrupted (KeyboardInterrupt, as TensorStore raises it
+  when SIGINT comes while it waits), and that starts only `DELAY` seconds after: a write
+  still in flight when the interrupted writer cleans up."""
+
+  DELAY = 0.1
+
+  def __init__(self, start: Callable[[], object]) -> None:
+    self._start, self._future = start, None
+    self.landed = threading.Event()  # the write has landed or failed
+    self._timer: threading.Timer | None = None
+
+  def _begin(self) -> None:
+    try:
+      self._future = self._start()
+      self._future.add_done_callback(lambda _: self.landed.set())
+    except BaseException:
+      self.landed.set()
+      raise
+
+  def result(self) -> object:
+    if self._timer is None:  # the first wait: Ctrl-C now, while the write is pending
+      self._timer = threading.Timer(self.DELAY, self._begin)
+      self._timer.start()
+      raise KeyboardInterrupt("interrupted while waiting for a write")
+    self._timer.join()
+    return self._future.result()
+
+  def settled(self) -> None:
+    """Waits until the write has landed or failed (for the test to look after it)."""
+    assert self._timer is not None, "the writer never waited for this write"
+    self._timer.join()
+    self.landed.wait()
+
+
+def interrupt_at_write(monkeypatch, k: int) -> list[LateWrite]:
+  """Makes the `k`-th chunk write (from 1) of the next save a `LateWrite`; returns a list
+  that holds it once started."""
+  real, started, late = wr._write_chunk, [], []
+
+  def chunk(handle, index, value):
+    started.append(index)
+    if len(started) != k:
+      return real(handle, index, value)
+    late.append(LateWrite(lambda: real(handle, index, value)))
+    return late[0]
+
+  monkeypatch.setattr(wr, "_write_chunk", chunk)
+  return late
+
+
+@pytest.mark.parametrize("k", range(1, WRITES + 1))
+def test_an_interrupt_while_any_write_is_in_flight_leaves_the_old_store_alone(
+  tmp_path, monkeypatch, k
+) -> None:
+  """Ctrl-C while the save waits for its `k`-th chunk write, that write still in flight:
+  the writer waits for every write it started before removing its temporary, so nothing
+  lands in it afterwards; the path keeps the old store, whole."""
+  path = str(tmp_path / "store")
+  _save(path, seed=0)
+  late = interrupt_at_write(monkeypatch, k)
+  removed, rmtree = [], shutil.rmtree
+
+  def remove(p, *args, **kwargs):  # what is still in flight when a directory is removed
+    removed.append((os.path.basename(p), late[0].landed.is_set()))
+    return rmtree(p, *args, **kwargs)
+
+  monkeypatch.setattr(shutil, "rmtree", remove)
+  with pytest.raises(KeyboardInterrupt):
+    _save(path, seed=1, overwrite=True)
+  late[0].settled()
+  assert removed and all(landed for _, landed in removed), removed
+  assert removed[-1][0].startswith(".store" + commit.TMP_TAG), removed
+  assert os.listdir(tmp_path) == ["store"] and _version(path) == 0
+  monkeypatch.undo()
+  _save(path, seed=2, overwrite=True)
+  assert os.listdir(tmp_path) == ["store"] and _version(path) == 2

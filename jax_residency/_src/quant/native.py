@@ -14,8 +14,12 @@ The file is compiled on first use with the machine's C++ compiler (``$CXX``, els
 XLA FFI headers that ship with jaxlib, into ``$JAX_RESIDENCY_KERNEL_DIR`` (default: the
 library's cache directory, ``kernels/``), under a name that hashes the source, the
 compiler, jaxlib's version and the CPU: a later process loads it (a few seconds once,
-then nothing). Without a compiler, or where the build fails, the products stay XLA's
-(logged once, at warning level); ``JAX_RESIDENCY_NATIVE_KERNELS=0`` turns the kernels
+then nothing). Only from a private directory: each directory from the cache directory
+(or ``$JAX_RESIDENCY_KERNEL_DIR``) down, and the library file, must be this user's and
+writable by no one else (`cache_dir.unsafe_to_load_from`). Where one is not, without a
+compiler, or where the build fails, the products stay XLA's
+(logged once, at warning level, naming the cause and the fix);
+``JAX_RESIDENCY_NATIVE_KERNELS=0`` turns the kernels
 off.
 """
 
@@ -39,7 +43,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jax_residency._src.cache_dir import library_cache_dir, unsafe_to_load_from
+from jax_residency._src.cache_dir import library_cache_dir, unsafe_file, unsafe_to_load_from
 from jax_residency._src.quant import ggml, ggml_mixed
 from jax_residency._src.quant.encoding import GGML_SCHEME
 
@@ -102,8 +106,16 @@ def build_error() -> str | None:
 
 
 def kernel_dir() -> Path:
+  return _kernel_dirs()[1]
+
+
+def _kernel_dirs() -> tuple[Path, Path]:
+  """The directory checked first (``$JAX_RESIDENCY_KERNEL_DIR``, else the library's cache
+  directory), and the kernel directory below it (or itself)."""
   explicit = os.environ.get(KERNEL_DIR_ENV)
-  return Path(explicit).expanduser() if explicit else Path(library_cache_dir()) / "kernels"
+  if explicit:
+    return Path(explicit).expanduser(), Path(explicit).expanduser()
+  return Path(library_cache_dir()), Path(library_cache_dir()) / "kernels"
 
 
 def _compiler() -> str | None:
@@ -128,11 +140,12 @@ def _load() -> ctypes.CDLL | None:
   if platform.system() not in ("Linux", "Darwin"):
     _unavailable(f"no native kernels on {platform.system()}")
     return None
-  unsafe = unsafe_to_load_from(str(kernel_dir()))
+  root, directory = _kernel_dirs()
+  unsafe = unsafe_to_load_from(str(directory), root=str(root))
   if unsafe is not None:
     _unavailable(
       f"the kernel directory is not private: {unsafe}; make it yours and writable by you "
-      f"alone (chmod 700), or set ${KERNEL_DIR_ENV} to a directory that is"
+      f"alone (chown, chmod 700), or set ${KERNEL_DIR_ENV} to a directory that is"
     )
     return None
   cxx = _compiler()
@@ -143,6 +156,12 @@ def _load() -> ctypes.CDLL | None:
     path = library_path(cxx)
     if not path.exists():
       _build(cxx, path)
+    if (unsafe := unsafe_file(str(path))) is not None:
+      _unavailable(
+        f"the kernel library is not private: {unsafe}; remove it (it is built again), "
+        f"or set ${KERNEL_DIR_ENV} to a directory of your own"
+      )
+      return None
     try:
       lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError:  # a damaged file in the kernel directory: built again, once

@@ -74,16 +74,18 @@ def _user_set(name: str) -> bool:
 
 
 def _private_dir(path: str) -> bool:
-  """Whether ``path`` (created if missing) is a directory this user alone can write, and
-  so one to load compiled programs from; warns once per directory where it is not."""
-  unsafe = unsafe_to_load_from(path)
+  """Whether ``path`` (created if missing), a directory below the library's cache
+  directory, is one this user alone can write, as is each directory from the cache
+  directory down, and so one to load compiled programs from; warns once per directory
+  where it is not."""
+  unsafe = unsafe_to_load_from(path, root=library_cache_dir())
   if unsafe is None:
     return os.access(path, os.W_OK | os.X_OK)
   if path not in _warned:
     _warned.add(path)
     _log.warning(
       "jax_residency: no persistent compilation cache: %s. Make the directory yours and "
-      "writable by you alone (chmod 700), or set $%s to one that is.",
+      "writable by you alone (chown, chmod 700), or set $%s to one that is.",
       unsafe,
       "JAX_RESIDENCY_CACHE_DIR",
     )

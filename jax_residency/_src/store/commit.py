@@ -31,8 +31,10 @@ and the path keeps the complete old store.
 A writer removes its own temporary when it fails, and when it is interrupted:
 SIGINT raises ``KeyboardInterrupt`` in Python, and while a store is being written
 SIGTERM raises ``SystemExit(143)`` (`terminations_raise`), so the cleanup runs
-before the process exits. SIGKILL cannot be caught: its temporary is the next
-save's to remove.
+before the process exits. The steps an interrupt must not cut in two (starting a
+write and recording it, putting the store in place, the cleanup itself) run
+`held`: a SIGINT or SIGTERM that arrives during one is raised when it ends. SIGKILL
+cannot be caught: its temporary is the next save's to remove.
 """
 
 from __future__ import annotations
@@ -65,40 +67,66 @@ _RENAME_EXCHANGE = 2
 _NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
-#: Writers now inside `terminations_raise`, and the SIGTERM handler they replaced.
+#: The signals a writer turns into exceptions, and the handler each must have for it to do
+#: so (Python's own for SIGINT, the default action for SIGTERM): a handler the program
+#: installed is kept.
+_INTERRUPTS: dict[int, Any] = {
+  signal.SIGINT: signal.default_int_handler,
+  signal.SIGTERM: signal.SIG_DFL,
+}
+#: Writers now inside `terminations_raise`, and the handlers they replaced.
 _guarded = 0
-_replaced: Any = None
+_replaced: dict[int, Any] = {}
 _guard_lock = threading.Lock()
+#: Main-thread steps now `held`, and the signals that arrived during them.
+_held = 0
+_deferred: list[int] = []
 
 
-def _terminated(signum: int, frame: Any) -> None:
+def _raise(signum: int) -> None:
+  if signum == signal.SIGINT:
+    raise KeyboardInterrupt
   raise SystemExit(128 + signum)
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+  if _held:
+    _deferred.append(signum)  # raised when the held step ends
+    return
+  _raise(signum)
+
+
+def _on_main_thread() -> bool:
+  return threading.current_thread() is threading.main_thread()
 
 
 @contextlib.contextmanager
 def terminations_raise() -> Iterator[None]:
   """While the block runs, SIGTERM raises ``SystemExit(143)`` in the main thread (the
-  exit status a shell reports for a process killed by SIGTERM), so a writer's
-  cleanup runs and removes its temporary store. Only where SIGTERM has its default
-  action and this is the main thread: a handler the program installed is kept.
+  exit status a shell reports for a process killed by SIGTERM) and SIGINT raises
+  ``KeyboardInterrupt`` as it does anyway, except during a `held` step, whose end
+  raises them; so a writer's cleanup runs, whole, and removes its temporary store.
+  Only for a signal whose handler is Python's default (SIGINT) or the default action
+  (SIGTERM), and on the main thread: a handler the program installed is kept.
 
   Example (a real SIGTERM in a fresh process: `tests/test_faults.py`):
     >>> import signal
     >>> before = signal.getsignal(signal.SIGTERM)
     >>> with terminations_raise():
     ...   inside = signal.getsignal(signal.SIGTERM)
-    >>> (inside is _terminated) == (before is signal.SIG_DFL)  # only the default is replaced
+    >>> (inside is _interrupted) == (before is signal.SIG_DFL)  # only the default is replaced
     True
     >>> signal.getsignal(signal.SIGTERM) is before  # and put back after
     True
   """
-  global _guarded, _replaced
+  global _guarded
   installed = False
   with _guard_lock:
-    main = threading.current_thread() is threading.main_thread()
-    if main and (_guarded or signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+    if _on_main_thread():
       if not _guarded:
-        _replaced = signal.signal(signal.SIGTERM, _terminated)
+        for signum, default in _INTERRUPTS.items():
+          if signal.getsignal(signum) is default:
+            _replaced[signum] = signal.signal(signum, _interrupted)
       _guarded += 1
       installed = True
   try:
@@ -108,7 +136,42 @@ def terminations_raise() -> Iterator[None]:
       with _guard_lock:
         _guarded -= 1
         if not _guarded:
-          signal.signal(signal.SIGTERM, _replaced)
+          for signum, previous in _replaced.items():
+            signal.signal(signum, previous)
+          _replaced.clear()
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+  """A step an interrupt must not cut in two: inside `terminations_raise`, a SIGINT or
+  SIGTERM that arrives while the block runs on the main thread is raised when it ends
+  (the first one, once). Elsewhere it does nothing. Blocks nest.
+
+  Example:
+    >>> import os, signal
+    >>> with terminations_raise():
+    ...   try:
+    ...     with held():
+    ...       os.kill(os.getpid(), signal.SIGINT)
+    ...       steps = ["finished"]  # the step is not cut
+    ...   except KeyboardInterrupt:
+    ...     steps.append("then interrupted")
+    >>> steps
+    ['finished', 'then interrupted']
+  """
+  global _held
+  if not _on_main_thread():
+    yield
+    return
+  _held += 1
+  try:
+    yield
+  finally:
+    _held -= 1
+    if not _held and _deferred:
+      signum = _deferred[0]
+      _deferred.clear()
+      _raise(signum)
 
 
 def crash_point(step: str) -> None:
@@ -277,8 +340,14 @@ def put_in_place(tmp: str, dest: str) -> None:
   With an exchange, `dest` holds the old or the new store at every instant. In
   the fallback, the old store is renamed aside first, and renamed back if this
   process fails before the new one is in (a crash there is undone by
-  `recover_store`). The old store is removed once the new one is in place.
+  `recover_store`). The old store is removed once the new one is in place. Runs
+  `held`: a SIGINT or SIGTERM that arrives meanwhile is raised once it is done.
   """
+  with held():  # an interrupt between the renames would leave `dest` missing
+    _put_in_place(tmp, dest)
+
+
+def _put_in_place(tmp: str, dest: str) -> None:
   parent = os.path.dirname(dest)
   crash_point("written")
   if os.path.lexists(dest) and exchange(tmp, dest):

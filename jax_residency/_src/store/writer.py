@@ -85,7 +85,13 @@ class StoreWriter:
   at every moment. Writes are bounded to `WRITE_IN_FLIGHT_BYTES`.
   A local writer first puts back a store a dead writer left renamed aside, and
   removes dead writers' temporaries; it refuses a store of `total` bytes that
-  cannot fit in the free space.
+  cannot fit in the free space. Its temporary directory is made by the first `create`
+  (so a caller's ``try`` that ends in `fail` covers everything it leaves on disk).
+
+  Every write it starts is recorded before anything can interrupt it (`commit.held`)
+  and stays recorded until it has finished, so `abort` waits for each one, even one
+  whose wait was interrupted, before removing what was written: nothing lands in the
+  temporary (or the generation) after it is removed.
   """
 
   def __init__(
@@ -108,7 +114,9 @@ class StoreWriter:
     self._overwrite = overwrite
     self._total = total
     self._checksums = WRITE_CHECKSUMS
+    #: Chunk writes in flight, oldest first, and their bytes; other operations in flight.
     self._pending: collections.deque[tuple[Any, int]] = collections.deque()
+    self._waiting: list[Any] = []
     self._in_flight = 0
     self._paths: list[ParamPath] = []
     if self.dest.local is not None:
@@ -116,30 +124,26 @@ class StoreWriter:
       commit.recover_local(self.dest.local)
       commit.remove_stale(self.dest.local)
     self._replacing = self._check_destination()
+    #: The temporary directory (made by the first `create`), or the generation: what
+    #: `abort` removes.
     self._tmp: str | None = None
+    self._made = False
     self._generation: str | None = None
     self._free: int | None = None
     if self.dest.local is not None:
       self._free = space.check_free(self.dest.path, ancestor, total, replacing=self._replacing)
-      os.makedirs(os.path.dirname(self.dest.local), exist_ok=True)
       self._tmp = commit.sibling_name(self.dest.local, commit.TMP_TAG)
-      os.mkdir(self._tmp)
       self.target = locate(self._tmp)
     else:
       self._generation = pointers.new_name()
       base = pointers.generation_base(self.dest.base, self._generation)
       self.target = dataclasses.replace(self.dest, base=base)
-    try:  # until the caller's `abort` can clean up, clean up here
-      self.context = store_context()
-      self._ocdbt = ocdbt_spec(self.target, write=True)
-      show = sys.stderr.isatty() if progress is None else progress
-      self._bar = tqdm.tqdm(
-        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not show
-      )
-    except BaseException:
-      if self._tmp is not None:
-        shutil.rmtree(self._tmp, ignore_errors=True)
-      raise
+    self.context = store_context()
+    self._ocdbt = ocdbt_spec(self.target, write=True)
+    show = sys.stderr.isatty() if progress is None else progress
+    self._bar = tqdm.tqdm(
+      total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not show
+    )
 
   def _check_destination(self) -> bool:
     """Whether a store is there (to be replaced); raises if it may not be."""
@@ -185,12 +189,31 @@ class StoreWriter:
       "store_data_equal_to_fill_value": True,
     }
     self._paths.append(path)
+    self._make_target()
     try:
-      return ts.open(spec, context=self.context, create=True).result()
+      return self._result(lambda: ts.open(spec, context=self.context, create=True))
     except ValueError as e:
       raise errors.StoreError(
         f"Cannot create array {path_str(path)!r} ({dtype}, {shape}): {e}"
       ) from e
+
+  def _make_target(self) -> None:
+    """Makes the temporary directory (local stores), once."""
+    if self._tmp is not None and not self._made:
+      assert self.dest.local is not None
+      os.makedirs(os.path.dirname(self.dest.local), exist_ok=True)
+      os.mkdir(self._tmp)
+      self._made = True
+
+  def _result(self, start: Any) -> Any:
+    """The result of the operation ``start()`` begins; recorded while it is in flight, so
+    that an interrupted wait leaves it for `abort` to wait for."""
+    with commit.held():
+      future = start()
+      self._waiting.append(future)
+    result = future.result()
+    self._waiting.remove(future)
+    return result
 
   def create_stacked(
     self,
@@ -227,7 +250,8 @@ class StoreWriter:
     odd = stored % mapped.ALIGNMENT and stored > OCDBT_INLINE_BYTES
     if odd:
       self._drain()
-    self._pending.append((_write_chunk(handle, index, value), value.nbytes))
+    with commit.held():  # a write started is a write recorded, for `abort` to wait for
+      self._pending.append((_write_chunk(handle, index, value), value.nbytes))
     if odd:
       self._drain()
       return
@@ -236,9 +260,10 @@ class StoreWriter:
       self._wait_oldest()
 
   def _wait_oldest(self) -> None:
-    future, nbytes = self._pending.popleft()
+    future, nbytes = self._pending[0]
+    future.result()  # an interrupt here leaves the write recorded, in flight
+    self._pending.popleft()
     self._in_flight -= nbytes
-    future.result()
     self._bar.update(nbytes)
 
   def _drain(self) -> None:
@@ -256,8 +281,9 @@ class StoreWriter:
     """Writes the markers and puts the store in place; ``quantization`` is the sidecar's
     record of the tensors held quantized (`plan.quantized.QuantPlan.to_dict`), ``experts``
     each stack's expert paths and count, where its experts are chunks of their own."""
+    self._make_target()
     self._drain()
-    kv = ts.KvStore.open(self.target.base, context=self.context).result()
+    kv = self._result(lambda: ts.KvStore.open(self.target.base, context=self.context))
     sidecar: dict[str, Any] = {
       "format": FORMAT_NAME,
       "format_version": PLAIN_FORMAT_VERSION if quantization is None else FORMAT_VERSION,
@@ -279,38 +305,49 @@ class StoreWriter:
       ("commit_success.txt", f"Checkpoint commit was successful to {self.dest.path}"),
     ):
       text = value if isinstance(value, str) else json.dumps(value, indent=1)
-      kv.write(key, text.encode()).result()
+      self._result(lambda key=key, text=text: kv.write(key, text.encode()))
     self._bar.close()
     if self._generation is not None:
       self._switch(self._generation)
       return
     assert self._tmp is not None and self.dest.local is not None
-    commit.put_in_place(self._tmp, self.dest.local)
-    self._tmp = None
+    with commit.held():  # in place and no longer ours to remove, as one step
+      commit.put_in_place(self._tmp, self.dest.local)
+      self._tmp = None
 
   def _switch(self, name: str) -> None:
     """Points the object store's path at the generation just written, then removes the
     others (a failure there leaves garbage the next save removes, not a failed save)."""
-    root = ts.KvStore.open(self.dest.base, context=self.context).result()
-    pointers.switch(root, name)
-    self._generation = None  # in place: nothing for `abort` to remove
-    try:
-      pointers.remove_others(root, keep=name)
-    except ValueError as e:
-      warnings.warn(
-        f"The store at {self.dest.path} was written, but removing its old generation "
-        f"failed ({e}); the next save to that path removes it.",
-        stacklevel=3,
-      )
+    root = self._result(lambda: ts.KvStore.open(self.dest.base, context=self.context))
+    # One step: a switch whose wait was cut might land after `abort` removed its
+    # generation, and the old generation is removed before an interrupt stops the save.
+    with commit.held():
+      pointers.switch(root, name)
+      self._generation = None  # in place: nothing for `abort` to remove
+      try:
+        pointers.remove_others(root, keep=name)
+      except ValueError as e:
+        warnings.warn(
+          f"The store at {self.dest.path} was written, but removing its old generation "
+          f"failed ({e}); the next save to that path removes it.",
+          stacklevel=3,
+        )
 
   def abort(self) -> None:
-    """Waits for in-flight writes, then removes everything written."""
-    for future, _ in self._pending:
+    """Waits for every write and operation in flight (each one this writer started), then
+    removes everything written. Runs `commit.held`: an interrupt meanwhile is raised once
+    it is done."""
+    with commit.held():
+      self._abort()
+
+  def _abort(self) -> None:
+    for future in [f for f, _ in self._pending] + self._waiting:
       try:
         future.result()
       except Exception:  # noqa: BLE001 - the original error is what matters.
         pass
     self._pending.clear()
+    self._waiting.clear()
     self._bar.close()
     if self._tmp is not None:
       shutil.rmtree(self._tmp, ignore_errors=True)

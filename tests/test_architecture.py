@@ -36,7 +36,8 @@ import jax_residency
 #: (a subpackage, or a module directly under `_src`) imports only parts on lower
 #: floors; parts on one floor are independent of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-  ("errors", "typing", "cache_dir", "version"),  # errors; type aliases; cache folder; version
+  # errors; type aliases; cache folder; version; evaluating a jaxpr equation by equation
+  ("errors", "typing", "cache_dir", "version", "jaxprs"),
   ("policy",),  # what the user asks for (pure Python)
   ("quant",),  # quantization schemes: encoding on the host, decoding in JAX
   ("plan",),  # the model split, budgets, metadata, memory items, shardings, arguments
@@ -506,12 +507,12 @@ def test_store_classes_are_made_of_parts_not_mixins(tmp_path) -> None:
     if isinstance(node, ast.ClassDef)
     and not any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases)
   }
-  assert {"UnitStore", "StackLayout", "ReadCounts"} <= ours
+  assert {"UnitStore", "StoreLayout", "ReadCounts"} <= ours
   fake = tmp_path / "fake.py"
-  fake.write_text("class Store(StackLayout, ReadCounts):\n  pass\n")
+  fake.write_text("class Store(StoreLayout, ReadCounts):\n  pass\n")
   found = package_bases(Module("jax_residency._src.store.fake", str(fake), False), ours)
   assert [line.split(": ", 1)[1] for line in found] == [
-    "Store(StackLayout)",
+    "Store(StoreLayout)",
     "Store(ReadCounts)",
   ]
   store = [m for name, m in mods.items() if name.startswith("jax_residency._src.store.")]

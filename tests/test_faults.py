@@ -743,7 +743,7 @@ import contextlib, json, os, shutil, signal, sys, threading, time
 import numpy as np
 import tensorstore as ts
 from jax_residency._src.store import commit, pointers, writer
-from jax_residency._src.store.discovery import locate
+from jax_residency._src.store.locations import locate
 from jax_residency._src.store.handles import store_context
 from jax_residency._src.store.unit_store import UnitStore
 

@@ -19,7 +19,7 @@ from jax_residency import testing
 from jax_residency._src.store import fault_in, mapped
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store.buffers import release_dropped_buffers
-from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.stream.streamed_stack import StreamedStack
 from jax_residency.toy import ToyConfig
 
 # Kernels of 16-64 KiB: stored out of line in the OCDBT data files, so mappable.
@@ -163,14 +163,14 @@ def test_steps_take_mapped_units_in_place_on_one_cpu_device(model, tokens, store
   """docs/design.md, section 4.2: on one CPU device the stream hands a step its unit's
   aligned host arrays as they are, the mapped ones included (no ``device_put``)."""
   handed: list[tuple[dict, list]] = []
-  to_device = StackUnits.to_device
+  to_device = StreamedStack.to_device
 
   def logged(self, host, **kw):
     arrays = to_device(self, host, **kw)
     handed.append((dict(host), arrays))
     return arrays
 
-  monkeypatch.setattr(StackUnits, "to_device", logged)
+  monkeypatch.setattr(StreamedStack, "to_device", logged)
   policy = _stream(0)
   with jr.place(model, policy, store=store, mesh=MESH1) as placed:
     np.testing.assert_array_equal(placed(tokens), model(tokens))
@@ -242,7 +242,7 @@ def test_a_stream_unmaps_each_finished_unit_as_it_leaves_the_window(
 
 
 def test_a_compiled_cpu_call_uses_an_aligned_host_array_in_place():
-  """What `StackUnits.to_device(in_place=True)` relies on: a compiled call on one CPU
+  """What `StreamedStack.to_device(in_place=True)` relies on: a compiled call on one CPU
   device takes an aligned NumPy argument without a copy, and so costs a small part of
   the same call on the same bytes 4 bytes off alignment, which XLA must copy first. An
   unaligned tensor goes through ``device_put``."""
@@ -263,7 +263,7 @@ def test_a_compiled_cpu_call_uses_an_aligned_host_array_in_place():
 
   assert best(aligned) < 0.1 * best(shifted)
   device = jax.sharding.SingleDeviceSharding(MESH1.devices.flat[0])
-  unit = StackUnits(
+  unit = StreamedStack(
     name="layers",
     count=1,
     rel_paths=(("a",), ("b",)),

@@ -18,8 +18,8 @@ from jax_residency._src import errors
 from jax_residency._src.store import pointers
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store import writer as wr
-from jax_residency._src.store.discovery import locate
 from jax_residency._src.store.handles import store_context
+from jax_residency._src.store.locations import locate
 
 
 def _url() -> str:
@@ -28,7 +28,7 @@ def _url() -> str:
 
 def _kv(url: str) -> ts.KvStore:
   """The kvstore at ``url`` as the library opens it (``s3://`` at the environment's
-  endpoint, `discovery.locate`)."""
+  endpoint, `locations.locate`)."""
   return ts.KvStore.open(locate(url).base, context=store_context()).result()
 
 

@@ -28,7 +28,7 @@ import jax_residency as jr
 from conftest import CFG, auto_mesh, build_nnx
 from jax_residency._src.cli.main import main as cli_main
 from jax_residency._src.models.decoding import jitted_plain
-from jax_residency._src.store.discovery import OCDBT_INLINE_BYTES
+from jax_residency._src.store.locations import OCDBT_INLINE_BYTES
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency.testing import assert_memory_kinds, assert_within_budgets
 from jax_residency.toy import LinenToyTransformer, ToyTransformer

@@ -21,7 +21,7 @@ import jax_residency as jr
 from jax_residency import testing
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.stream import engine as engine_module
-from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.stream.streamed_stack import StreamedStack
 from jax_residency.toy import ToyConfig
 
 CFG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=8)
@@ -118,7 +118,7 @@ def test_a_host_resident_unit_moves_to_the_cpu_device_in_place(model, tokens, st
   memory the placement owns, and the device arrays of each move are those tensors
   (a copy each pass cost 80 ms on a 192 MiB unit: design 4.6)."""
   moved: list[tuple[list[int], list[int]]] = []
-  to_device = StackUnits.to_device
+  to_device = StreamedStack.to_device
 
   def logged(self, host, **kw):
     arrays = to_device(self, host, **kw)
@@ -127,7 +127,7 @@ def test_a_host_resident_unit_moves_to_the_cpu_device_in_place(model, tokens, st
     moved.append((sources, [_address(a) for a in arrays]))
     return arrays
 
-  monkeypatch.setattr(StackUnits, "to_device", logged)
+  monkeypatch.setattr(StreamedStack, "to_device", logged)
   with jr.place(model, _dense(3, 1, 1), store=store, mesh=MESH1) as placed:
     kept = placed._placed()._engine._kept.in_host(1)
     assert all(a.ctypes.data % 4096 == 0 for a in kept.values())

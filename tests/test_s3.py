@@ -1,6 +1,6 @@
 """Stores on an S3-compatible server: moto's standalone server (``python -m moto.server``) on
 127.0.0.1, reached through the AWS SDKs' endpoint variable (``AWS_ENDPOINT_URL_S3``,
-`jax_residency._src.store.discovery.s3_spec`). A store saved over another on ``s3://``
+`jax_residency._src.store.locations.s3_spec`). A store saved over another on ``s3://``
 places under every policy bit for bit as the local store does, verifies, inspects and
 rechunks; a save killed (SIGKILL) at several moments leaves the old store or the new one
 (store/pointers.py), and the next save removes what it left.

@@ -264,10 +264,10 @@ def test_from_local_box_places_what_the_process_read():
 
 def test_sliced_reads_path_keeps_parity(tokens, mesh_2x4, toy_model, toy_store, monkeypatch):
   """Force the multi-process read path (index reads + per-shard assembly)."""
-  from jax_residency._src.stream import stack_units
+  from jax_residency._src.stream import streamed_stack
 
   monkeypatch.setattr(
-    stack_units, "addressable_box", lambda s, shape: tuple(slice(0, n) for n in shape)
+    streamed_stack, "addressable_box", lambda s, shape: tuple(slice(0, n) for n in shape)
   )
   mesh = mesh_2x4
   sharded = toy_model(CFG, mesh=mesh, seeded=True)

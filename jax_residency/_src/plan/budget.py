@@ -22,7 +22,7 @@ from jax_residency._src.plan.memory import HOST_BUDGET as HOST_BUDGET
 from jax_residency._src.plan.memory import OVERHEAD, MemoryItem, memory_items
 from jax_residency._src.plan.memory import STORE_INDEX_CACHE_BYTES as STORE_INDEX_CACHE_BYTES
 from jax_residency._src.plan.quantized import decoded_bytes
-from jax_residency._src.plan.resident import NO_RESIDENT_UNITS, ResidentUnits, resident_units
+from jax_residency._src.plan.resident import NO_RESIDENT_UNITS, ResidentPlan, resident_units
 from jax_residency._src.plan.split import SplitModel
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import (
@@ -130,7 +130,7 @@ class ModelMetadata:
   stacks: tuple[StackMetadata, ...] = ()
   unplaced_stacks: tuple[str, ...] = ()
   bytes_read_per_byte_used: float = 1.0
-  resident: ResidentUnits = NO_RESIDENT_UNITS
+  resident: ResidentPlan = NO_RESIDENT_UNITS
   prediction: Mapping[str, Any] | None = None
 
   @property

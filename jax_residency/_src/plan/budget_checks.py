@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from jax_residency._src.errors import DeviceBudgetTooSmallError, HostBudgetTooSmallError
 from jax_residency._src.plan.memory import staging_bytes
-from jax_residency._src.plan.resident import NO_RESIDENT_UNITS, ResidentUnits
+from jax_residency._src.plan.resident import NO_RESIDENT_UNITS, ResidentPlan
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import DenseDiskStream, LayerWeightResidency, LayerwiseHost
 
@@ -33,7 +33,7 @@ def check_device_budget(
   depth: int,
   window_of: str,
   decoded: int = 0,
-  resident: ResidentUnits = NO_RESIDENT_UNITS,
+  resident: ResidentPlan = NO_RESIDENT_UNITS,
 ) -> None:
   """Raises `DeviceBudgetTooSmallError` when static bytes + the window (+ a quantized
   unit's decoded tensors, + the device-resident units) exceed the budget."""
@@ -67,7 +67,7 @@ def check_host_budget(
   host_unit_bytes: Sequence[int],
   *,
   device_is_host: bool,
-  resident: ResidentUnits = NO_RESIDENT_UNITS,
+  resident: ResidentPlan = NO_RESIDENT_UNITS,
 ) -> None:
   """Raises `HostBudgetTooSmallError` when the host window (+ staging, + the host-resident
   units) exceeds the budget.

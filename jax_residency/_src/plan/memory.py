@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jax_residency._src.plan.resident import NO_RESIDENT_UNITS, ResidentUnits
+from jax_residency._src.plan.resident import NO_RESIDENT_UNITS, ResidentPlan
 from jax_residency._src.policy.types import DenseDiskStream, LayerWeightResidency, LayerwiseHost
 
 #: Bytes of decoded OCDBT index nodes an open store may cache: the one cache a
@@ -96,7 +96,7 @@ def memory_items(
   device_is_host: bool,
   window_of: str = "",
   decoded_bytes: tuple[int, int] = (0, 0),
-  resident: ResidentUnits = NO_RESIDENT_UNITS,
+  resident: ResidentPlan = NO_RESIDENT_UNITS,
 ) -> tuple[MemoryItem, ...]:
   """Every item a placement of ``policy`` holds, each with its bound and who pays.
 
@@ -182,7 +182,7 @@ def _dense_stream_items(
   host_unit_bytes: Sequence[int],
   *,
   device_is_host: bool,
-  kept: ResidentUnits,
+  kept: ResidentPlan,
 ) -> list[MemoryItem]:
   """A dense stream's host items: its resident units, its cache, the staging buffer,
   mapped store pages, read-ahead's mappings and the store's index cache."""

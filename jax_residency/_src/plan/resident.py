@@ -20,7 +20,7 @@ from jax_residency._src.policy.types import LayerWeightResidency
 
 
 @dataclasses.dataclass(frozen=True)
-class ResidentUnits:
+class ResidentPlan:
   """The units kept resident, by tier, and their bytes.
 
   Attributes:
@@ -40,7 +40,7 @@ class ResidentUnits:
 
 
 #: A placement that keeps no unit resident.
-NO_RESIDENT_UNITS = ResidentUnits()
+NO_RESIDENT_UNITS = ResidentPlan()
 
 
 def resident_units(
@@ -48,7 +48,7 @@ def resident_units(
   stacks: Sequence[tuple[str, int]],
   device_unit_bytes: Sequence[int],
   host_unit_bytes: Sequence[int],
-) -> ResidentUnits:
+) -> ResidentPlan:
   """Which units ``policy`` keeps resident, for ``stacks`` ``(path, count)`` that
   partition the units in order.
 
@@ -85,7 +85,7 @@ def resident_units(
     device += range(start, start + d)
     host += range(start + d, start + d + h)
     start += count
-  return ResidentUnits(
+  return ResidentPlan(
     device=tuple(device),
     host=tuple(host),
     device_bytes=sum(device_unit_bytes[i] for i in device),

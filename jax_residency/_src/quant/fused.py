@@ -52,6 +52,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jax_residency._src.jaxprs import Evaluation, renamed
 from jax_residency._src.quant import native
 from jax_residency._src.quant.encoding import is_decode_call, rows_source
 
@@ -136,18 +137,19 @@ def evaluate_eqns(
   return [state.read(v) for v in outvars]
 
 
-class _State:
-  """An evaluation: values (``env``), the variables that hold decoded values, and the
-  decodes not computed yet (``pending``). A decode is computed where its value is first
-  read, so that a product computes its operand's decode inside its own program
-  (`_rows_product`). ``blocks``: a concatenated decode's pieces (variables) and axis;
-  ``alias``: an inlined decode's outputs, by the outer variable; ``sources``: an int8 or
-  int4 tensor's decoded value (its variable) -> (scheme, whether it is a kernel, the
-  variables of its parts); ``kernels``: None, or how one-row products use the
-  native kernels (`native.ACTIVATIONS`)."""
+class _State(Evaluation):
+  """An evaluation (`jaxprs.Evaluation`): values (``env``), the variables that hold
+  decoded values, and the decodes not computed yet (``pending``). A decode is computed
+  where its value is first read, so that a product computes its operand's decode inside
+  its own program (`_rows_product`). ``blocks``: a concatenated decode's pieces
+  (variables) and axis; ``alias``: an inlined decode's outputs, by the outer variable;
+  ``sources``: an int8 or int4 tensor's decoded value (its variable) -> (scheme, whether
+  it is a kernel, the variables of its parts); ``kernels``: None, or how one-row
+  products use the native kernels (`native.ACTIVATIONS`)."""
 
   def __init__(self, env: dict[Any, Any], decoded: set[Any], parent: _State | None = None):
-    self.env, self.decoded = env, decoded
+    super().__init__(env)
+    self.decoded = decoded
     self.pending: dict[Any, Any] = {} if parent is None else parent.pending
     self.blocks: dict[Any, tuple[list[Any], int]] = {} if parent is None else parent.blocks
     self.alias: dict[Any, Any] = {} if parent is None else parent.alias
@@ -163,17 +165,8 @@ class _State:
       return v.val
     v = self._resolve(v)
     if v not in self.env:
-      self._bind(self.pending[v])
+      self.bind(self.pending[v])
     return self.env[v]
-
-  def _bind(self, eqn: Any) -> list[Any]:
-    with eqn.ctx.manager:
-      outs = eqn.primitive.bind(
-        *map(self.read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
-      )
-    outs = list(outs) if eqn.primitive.multiple_results else [outs]
-    self.env.update(zip(eqn.outvars, outs, strict=True))
-    return outs
 
   def run(self, eqns: Sequence[Any]) -> None:
     for eqn in eqns:
@@ -199,7 +192,7 @@ class _State:
           if (source := self.sources.get(self._resolve(eqn.invars[0]))) is not None:
             self.sources[eqn.outvars[0]] = (source[0], not source[1], source[2])
       else:
-        self._bind(eqn)
+        self.bind(eqn)
 
   def _resolve(self, v: Any) -> Any:
     while v in self.alias:
@@ -209,7 +202,7 @@ class _State:
   def _inline(self, eqn: Any) -> None:
     """A nested decode, followed equation by equation in this state."""
     closed = eqn.params["jaxpr"]
-    inner = _renamed(closed.jaxpr)
+    inner = renamed(closed.jaxpr)
     self.env.update(zip(inner.constvars, closed.consts, strict=True))
     for outer, v in zip(eqn.invars, inner.invars, strict=True):
       self.alias[v] = outer
@@ -222,31 +215,6 @@ class _State:
         self.decoded.add(outer)
       if self._resolve(w) in self.blocks:
         self.blocks[outer] = self.blocks[self._resolve(w)]
-
-
-def _renamed(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
-  """``jaxpr`` with variables of its own: a jitted function's jaxpr is one object for
-  every call with the same shapes (two projections of one size), and `_State` keys its
-  values and aliases by variable."""
-  new: dict[Any, Any] = {}
-
-  def var(v: Any) -> Any:
-    if isinstance(v, jcore.Literal):
-      return v
-    if v not in new:
-      new[v] = jcore.Var(v.aval)
-    return new[v]
-
-  eqns = [
-    e.replace(invars=[var(v) for v in e.invars], outvars=[var(v) for v in e.outvars])
-    for e in jaxpr.eqns
-  ]
-  return jaxpr.replace(
-    constvars=[var(v) for v in jaxpr.constvars],
-    invars=[var(v) for v in jaxpr.invars],
-    outvars=[var(v) for v in jaxpr.outvars],
-    eqns=eqns,
-  )
 
 
 def _product(eqn: Any, state: _State) -> Any:

@@ -44,8 +44,8 @@ from jax_residency._src.plan import shardings as pl
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.policy.types import DenseDiskStream
 from jax_residency._src.store import files
-from jax_residency._src.store.discovery import locate
 from jax_residency._src.store.generation import fingerprint
+from jax_residency._src.store.locations import locate
 from jax_residency._src.store.unit_store import UnitStore
 
 #: Subdirectory of the library cache directory that holds measurements.

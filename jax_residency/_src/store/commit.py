@@ -55,7 +55,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_residency._src import errors
-from jax_residency._src.store.discovery import locate
+from jax_residency._src.store.locations import locate
 
 TMP_TAG = ".jax-residency-tmp-"
 OLD_TAG = ".jax-residency-old-"

@@ -1,31 +1,28 @@
-"""Finding a store: where it lives (`locate`) and what arrays it holds (`discover`).
+"""Finding what arrays a store holds (`discover`), at a `locations.Location`.
 
 Everything here reads metadata only, never tensor data: Orbax's `_METADATA`,
 the `jax_residency.json` sidecar, and each array's zarr (v2 or v3) metadata.
-Each file's shape is checked as it is read: a file that is not UTF-8 JSON, or
-a field of the wrong type, raises `StoreLayoutError` naming the file and the
-field. It also names the on-disk format: the sidecar's key and version, and the
-OCDBT settings stores are written with.
+Each file's shape is checked as it is read (`metadata_fields`): a file that is not
+UTF-8 JSON, or a field of the wrong type, raises `StoreLayoutError` naming the file
+and the field. It also names the on-disk format: the sidecar's key and version.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
-import reprlib
-import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
 from jax_residency._src import errors
+from jax_residency._src.store import metadata_fields as fields
 from jax_residency._src.store import raw_chunks, remote
+from jax_residency._src.store.locations import Location, ocdbt_spec
 from jax_residency._src.store.pointers import generation_base
-from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.unit_reads import read_advice
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 
@@ -41,14 +38,6 @@ SIDECAR_KEY = "jax_residency.json"
 
 _ARRAY_VALUE_TYPES = frozenset({"np.ndarray", "jax.Array", "scalar"})
 _UNCOMPRESSED_CODECS = frozenset({"bytes", "transpose", "crc32c"})
-#: OCDBT settings for writing, as Orbax uses them.
-#: Values up to this size are stored inside the OCDBT index, not in data files.
-OCDBT_INLINE_BYTES = 1024
-OCDBT_WRITE_CONFIG = {
-  "max_inline_value_bytes": OCDBT_INLINE_BYTES,
-  "max_decoded_node_bytes": 100_000_000,
-  "manifest_kind": "single",
-}
 
 
 def as_path(key: Any) -> ParamPath:
@@ -59,93 +48,6 @@ def as_path(key: Any) -> ParamPath:
     (('layers', '0'), ('embed',))
   """
   return tuple(str(k) for k in (key if isinstance(key, tuple) else (key,)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Location:
-  """Where a store lives: a local directory or a TensorStore kvstore URL."""
-
-  path: str  # as the caller gave it, for messages
-  base: Any  # TensorStore kvstore spec of the directory (ends with "/")
-  local: str | None  # absolute directory for local paths, else None
-  reads: ReadOptions = ReadOptions()  # retries and time-out of its reads
-
-
-def locate(path: str | os.PathLike[str], reads: ReadOptions | None = None) -> Location:
-  """Resolves a local path (a `str` or `os.PathLike`), `file://` URL or other
-  kvstore URL (`memory://`, `gs://`...), to be read with ``reads`` (default
-  `ReadOptions()`)."""
-  reads = ReadOptions() if reads is None else reads
-  if not isinstance(reads, ReadOptions):
-    raise errors.StoreError(
-      f"read_options must be a jax_residency.ReadOptions; got {reprlib.repr(reads)} "
-      f"({type(reads).__name__}). Pass e.g. read_options=jr.ReadOptions(retries=4)."
-    )
-  if isinstance(path, os.PathLike):
-    path = os.fspath(path)
-  if not isinstance(path, str) or not path:
-    raise errors.StoreError(
-      f"A store path must be a non-empty str or os.PathLike; got path={reprlib.repr(path)} "
-      f"({type(path).__name__}). Pass a directory or a kvstore URL such as 'memory://name'."
-    )
-  if path.startswith("s3://") and s3_endpoint() is not None:
-    return Location(path, s3_spec(path), None, reads)
-  if "://" in path and not path.startswith("file://"):
-    return Location(path, path if path.endswith("/") else path + "/", None, reads)
-  local = urllib.parse.unquote(path[len("file://") :]) if path.startswith("file://") else path
-  local = os.path.abspath(os.path.expanduser(local))
-  return Location(path, {"driver": "file", "path": local + "/"}, local, reads)
-
-
-#: Environment variables that name an S3-compatible endpoint (MinIO, Ceph, R2, a local
-#: test server), first found first: the AWS SDKs' own. TensorStore's ``s3://`` URLs
-#: ignore them and go to AWS, so `locate` turns such a URL into a spec with the endpoint.
-S3_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
-
-
-def s3_endpoint() -> str | None:
-  """The S3-compatible endpoint the environment names (`S3_ENDPOINT_ENV`), or None."""
-  return next((os.environ[k] for k in S3_ENDPOINT_ENV if os.environ.get(k)), None)
-
-
-def s3_spec(url: str) -> dict[str, Any]:
-  """The TensorStore kvstore spec of ``s3://bucket/key`` at the environment's endpoint:
-  its region from ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, and its credentials from
-  ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` where those are set (else the AWS
-  default chain: profile files, instance metadata).
-
-  Example:
-    >>> import os
-    >>> os.environ["AWS_ENDPOINT_URL_S3"] = "http://127.0.0.1:9000"
-    >>> spec = s3_spec("s3://models/gpt/store")
-    >>> spec["bucket"], spec["path"], spec["endpoint"]
-    ('models', 'gpt/store/', 'http://127.0.0.1:9000')
-    >>> del os.environ["AWS_ENDPOINT_URL_S3"]
-  """
-  bucket, _, key = url[len("s3://") :].partition("/")
-  if not bucket:
-    raise errors.StoreError(f"{url}: an s3:// store needs a bucket, as in s3://BUCKET/PATH.")
-  spec: dict[str, Any] = {
-    "driver": "s3",
-    "bucket": bucket,
-    "path": key if not key or key.endswith("/") else key + "/",
-    "endpoint": s3_endpoint(),
-  }
-  region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-  if region:
-    spec["aws_region"] = region
-  if os.environ.get("AWS_ACCESS_KEY_ID"):
-    spec["aws_credentials"] = {"type": "environment"}
-  return spec
-
-
-def ocdbt_spec(loc: Location, *, write: bool = False) -> dict[str, Any]:
-  """The kvstore spec of the OCDBT database at ``loc`` (its index nodes use the
-  context's ``cache_pool#ocdbt``); ``write`` adds Orbax's write settings."""
-  spec: dict[str, Any] = {"driver": "ocdbt", "base": loc.base, "cache_pool": "cache_pool#ocdbt"}
-  if write:
-    spec.update(config=dict(OCDBT_WRITE_CONFIG), assume_config=True)
-  return spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,134 +70,38 @@ class ArrayInfo:
     return self.name or path_str(self.path)
 
 
-_REWRITE = "The file is damaged or not one this version reads; write the store again."
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
-_REQUIRED: Any = object()
-#: What a metadata field must be: (how messages say it, the test).
-_Kind = tuple[str, Callable[[Any], bool]]
-
-
-def _is_int(v: Any) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _dims(minimum: int) -> _Kind:
-  ok = lambda v: isinstance(v, list) and all(_is_int(d) and d >= minimum for d in v)  # noqa: E731
-  return f"an array of ints >= {minimum}, one per dimension", ok
-
-
-def _is_codec(v: Any) -> bool:
-  name, config = (v.get("name"), v.get("configuration", {})) if isinstance(v, dict) else (0, 0)
-  return isinstance(name, str) and isinstance(config, dict)
-
-
-def _is_keys(v: Any) -> bool:
-  keys = [k.get("key") if isinstance(k, dict) else None for k in v] if isinstance(v, list) else []
-  return bool(keys) and all(isinstance(k, str | int) for k in keys)
-
-
-_OBJECT: _Kind = ("an object", lambda v: isinstance(v, dict))
-_STRING: _Kind = ("a string", lambda v: isinstance(v, str))
-_BOOL: _Kind = ("true or false", lambda v: isinstance(v, bool))
-_INT: _Kind = ("an int", _is_int)
-_COUNT: _Kind = ("an int >= 0", lambda v: _is_int(v) and v >= 0)
-_CODECS: _Kind = (
-  'an array of codec objects, each with a "name" string and any "configuration" an object',
-  lambda v: isinstance(v, list) and all(_is_codec(c) for c in v),
-)
-_KEYS: _Kind = ('a non-empty array of objects, each with a "key" string or int', _is_keys)
-_PREFIX: _Kind = (
-  'an array of strings (the unit prefix, e.g. ["layers"])',
-  lambda v: isinstance(v, list) and all(isinstance(p, str) and p for p in v),
-)
-
-_TENSORS: _Kind = (
-  'a non-empty array of objects, each {"path": [...], "shape": [...], "axis": n, "dtype": s}',
-  lambda v: isinstance(v, list) and bool(v) and all(isinstance(e, dict) for e in v),
-)
-_STACKS: _Kind = (
-  'a non-empty array of objects, each {"prefix": [...], "count": n}',
-  lambda v: isinstance(v, list) and bool(v) and all(isinstance(e, dict) for e in v),
-)
-
-
-def _described(value: Any) -> str:
-  """A decoded JSON value as messages show it: ``an array ([1, 2])``."""
-  if value is None:
-    return "null"
-  return f"{_JSON_TYPES.get(type(value), 'a number')} ({reprlib.repr(value)})"
-
-
-def _field(
-  doc: dict[str, Any], field: str, kind: _Kind, file: str, default: Any = _REQUIRED
-) -> Any:
-  """The value of ``field`` (a dotted path; its last part is the key in ``doc``) if it is
-  of ``kind``; ``default`` if absent, or if no default, a `StoreLayoutError` naming
-  ``file``, the field and the value, as for a value of another kind."""
-  key = field.rsplit(".", 1)[-1]
-  if key not in doc and default is not _REQUIRED:
-    return default
-  found = f"is {_described(doc[key])}" if key in doc else "is missing"
-  if key not in doc or not kind[1](doc[key]):
-    raise errors.StoreLayoutError(
-      f"{file}: field {field} {found}; it must be {kind[0]}. {_REWRITE}"
-    )
-  return doc[key]
-
-
-def _decode(raw: bytes, file: str) -> dict[str, Any]:
-  """The JSON object in a metadata file; anything else raises `StoreLayoutError`."""
-  try:
-    doc = json.loads(bytes(raw).decode("utf-8"))
-  except UnicodeDecodeError as e:
-    raise errors.StoreLayoutError(
-      f"{file} is not UTF-8 text ({e.reason} at byte {e.start}). {_REWRITE}"
-    ) from None
-  except (ValueError, RecursionError) as e:  # JSONDecodeError; a number or nesting too big
-    raise errors.StoreLayoutError(f"{file} is not valid JSON ({e}). {_REWRITE}") from None
-  if not isinstance(doc, dict):
-    raise errors.StoreLayoutError(f"{file} holds {_described(doc)}, not a JSON object. {_REWRITE}")
-  return doc
-
-
-def _dtype(name: Any, file: str, field: str) -> np.dtype:
-  try:
-    return np.dtype(name)
-  except (TypeError, ValueError):
-    pass
-  try:
-    return ts.dtype(name).numpy_dtype
-  except (TypeError, ValueError):
-    raise errors.StoreLayoutError(
-      f"{file}: field {field} is {_described(name)}, not a data type this version reads "
-      f'(e.g. "float32", "bfloat16"). {_REWRITE}'
-    ) from None
-
-
 def _parse_array(path: ParamPath, meta: dict[str, Any], file: str) -> ArrayInfo:
   """An `ArrayInfo` from an array's zarr v3 (``zarr.json``) or v2 (``.zarray``) metadata."""
-  shape = _field(meta, "shape", _dims(0), file)
+  shape = fields.value(meta, "shape", fields.dims(0), file)
   if meta.get("zarr_format") == 3:
-    config = _field(
-      _field(meta, "chunk_grid", _OBJECT, file), "chunk_grid.configuration", _OBJECT, file
+    config = fields.value(
+      fields.value(meta, "chunk_grid", fields.OBJECT, file),
+      "chunk_grid.configuration",
+      fields.OBJECT,
+      file,
     )
-    chunk = _field(config, "chunk_grid.configuration.chunk_shape", _dims(1), file)
-    codecs, field = _field(meta, "codecs", _CODECS, file, []), "codecs"
+    chunk = fields.value(config, "chunk_grid.configuration.chunk_shape", fields.dims(1), file)
+    codecs, field = fields.value(meta, "codecs", fields.CODECS, file, []), "codecs"
     while codecs and codecs[0]["name"] == "sharding_indexed":
       config, field = codecs[0].get("configuration", {}), f"{field}[0].configuration"
-      chunk = _field(config, f"{field}.chunk_shape", _dims(1), file)
-      codecs, field = _field(config, f"{field}.codecs", _CODECS, file, []), f"{field}.codecs"
+      chunk = fields.value(config, f"{field}.chunk_shape", fields.dims(1), file)
+      codecs, field = (
+        fields.value(config, f"{field}.codecs", fields.CODECS, file, []),
+        f"{field}.codecs",
+      )
     compressed = any(c["name"] not in _UNCOMPRESSED_CODECS for c in codecs)
     driver, field = "zarr3", "data_type"
   else:
-    chunk = _field(meta, "chunks", _dims(1), file)
+    chunk = fields.value(meta, "chunks", fields.dims(1), file)
     compressed = meta.get("compressor") is not None or bool(meta.get("filters"))
     driver, field = "zarr", "dtype"
-  dtype = _dtype(_field(meta, field, ("a data type", lambda v: v is not None), file), file, field)
+  dtype = fields.data_type(
+    fields.value(meta, field, ("a data type", lambda v: v is not None), file), file, field
+  )
   if len(chunk) != len(shape):
     raise errors.StoreLayoutError(
       f"{file}: the chunk shape {chunk} and the shape {shape} differ in their number of "
-      f"dimensions. {_REWRITE}"
+      f"dimensions. {fields.REWRITE}"
     )
   raw = raw_chunks.mappable(meta)
   partial = raw_chunks.chunk_trailer(meta) == 0 or (driver == "zarr" and not compressed)
@@ -316,14 +122,14 @@ def _read_json(kv: ts.KvStore, keys: Sequence[str], loc: Location) -> list[dict[
   """The JSON objects stored under ``keys``; None where a key is absent."""
   results = [_wait(r, loc) for r in [kv.read(k) for k in keys]]
   return [
-    _decode(r.value, _file(loc, k)) if r.state == "value" else None
+    fields.decode(r.value, _file(loc, k)) if r.state == "value" else None
     for k, r in zip(keys, results, strict=True)
   ]
 
 
 def _tree_paths(metadata: dict[str, Any], file: str) -> list[ParamPath] | None:
   """Array leaves of an Orbax `_METADATA` file, or None if it lists no tree."""
-  tree = _field(
+  tree = fields.value(
     metadata,
     "tree_metadata",
     ("an object of tree entries", lambda v: v is None or isinstance(v, dict)),
@@ -337,36 +143,36 @@ def _tree_paths(metadata: dict[str, Any], file: str) -> list[ParamPath] | None:
     field = f"tree_metadata[{name!r}]"
     if not isinstance(entry, dict):
       raise errors.StoreLayoutError(
-        f"{file}: field {field} is {_described(entry)}; it must be an object with "
-        f"key_metadata and value_metadata. {_REWRITE}"
+        f"{file}: field {field} is {fields.described(entry)}; it must be an object with "
+        f"key_metadata and value_metadata. {fields.REWRITE}"
       )
-    value = _field(entry, f"{field}.value_metadata", _OBJECT, file, {})
-    kind = _field(value, f"{field}.value_metadata.value_type", _STRING, file, None)
+    value = fields.value(entry, f"{field}.value_metadata", fields.OBJECT, file, {})
+    kind = fields.value(value, f"{field}.value_metadata.value_type", fields.STRING, file, None)
     if kind in _ARRAY_VALUE_TYPES and not value.get("skip_deserialize"):
-      keys = _field(entry, f"{field}.key_metadata", _KEYS, file)
+      keys = fields.value(entry, f"{field}.key_metadata", fields.KEYS, file)
       paths.append(tuple(str(k["key"]) for k in keys))
   return paths
 
 
 def _checked_sidecar(sidecar: dict[str, Any], file: str) -> dict[str, Any]:
   """The sidecar, once the fields readers use (each optional) have the right types."""
-  _field(sidecar, "format_version", _INT, file, None)
-  _field(sidecar, "unit_count", _COUNT, file, None)
-  _field(sidecar, "unit_prefix", _PREFIX, file, None)
-  stacks = _field(sidecar, "stacks", _STACKS, file, None)
+  fields.value(sidecar, "format_version", fields.INT, file, None)
+  fields.value(sidecar, "unit_count", fields.COUNT, file, None)
+  fields.value(sidecar, "unit_prefix", fields.PREFIX, file, None)
+  stacks = fields.value(sidecar, "stacks", fields.STACKS, file, None)
   for k, entry in enumerate(stacks or ()):
-    _field(entry, f"stacks[{k}].prefix", _PREFIX, file)
-    _field(entry, f"stacks[{k}].count", _COUNT, file)
-  quant = _field(sidecar, "quantization", _OBJECT, file, None)
+    fields.value(entry, f"stacks[{k}].prefix", fields.PREFIX, file)
+    fields.value(entry, f"stacks[{k}].count", fields.COUNT, file)
+  quant = fields.value(sidecar, "quantization", fields.OBJECT, file, None)
   if quant is not None:
-    _field(quant, "quantization.scheme", _STRING, file)
-    tensors = _field(quant, "quantization.tensors", _TENSORS, file)
+    fields.value(quant, "quantization.scheme", fields.STRING, file)
+    tensors = fields.value(quant, "quantization.tensors", fields.TENSORS, file)
     for k, entry in enumerate(tensors):
       where = f"quantization.tensors[{k}]"
-      _field(entry, f"{where}.path", _PREFIX, file)
-      _field(entry, f"{where}.shape", _dims(1), file)
-      _field(entry, f"{where}.axis", _INT, file)
-      _field(entry, f"{where}.dtype", _STRING, file)
+      fields.value(entry, f"{where}.path", fields.PREFIX, file)
+      fields.value(entry, f"{where}.shape", fields.dims(1), file)
+      fields.value(entry, f"{where}.axis", fields.INT, file)
+      fields.value(entry, f"{where}.dtype", fields.STRING, file)
   return sidecar
 
 
@@ -409,7 +215,7 @@ def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discove
   file = _file(loc, "_METADATA")
   paths, use_ocdbt = None, True
   if metadata is not None:
-    use_ocdbt = _field(metadata, "use_ocdbt", _BOOL, file, has_manifest)
+    use_ocdbt = fields.value(metadata, "use_ocdbt", fields.BOOL, file, has_manifest)
     paths = _tree_paths(metadata, file)
   if sidecar is not None:
     sidecar = _checked_sidecar(sidecar, _file(loc, sidecar_key))

@@ -20,7 +20,7 @@ import tensorstore as ts
 
 from jax_residency._src import errors
 from jax_residency._src.plan.memory import STORE_INDEX_CACHE_BYTES
-from jax_residency._src.store import buffers, discovery, remote
+from jax_residency._src.store import buffers, discovery, locations, remote
 from jax_residency._src.store.read_options import ReadOptions
 
 #: Bytes of decoded OCDBT b-tree nodes cached per open store (metadata only); the
@@ -131,7 +131,7 @@ class HandleCache:
 
 
 def open_array(
-  loc: discovery.Location,
+  loc: locations.Location,
   name: str,
   *,
   driver: str,
@@ -155,7 +155,7 @@ class Opening:
   """A handle being opened; `result()` names the array and store on failure, and
   waits at most the store's time-out."""
 
-  def __init__(self, future: Any, name: str, loc: discovery.Location):
+  def __init__(self, future: Any, name: str, loc: locations.Location):
     self._future, self._name, self._loc = future, name, loc
 
   def result(self) -> ts.TensorStore:

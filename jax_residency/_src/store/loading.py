@@ -19,7 +19,15 @@ import tqdm
 from jax_residency._src.errors import StoreError
 from jax_residency._src.plan.quantized import QuantPlan
 from jax_residency._src.plan.split import SplitModel
-from jax_residency._src.store import checkpoints, checks, commit, discovery, handles, pointers
+from jax_residency._src.store import (
+  checkpoints,
+  checks,
+  commit,
+  discovery,
+  handles,
+  locations,
+  pointers,
+)
 from jax_residency._src.store.discovery import SIDECAR_KEY
 from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.remote import FetchCounter
@@ -40,7 +48,7 @@ class StoreSource:
   def of(cls, path: str | os.PathLike[str], reads: ReadOptions | None = None) -> StoreSource:
     """Raises `StoreError` for a path or ``reads`` of the wrong type. A
     ``CheckpointManager`` directory stands for its latest step's checkpoint."""
-    loc = discovery.locate(checkpoints.resolve(discovery.locate(path).path), reads)
+    loc = locations.locate(checkpoints.resolve(locations.locate(path).path), reads)
     return cls(loc.path, loc.reads, FetchCounter(loc.path, local=loc.local is not None))
 
 
@@ -82,7 +90,7 @@ def recorded_in(
   Raises:
     StoreNotFoundError, StoreError: as `UnitStore.open`.
   """
-  loc = discovery.locate(checkpoints.resolve(path), reads)
+  loc = locations.locate(checkpoints.resolve(path), reads)
   if loc.local is not None:  # a save that died between its two renames
     commit.recover_local(loc.local)
   context = handles.store_context(reads=loc.reads)

@@ -29,7 +29,7 @@ from jax_residency._src import errors
 from jax_residency._src.store import remote
 
 if TYPE_CHECKING:
-  from jax_residency._src.store.discovery import Location
+  from jax_residency._src.store.locations import Location
 
 #: The pointer object's key under a store's path.
 POINTER_KEY = "jax_residency.generation"

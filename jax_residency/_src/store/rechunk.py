@@ -16,8 +16,8 @@ import tensorstore as ts
 
 from jax_residency._src import errors
 from jax_residency._src.store import commit, layout
-from jax_residency._src.store.discovery import locate
 from jax_residency._src.store.info import StackInfo, StoreInfo
+from jax_residency._src.store.locations import locate
 from jax_residency._src.store.stored_stack import per_expert
 from jax_residency._src.store.unit_store import UnitStore
 from jax_residency._src.store.writer import StoreWriter

@@ -144,7 +144,7 @@ def locate(stacks: Sequence[StoredStack], i: Any, path: str) -> tuple[StoredStac
   )
 
 
-class StackLayout:
+class StoreLayout:
   """What a store's stacks and static arrays are, from its metadata: a part `UnitStore`
   holds (its layout).
 

@@ -43,6 +43,7 @@ from jax_residency._src.store import (
   discovery,
   generation,
   handles,
+  locations,
   mapped,
   pointers,
   remote,
@@ -55,8 +56,8 @@ from jax_residency._src.store.read_options import ReadOptions
 from jax_residency._src.store.remote import FetchCounter
 from jax_residency._src.store.stored_stack import (
   LocalFetches,
-  StackLayout,
   StoredStack,
+  StoreLayout,
   failed_unit,
   locate,
   split_stacks,
@@ -98,7 +99,7 @@ class UnitStore:
   def __init__(
     self,
     *,
-    location: discovery.Location,
+    location: locations.Location,
     context: ts.Context,
     arrays: Mapping[ParamPath, discovery.ArrayInfo],
     stacks: Sequence[tuple[ParamPath, int]],
@@ -114,7 +115,7 @@ class UnitStore:
     self._stacks, self._static = split_stacks(
       arrays, stacks, local=location.local, use_ocdbt=use_ocdbt
     )
-    self.layout = StackLayout(location.path, self._stacks, self._static, quantization)
+    self.layout = StoreLayout(location.path, self._stacks, self._static, quantization)
     self._names = {p: a.stored_name for p, a in arrays.items()}  # by path: Orbax's name
     self._drivers = {a.stored_name: a.driver for a in arrays.values()}
     self._handles = handles.HandleCache(max_cached_shards, self._open_handle)
@@ -181,7 +182,7 @@ class UnitStore:
         f"max_cached_shards must be an int >= 1 (open TensorStore handles); got "
         f"{max_cached_shards=}. Use the default, {DEFAULT_MAX_CACHED_SHARDS}."
       )
-    loc = discovery.locate(checkpoints.resolve(discovery.locate(path).path), read_options)
+    loc = locations.locate(checkpoints.resolve(locations.locate(path).path), read_options)
     fetched = FetchCounter(loc.path, local=loc.local is not None)
     if loc.local is not None:  # a save that died between its two renames
       commit.recover_local(loc.local)
@@ -230,7 +231,7 @@ class UnitStore:
       f"unit_count={self.unit_count}, unit_nbytes={self.unit_nbytes})"
     )
 
-  # The layout's description, as the store's own (`StackLayout`).
+  # The layout's description, as the store's own (`StoreLayout`).
 
   @property
   def unit_prefix(self) -> ParamPath:
@@ -295,12 +296,12 @@ class UnitStore:
 
   @property
   def bytes_read_per_byte_used(self) -> float:
-    """See `StackLayout.bytes_read_per_byte_used`."""
+    """See `StoreLayout.bytes_read_per_byte_used`."""
     return self.layout.bytes_read_per_byte_used
 
   @property
   def largest_shared_chunk(self) -> int:
-    """See `StackLayout.largest_shared_chunk`."""
+    """See `StoreLayout.largest_shared_chunk`."""
     return self.layout.largest_shared_chunk
 
   @property

@@ -30,15 +30,13 @@ from jax_residency._src.store import checks, commit, layout, mapped, pointers, r
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
   FORMAT_VERSION,
-  OCDBT_INLINE_BYTES,
   PLAIN_FORMAT_VERSION,
   SIDECAR_KEY,
   as_path,
-  locate,
-  ocdbt_spec,
 )
 from jax_residency._src.store.handles import store_context
 from jax_residency._src.store.info import StackInfo, StoreInfo
+from jax_residency._src.store.locations import OCDBT_INLINE_BYTES, locate, ocdbt_spec
 from jax_residency._src.store.raw_chunks import CHECKSUM_BYTES
 from jax_residency._src.typing import ParamPath, path_str, tensor_nbytes
 

@@ -23,7 +23,7 @@ from jax_residency._src.store.unit_reader import UnitReader
 from jax_residency._src.stream.kept import KeptUnits
 from jax_residency._src.stream.ledger import ResidencyLedger
 from jax_residency._src.stream.loaders import UnitLoader
-from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.stream.streamed_stack import StreamedStack
 from jax_residency._src.stream.tally import PassTally
 
 
@@ -43,7 +43,7 @@ class DeviceWindow:
     self,
     ledger: ResidencyLedger,
     kept: KeptUnits,
-    owner: Sequence[StackUnits],
+    owner: Sequence[StreamedStack],
     loader: UnitLoader,
     source: UnitReader,
     tally: PassTally,

@@ -44,8 +44,8 @@ from jax_residency._src.stream.expert_cache import ExpertStream
 from jax_residency._src.stream.kept import KeptUnits
 from jax_residency._src.stream.ledger import Eviction, ResidencyLedger
 from jax_residency._src.stream.loaders import CachedLoader, DirectLoader, UnitLoader
-from jax_residency._src.stream.stack_units import StackUnits
-from jax_residency._src.stream.staged import StackSpan, StagedForward, run_staged, trace
+from jax_residency._src.stream.staged import StagedForward, run_staged, trace
+from jax_residency._src.stream.streamed_stack import StreamedStack
 from jax_residency._src.stream.tally import PassTally
 from jax_residency._src.stream.unit_source import UnitReads, tune_source
 from jax_residency._src.typing import ParamPath
@@ -84,7 +84,7 @@ class DenseStreamEngine:
     self._platform = str(device.platform)
     self._telemetry = telemetry
     self._stacks = [
-      StackUnits.of(split, stack, self._unit_shardings[stack.leaf_slice], meta)
+      StreamedStack.of(split, stack, self._unit_shardings[stack.leaf_slice], meta)
       for stack, meta in zip(split.stacks, metadata.stacks, strict=True)
     ]
     self._owner = [st for st in self._stacks for _ in range(st.count)]
@@ -185,9 +185,8 @@ class DenseStreamEngine:
     if staged is None:
       split = self._split
       unit_specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in split.unit_leaves()]
-      spans = [StackSpan(s.offset, s.count, s.first, len(s.index)) for s in split.stacks]
       staged = trace(
-        self._forward, self._static, unit_specs, (args, kwargs), spans, split.activations
+        self._forward, self._static, unit_specs, (args, kwargs), split.stacks, split.activations
       )
       # A quantized unit's decode depends only on the unit, so inside a loop XLA hoists
       # it out of the matmul and writes the float unit; a plain step keeps it fused.

@@ -42,7 +42,7 @@ from jax_residency._src.store.unit_reader import UnitReader
 from jax_residency._src.stream.expert_plan import StackExperts
 from jax_residency._src.stream.expert_rows import ExpertRows, RowBuffers, put_rows
 from jax_residency._src.stream.ledger import Eviction, ResidencyLedger
-from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.stream.streamed_stack import StreamedStack
 from jax_residency._src.typing import ParamPath
 
 
@@ -54,8 +54,8 @@ class ExpertStream:
     *,
     policy: ExpertResidency,
     source: UnitReader,
-    stacks: Sequence[StackUnits],
-    owner: Sequence[StackUnits],
+    stacks: Sequence[StreamedStack],
+    owner: Sequence[StreamedStack],
     ordinary: Any,
     platform: str,
   ) -> None:
@@ -97,10 +97,10 @@ class ExpertStream:
     cls,
     policy: ExpertResidency,
     source: UnitReader,
-    stacks: Sequence[StackUnits],
+    stacks: Sequence[StreamedStack],
     ordinary: Any,
     platform: str,
-  ) -> tuple[ExpertStream, list[StackUnits]]:
+  ) -> tuple[ExpertStream, list[StreamedStack]]:
     """The expert caches of a stream of ``stacks``, and the stacks as their units are
     then read and charged: without their experts."""
     if any(st.read_index is not None for st in stacks):

@@ -17,7 +17,7 @@ from jax_residency._src.plan.memory import MemoryItem
 from jax_residency._src.policy.experts import ExpertResidency
 from jax_residency._src.policy.sizes import format_bytes
 from jax_residency._src.store.stored_stack import per_expert
-from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.stream.streamed_stack import StreamedStack
 from jax_residency._src.typing import ParamPath
 
 
@@ -44,7 +44,7 @@ class StackExperts:
   expert_bytes: int
 
   @classmethod
-  def of(cls, st: StackUnits, stored: Any) -> StackExperts | None:
+  def of(cls, st: StreamedStack, stored: Any) -> StackExperts | None:
     found = [
       (k, rel) for k, rel in enumerate(st.rel_paths) if per_expert(stored.arrays[tuple(rel)])
     ]

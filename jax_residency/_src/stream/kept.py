@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from jax_residency._src.plan.resident import ResidentUnits
+from jax_residency._src.plan.resident import ResidentPlan
 from jax_residency._src.plan.shardings import DEVICE, held_units
 from jax_residency._src.store.buffers import anonymous_slab, buffer_layout
-from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.stream.streamed_stack import StreamedStack
 from jax_residency._src.typing import ParamPath, path_str
 
 Read = Callable[[int], Mapping[ParamPath, np.ndarray]]
@@ -34,7 +34,7 @@ class KeptUnits:
     read: reads one unit from the store.
   """
 
-  def __init__(self, resident: ResidentUnits, owner: Sequence[StackUnits], read: Read) -> None:
+  def __init__(self, resident: ResidentPlan, owner: Sequence[StreamedStack], read: Read) -> None:
     self.resident = resident
     self._device: dict[int, list[jax.Array]] = {}
     self._host: dict[int, dict[ParamPath, np.ndarray]] = {}

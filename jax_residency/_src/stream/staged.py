@@ -22,6 +22,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jax_residency._src.errors import PlacementError
+from jax_residency._src.jaxprs import Evaluation, last_uses
+from jax_residency._src.plan.split import Stack
 from jax_residency._src.quant.fused import kernels_for
 from jax_residency._src.report.compile_time import temp_bytes
 from jax_residency._src.stream.expert_steps import (
@@ -33,7 +35,7 @@ from jax_residency._src.stream.expert_steps import (
 from jax_residency._src.stream.static_decode import StaticDecodes, plan_static_decodes
 
 #: ``fetch(u, upcoming) -> unit leaves`` in its stack's leaf order (device arrays, or on
-#: one CPU device host arrays a step takes in place, `StackUnits.to_device`). ``u`` is a
+#: one CPU device host arrays a step takes in place, `StreamedStack.to_device`). ``u`` is a
 #: unit id (stacks number their units one after another, `split.Stack.units`);
 #: ``upcoming`` the ids the forward runs after ``u``: the rest of this loop, then
 #: the loops that follow it.
@@ -41,17 +43,6 @@ Fetch = Callable[[int, Sequence[int]], Sequence[Any]]
 #: ``after_step(u, upcoming)``, called once step ``u`` has been dispatched and
 #: the step before it has finished (to start moving the units that come next).
 AfterStep = Callable[[int, Sequence[int]], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class StackSpan:
-  """Where a stack's units and leaves lie: unit ids ``offset ..
-  offset + count - 1``, unit leaves ``first .. first + leaves - 1``."""
-
-  offset: int
-  count: int
-  first: int
-  leaves: int
 
 
 @dataclasses.dataclass
@@ -82,16 +73,17 @@ class StagedForward:
   in_loop: bool = True
   static_decodes: StaticDecodes | None = None
   bodies: dict[int, CompiledStep] = dataclasses.field(default_factory=dict)
-  stacks: tuple[StackSpan, ...] = ()
+  stacks: tuple[Stack, ...] = ()
   loops: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
   expert_steps: dict[int, ExpertStep | None] = dataclasses.field(default_factory=dict)
 
-  def stack_of(self, operands: dict[int, int]) -> StackSpan:
+  def stack_of(self, operands: dict[int, int]) -> Stack:
     """The stack whose leaves a unit loop's operands are."""
     leaf = min(operands.values())
     for s in self.stacks:
-      if s.first <= leaf < s.first + s.leaves:
-        if not all(s.first <= j < s.first + s.leaves for j in operands.values()):
+      leaves = range(s.leaf_slice.start, s.leaf_slice.stop)
+      if leaf in leaves:
+        if not all(j in leaves for j in operands.values()):
           raise PlacementError("one unit loop runs over the leaves of two layer stacks")
         return s
     raise PlacementError(f"unit leaf {leaf} belongs to no stack")
@@ -129,7 +121,7 @@ def trace(
   static_leaves: Sequence[Any],
   unit_specs: Sequence[jax.ShapeDtypeStruct],
   args: Sequence[Any],
-  stacks: Sequence[StackSpan],
+  stacks: Sequence[Stack],
   activations: str = "exact",
 ) -> StagedForward:
   """Traces ``forward(static_leaves, unit_leaves, *args)`` with abstract units
@@ -173,12 +165,6 @@ def trace(
   return staged
 
 
-def _bind(eqn: Any, read: Callable[[Any], Any]) -> list[Any]:
-  with eqn.ctx.manager:
-    outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
-  return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
 def _check_units_only_in_loops(staged: StagedForward) -> None:
   unit_vars = staged._unit_vars()
   for eqn in staged.closed.jaxpr.eqns:
@@ -210,25 +196,14 @@ def run_staged(
   ``experts``, a loop whose layer marks its expert ids runs its router first and
   takes only the experts it picks from those hooks (`expert_steps`)."""
   jaxpr = staged.closed.jaxpr
-  env: dict[jcore.Var, Any] = {}
-
-  def read(v: Any) -> Any:
-    return v.val if isinstance(v, jcore.Literal) else env[v]
-
-  def write(v: Any, val: Any) -> None:
-    if not isinstance(v, jcore.DropVar):
-      env[v] = val
-
-  flat_args = jax.tree.leaves(tuple(args))
-  for v, c in zip(jaxpr.constvars, staged.closed.consts, strict=True):
-    write(v, c)
+  values = Evaluation()
+  read = values.read
+  values.write(jaxpr.constvars, staged.closed.consts)
   ins = jaxpr.invars
-  for v, x in zip(ins[: staged.n_static], static_leaves, strict=True):
-    write(v, x)
-  for v, x in zip(ins[staged.n_static + staged.n_units :], flat_args, strict=True):
-    write(v, x)
+  values.write(ins[: staged.n_static], static_leaves)
+  values.write(ins[staged.n_static + staged.n_units :], jax.tree.leaves(tuple(args)))
 
-  last_use = _last_uses(jaxpr)
+  last_use = last_uses(jaxpr)
   static = set(ins[: staged.n_static])
   decodes = staged.static_decodes or StaticDecodes(frozenset(), {})
   for k, eqn in enumerate(jaxpr.eqns):
@@ -237,16 +212,16 @@ def run_staged(
     operands = staged._unit_operands(eqn)
     region = decodes.regions.get(k)
     if operands is not None:
-      outs = _run_unit_loop(staged, k, eqn, operands, read, fetch, after_step, experts)
+      values.write(
+        eqn.outvars, _run_unit_loop(staged, k, eqn, operands, read, fetch, after_step, experts)
+      )
     elif region is not None:
-      outs = region([read(v) for v in region.inputs])
+      values.write(eqn.outvars, region([read(v) for v in region.inputs]))
     else:
-      outs = _bind(eqn, read)
-    for v, val in zip(eqn.outvars, outs, strict=True):
-      write(v, val)
+      values.bind(eqn)
     for v in eqn.invars:  # free intermediates as soon as nothing needs them
       if not isinstance(v, jcore.Literal) and last_use.get(v) == k and v not in static:
-        env.pop(v, None)
+        values.env.pop(v, None)
   return jax.tree.unflatten(staged.out_tree, [read(v) for v in jaxpr.outvars])
 
 
@@ -349,22 +324,6 @@ class CompiledStep:
     return self._compiled(*args, *self._extra)
 
 
-def _last_uses(jaxpr: jcore.Jaxpr) -> dict[jcore.Var, int]:
-  """For each variable, the index of the last equation that reads it.
-
-  Outputs of the jaxpr are never freed.
-  """
-  last: dict[jcore.Var, int] = {}
-  for k, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not isinstance(v, jcore.Literal):
-        last[v] = k
-  for v in jaxpr.outvars:
-    if not isinstance(v, jcore.Literal):
-      last.pop(v, None)
-  return last
-
-
 def _run_unit_loop(
   staged: StagedForward,
   k: int,
@@ -428,7 +387,7 @@ def _expert_step(
   staged: StagedForward,
   k: int,
   p: Mapping[str, Any],
-  span: StackSpan,
+  span: Stack,
   unit_xs: frozenset[int],
   unit_leaves: list[int],
   hooks: ExpertHooks | None,
@@ -464,7 +423,7 @@ def _predict(
   hooks: ExpertHooks,
   experts: ExpertStep,
   v: int,
-  span: StackSpan,
+  span: Stack,
   unit_leaves: list[int],
   consts: list[Any],
   carry: list[Any],

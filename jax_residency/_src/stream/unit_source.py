@@ -20,7 +20,7 @@ from jax_residency._src.errors import ClosedError, StoreError
 from jax_residency._src.plan.budget import ModelMetadata
 from jax_residency._src.store.buffers import release_dropped_buffers
 from jax_residency._src.store.unit_reader import UnitReader
-from jax_residency._src.stream.stack_units import StackUnits
+from jax_residency._src.stream.streamed_stack import StreamedStack
 from jax_residency._src.stream.tally import PassTally
 from jax_residency._src.typing import ParamPath
 
@@ -40,7 +40,7 @@ class UnitReads:
   def __init__(
     self,
     source: UnitReader,
-    owner: Sequence[StackUnits],
+    owner: Sequence[StreamedStack],
     skip: Callable[[int], tuple[ParamPath, ...]],
     tally: PassTally,
   ) -> None:

@@ -2,7 +2,7 @@
 
 A dense stream moves units of several stacks through one host cache and one
 device window; a unit id tells which stack it is of (`split.Stack.units`), and
-its stack's `StackUnits` says which tensors to read, what part of each this
+its stack's `StreamedStack` says which tensors to read, what part of each this
 process reads on a multi-process mesh, where each goes, and how many bytes a
 unit takes in host and device memory.
 """
@@ -24,7 +24,7 @@ from jax_residency._src.typing import ParamPath
 
 
 @dataclasses.dataclass(frozen=True)
-class StackUnits:
+class StreamedStack:
   """One stack's units as the stream reads and places them.
 
   Attributes:
@@ -58,7 +58,7 @@ class StackUnits:
     stack: Stack,
     shardings: Sequence[jax.sharding.Sharding],
     meta: StackMetadata,
-  ) -> StackUnits:
+  ) -> StreamedStack:
     leaves = split.stack_leaves(stack)
     rel = tuple(split.unit_rel_path(leaf) for leaf in leaves)
     shapes = tuple(leaf.shape[1:] for leaf in leaves)

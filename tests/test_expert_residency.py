@@ -267,7 +267,7 @@ def test_an_evicted_experts_row_reads_as_zero_and_gives_its_memory_back():
 
 def test_an_accelerator_builds_the_expert_tensor_on_the_device():
   """The program that builds a step's expert tensor from cached parts on an accelerator:
-  run here on CPU, and lowered for CUDA and TPU (where it runs)."""
+  run here on CPU, and lowered for CUDA and TPU (not run on either)."""
   from jax_residency._src.stream.expert_rows import put_rows
 
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -133,7 +133,7 @@ def ggml_rows(types: tuple[str, ...], rows: int, n: int, seed: int) -> np.ndarra
 def test_a_ggml_kernel_is_the_product_of_the_decoded_matrix(types, shape):
   """The GGML kernel (``jr_ggml_matvec``) for a GGUF kernel (in, out) of each type it
   takes, and of mixed stacks (each row by its own type), against float64 products of
-  the matrix `quant.ggml` decodes (llama.cpp's bits), within float32 rounding."""
+  the matrix `quant.ggml` decodes (the gguf package's bits), within float32 rounding."""
   n, rows = shape
   raw = jnp.asarray(ggml_rows(types, rows, n, seed=len(types)))
   enc = Encoding(Quantization.of({"scheme": "gguf"}), -2, "float32", "+".join(types), True)
@@ -298,8 +298,8 @@ def _custom_calls(hlo: str) -> list[str]:
 def test_a_one_token_step_calls_a_kernel_for_each_unit_matrix(model, scheme, policy, tmp_path):
   """The compiled one-token step calls the kernel for every unit matrix and reads no
   codes outside it (no fusion converts them); a prefill's step decodes and runs XLA's
-  matmul; both equal the placement with the kernels off to float32 rounding, and every
-  policy's outputs are bit for bit the same."""
+  matmul; both equal the placement with the kernels off to float32 rounding, and on this
+  fixture both policies' outputs are bit for bit the same."""
   token = jnp.zeros((1, 1), jnp.int32)
   prompt = jnp.arange(8, dtype=jnp.int32)[None] % CFG.vocab
   path = str(tmp_path / "store")

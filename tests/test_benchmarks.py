@@ -219,3 +219,25 @@ def test_a_marked_section_is_rendered_from_its_result():
   _result.check(result["checks"], "max |diff| <= 0", True, "|x|", _result.PARITY)
   bars = report.rewrite(text, {"nothing": result})  # a cell's own bars are escaped
   assert "| max \\|diff\\| <= 0 | parity | \\|x\\| | met |" in bars
+
+
+def test_quant_quality_reports_every_row_against_the_float_model(quick):
+  """README, "Quantized stores": the trained model's table, on the tiny GGUF file."""
+  import report
+
+  quant_quality = report.module("quant_quality")
+  _, result = quick("quant_quality")
+  rows = result["rows"]
+  assert tuple(rows) == quant_quality.QUICK_VARIANTS
+  assert result["tokens"] == quant_quality.QUICK_TOKENS and result["prompts"] == 2
+  assert result["scored_tokens"] == quant_quality.QUICK_CHUNKS * (quant_quality.QUICK_CONTEXT - 1)
+  for name, row in rows.items():
+    for key in ("text_top1_agreement", "teacher_forced_agreement", "generated_agreement"):
+      assert 0.0 <= row[key] <= 1.0, (name, key)
+    assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1.0
+    assert len(row["leading_tokens"]) == result["prompts"]
+    assert ("weight_rel_rms_error" in row) is (quant_quality.VARIANTS[name] is not None)
+  assert rows["float"]["perplexity_ratio"] == 1.0 and rows["float"]["text_top1_agreement"] == 1.0
+  assert 0 < rows["int8"]["weight_rel_rms_error"] < rows["int4/64"]["weight_rel_rms_error"]
+  assert rows["int4/64"]["store_bytes"] < rows["int8"]["store_bytes"] < rows["float"]["store_bytes"]
+  assert "| int8 |" in quant_quality.markdown(result)

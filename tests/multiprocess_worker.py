@@ -38,9 +38,9 @@ def main(pid: int, port: int, store: str, out_dir: str) -> None:
   reads: list[dict] = []
   real = store_mod.UnitStore.read_unit_async
 
-  def spy(self, i, *, index=None):
+  def spy(self, i, *, index=None, skip=()):
     reads.append({"/".join(k): [[s.start, s.stop] for s in v] for k, v in (index or {}).items()})
-    return real(self, i, index=index)
+    return real(self, i, index=index, skip=skip)
 
   store_mod.UnitStore.read_unit_async = spy
   tokens = np.arange(12, dtype=np.int32).reshape(2, 6) % cfg.vocab

@@ -75,12 +75,8 @@ def hf_config(args: argparse.Namespace) -> dict:
   return _hf_checkpoint.llama_config(
     "LlamaForCausalLM",
     "llama",
-    hidden=args.hidden,
+    args,
     intermediate=args.intermediate,
-    layers=args.layers,
-    heads=args.heads,
-    kv_heads=args.kv_heads,
-    vocab=args.vocab,
     rope_theta=500000.0,
     max_position=2048,
     head_dim=args.hidden // args.heads,
@@ -91,20 +87,9 @@ def hf_config(args: argparse.Namespace) -> dict:
 
 
 def layer_tensors(args: argparse.Namespace, i: int, rng: np.random.Generator) -> dict:
-  d, f, hd = args.hidden, args.intermediate, args.hidden // args.heads
-  kv = args.kv_heads * hd
-
-  def w(rows: int, cols: int) -> np.ndarray:
-    return (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(np.float32)
-
+  d, f, w = args.hidden, args.intermediate, _hf_checkpoint.normal(rng)
   p = f"model.layers.{i}."
-  return {
-    p + "input_layernorm.weight": np.ones(d, np.float32),
-    p + "post_attention_layernorm.weight": np.ones(d, np.float32),
-    p + "self_attn.q_proj.weight": w(d, d),
-    p + "self_attn.k_proj.weight": w(kv, d),
-    p + "self_attn.v_proj.weight": w(kv, d),
-    p + "self_attn.o_proj.weight": w(d, d),
+  return _hf_checkpoint.attention_tensors(args, i, w) | {
     p + "mlp.gate_proj.weight": w(f, d),
     p + "mlp.up_proj.weight": w(f, d),
     p + "mlp.down_proj.weight": w(d, f),

@@ -141,12 +141,8 @@ def hf_config(args: argparse.Namespace) -> dict:
   return _hf_checkpoint.llama_config(
     "MixtralForCausalLM",
     "mixtral",
-    hidden=args.hidden,
+    args,
     intermediate=args.expert_width,
-    layers=args.layers,
-    heads=args.heads,
-    kv_heads=args.kv_heads,
-    vocab=args.vocab,
     rope_theta=1e6,
     max_position=4096,
     num_local_experts=args.experts,
@@ -194,24 +190,12 @@ def build(args: argparse.Namespace) -> None:
   p = paths(args)
   if os.path.exists(os.path.join(p["store"], "jax_residency.json")):
     return
-  rng = np.random.default_rng(0)
-  d, f_, hd = args.hidden, args.expert_width, args.hidden // args.heads
-
-  def w(*shape: int, scale: float = 0.02):
-    return (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
-
+  d, f_, w = args.hidden, args.expert_width, _hf_checkpoint.normal(np.random.default_rng(0))
   shards = [("embed", {"model.embed_tokens.weight": w(args.vocab, d)})]
   for i in range(args.layers):
     pre = f"model.layers.{i}."
-    layer = {
-      pre + "input_layernorm.weight": np.ones(d, np.float32),
-      pre + "post_attention_layernorm.weight": np.ones(d, np.float32),
-      pre + "self_attn.q_proj.weight": w(args.heads * hd, d),
-      pre + "self_attn.k_proj.weight": w(args.kv_heads * hd, d),
-      pre + "self_attn.v_proj.weight": w(args.kv_heads * hd, d),
-      pre + "self_attn.o_proj.weight": w(d, args.heads * hd),
-      pre + "block_sparse_moe.gate.weight": w(args.experts, d, scale=0.1),
-    }
+    layer = _hf_checkpoint.attention_tensors(args, i, w)
+    layer[pre + "block_sparse_moe.gate.weight"] = w(args.experts, d, scale=0.1)
     for e in range(args.experts):
       ex = f"{pre}block_sparse_moe.experts.{e}."
       layer |= {ex + "w1.weight": w(f_, d), ex + "w2.weight": w(d, f_), ex + "w3.weight": w(f_, d)}

@@ -179,8 +179,7 @@ import _measure  # noqa: E402
 import _parity  # noqa: E402
 import _result  # noqa: E402
 import _torch_peer  # noqa: E402
-from _decoding import REGIMES, greedy  # noqa: E402
-from _decoding import gpt_step as jax_step  # noqa: E402
+from _decoding import REGIMES, gpt_step, greedy  # noqa: E402
 from _measure import (  # noqa: E402
   AnonPeak,
   Peaks,
@@ -413,7 +412,7 @@ def build(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, cfg.vocab_size, (1, args.prompt_len), dtype=np.int32)
     warmup = rng.integers(0, cfg.vocab_size, (1, args.prompt_len), dtype=np.int32)
-    run = greedy(jax_step(plain_jitted(model)), prompt, args.steps)
+    run = greedy(gpt_step(plain_jitted(model)), prompt, args.steps)
     np.savez(
       p["reference"] + ".tmp.npz",
       prompt=prompt,
@@ -583,7 +582,7 @@ def jr_child(args: argparse.Namespace) -> dict:
     out["host_budget_bytes"] = policy.options.host_budget_bytes
     out["device_budget_bytes"] = policy.options.device_budget_bytes
   with placed:
-    step = jax_step(placed)
+    step = gpt_step(placed)
     out |= warm_up(args, step)
     out["regimes"] = regimes(
       args, args.child, step, [store], peaks, placed.clear_caches, placed.report
@@ -607,7 +606,7 @@ def plain_child(args: argparse.Namespace) -> dict:
   peaks = Peaks()
   forward, out = timed_load(lambda: plain_jitted(models.init_gpt(cfg, seed=0)), peaks)
   out |= {"unit_bytes": size["unit_bytes"], "static_bytes": size["static_bytes"]}
-  step = jax_step(forward)
+  step = gpt_step(forward)
   out |= warm_up(args, step)
   out["regimes"] = regimes(args, args.child, step, [store], peaks, lambda: None)
   out["peak_rss_bytes"] = peaks.process

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the toy model's sizes, RSS readings, the page cache.
+"""What the benchmark scripts share: the toy model's sizes, RSS and I/O readings, the page cache.
 
 Imported by the scripts here (run as scripts, so this
 directory is on ``sys.path``); Linux only (``/proc``, ``posix_fadvise``).
@@ -9,10 +9,16 @@ from __future__ import annotations
 import argparse
 import os
 import threading
+import time
 
 MiB = 1 << 20
 #: The host and device budgets of the streamed passes.
 BUDGET = 256 * MiB
+
+
+def fmt_bytes(n: float) -> str:
+  """Bytes in GiB from 1 GiB up, else in MiB."""
+  return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / MiB:,.0f} MiB"
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -107,13 +113,27 @@ def rss_bytes() -> int:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def rss_anon_bytes() -> int:
-  """Anonymous resident memory (``RssAnon``: heap, not mapped files) of this process."""
+def status_bytes(*keys: str) -> dict[str, int]:
+  """The fields ``keys`` of ``/proc/self/status`` that it has (sizes in kB there), in bytes."""
+  out = {}
   with open("/proc/self/status") as f:
     for line in f:
-      if line.startswith("RssAnon:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("no RssAnon in /proc/self/status")
+      name, _, rest = line.partition(":")
+      if name in keys:
+        out[name] = int(rest.split()[0]) * 1024
+  return out
+
+
+def _status(key: str) -> int:
+  found = status_bytes(key)
+  if key not in found:
+    raise RuntimeError(f"no {key} in /proc/self/status")
+  return found[key]
+
+
+def rss_anon_bytes() -> int:
+  """Anonymous resident memory (``RssAnon``: heap, not mapped files) of this process."""
+  return _status("RssAnon")
 
 
 class AnonPeak:
@@ -149,16 +169,55 @@ class AnonPeak:
 
 
 def peak_rss_bytes() -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("no VmHWM in /proc/self/status")
+  """This process's peak RSS (``VmHWM``) since it started or `reset_peak_rss`."""
+  return _status("VmHWM")
 
 
 def reset_peak_rss() -> None:
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
+
+
+class Peaks:
+  """Peak RSS over a process whose VmHWM is reset between phases."""
+
+  def __init__(self) -> None:
+    self.process = 0
+
+  def reset(self) -> None:
+    self.process = max(self.process, peak_rss_bytes())
+    reset_peak_rss()
+
+  def read(self) -> int:
+    peak = peak_rss_bytes()
+    self.process = max(self.process, peak)
+    return peak
+
+
+def io_bytes() -> tuple[int, int]:
+  """(read_bytes, write_bytes) this process caused at the storage layer (``/proc/self/io``)."""
+  fields = {}
+  with open("/proc/self/io") as f:
+    for line in f:
+      key, _, value = line.partition(":")
+      fields[key] = int(value)
+  return fields["read_bytes"], fields["write_bytes"]
+
+
+def timed_load(load, peaks: Peaks) -> tuple:
+  """``load()``'s result and the figures of a load: its time and the bytes it read, the
+  RSS before it (the baseline) and at its peak (``peaks`` reset at its start)."""
+  baseline = rss_bytes()
+  peaks.reset()
+  io0 = io_bytes()
+  start = time.perf_counter()
+  loaded = load()
+  return loaded, {
+    "load_s": time.perf_counter() - start,
+    "load_read_bytes": io_bytes()[0] - io0[0],
+    "baseline_rss_bytes": baseline,
+    "load_peak_rss_bytes": peaks.read(),
+  }
 
 
 def files_under(path: str) -> list[str]:
@@ -181,6 +240,42 @@ def drop_page_cache(*paths: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
       finally:
         os.close(fd)
+
+
+def read_files(*paths: str, buffer: bytearray | memoryview | None = None) -> int:
+  """Reads every file under ``paths`` once, in order, into ``buffer`` (default: a new
+  16 MiB one); returns the bytes read. Unbuffered reads: the page cache, or the disk."""
+  view = memoryview(bytearray(16 * MiB) if buffer is None else buffer)
+  total = 0
+  for path in paths:
+    for name in files_under(path):
+      with open(name, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+          total += n
+  return total
+
+
+def parallel_read(files: list[str], *, threads: int) -> int:
+  """Reads every file in 16 MiB ranges with ``threads`` readers; returns bytes read."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  chunk = 16 * MiB
+  ranges = [(name, off) for name in files for off in range(0, max(os.path.getsize(name), 1), chunk)]
+  local = threading.local()
+
+  def read(item: tuple[str, int]) -> int:
+    name, off = item
+    buf = getattr(local, "buf", None)
+    if buf is None:
+      buf = local.buf = bytearray(chunk)
+    fd = os.open(name, os.O_RDONLY)
+    try:
+      return os.preadv(fd, [buf], off)
+    finally:
+      os.close(fd)
+
+  with ThreadPoolExecutor(threads) as pool:
+    return sum(pool.map(read, ranges))
 
 
 def mapped_bytes(*paths: str) -> int:

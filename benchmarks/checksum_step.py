@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
 import time
 
+import _child
 import _measure
 import _result
-import _zygote
 
 STEP_RATIO_TARGET = 1.1  # target: page-cache step with checksums <= 1.1x without
 #: ``--quick``'s sizes, where the flags are left at their defaults.
@@ -149,26 +148,17 @@ def main() -> int:
   parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(child(args, args.child == "crc")))
-    return 0
+    return _child.answer(child(args, args.child == "crc"))
   _result.quick_sizes(args, parser, QUICK)
   if args.steps < 3:
     parser.error("--steps must be at least 3 (the first two steps compile)")
   runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
   with _result.work_dir(args, "jr_checksum_step"):
     os.makedirs(args.dir, exist_ok=True)
-    flags = ["--dir", args.dir]
-    for name in SIZES:
-      flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    flags = ["--dir", args.dir, *_child.flags(args, SIZES)]
     for _ in range(args.repeat):
       for kind in KINDS:
-        done = _zygote.run(
-          [sys.executable, __file__, *flags, "--child", kind], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-          print(done.stdout + done.stderr, file=sys.stderr)
-          return 1
-        runs[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        runs[kind].append(_child.run(__file__, *flags, "--child", kind, what=kind))
   steps = {kind: [r["step_s"] for r in runs[kind]] for kind in KINDS}
   with_crc, without = statistics.median(steps["crc"]), statistics.median(steps["plain"])
   ratio = with_crc / without

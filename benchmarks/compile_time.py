@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 
+import _child
 import _measure
 import _result
-import _zygote
 
 FIRST_PASS_RATIO_TARGET = 0.5  # target: warm first pass <= 0.5x the cold one
 PROMPT = 8
@@ -109,22 +108,14 @@ def write_store(args: argparse.Namespace) -> None:
 
 def run_pair(args: argparse.Namespace, policy: str) -> dict[str, dict]:
   """A cold process and a warm one, sharing a new empty cache directory."""
-  flags = ["--dir", args.dir, "--child", policy]
-  for name in SIZES:
-    flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+  flags = ["--dir", args.dir, "--child", policy, *_child.flags(args, SIZES)]
   out = {}
   with tempfile.TemporaryDirectory(prefix="jr_compile_cache_") as cache:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env.pop("JAX_RESIDENCY_COMPILATION_CACHE", None)  # the suite opts its processes out
     env["JAX_RESIDENCY_CACHE_DIR"] = cache
     for kind in ("cold", "warm"):
-      done = _zygote.run(
-        [sys.executable, __file__, *flags], capture_output=True, text=True, env=env
-      )
-      if done.returncode != 0:
-        sys.stderr.write(done.stdout + done.stderr)
-        raise SystemExit(f"{policy} ({kind}) failed (exit {done.returncode})")
-      out[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+      out[kind] = _child.run(__file__, *flags, what=f"{policy} ({kind})", env=env)
   return out
 
 
@@ -188,8 +179,7 @@ def main() -> int:
   parser.add_argument("--child", choices=POLICIES, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(child(args)))
-    return 0
+    return _child.answer(child(args))
   _result.quick_sizes(args, parser, QUICK)
   result = _result.stamp("compile_time", None, args.quick)
   result.update({name: getattr(args, name) for name in (*SIZES, "repeat")})

@@ -38,8 +38,9 @@ import shutil
 import sys
 import time
 
+import _child
+import _hf_checkpoint
 import _result
-import _zygote
 import numpy as np
 from _measure import MiB, drop_page_cache, files_under
 
@@ -71,44 +72,24 @@ print(json.dumps({
 
 
 def hf_config(args: argparse.Namespace) -> dict:
-  return {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": args.hidden,
-    "intermediate_size": args.intermediate,
-    "num_hidden_layers": args.layers,
-    "num_attention_heads": args.heads,
-    "num_key_value_heads": args.kv_heads,
-    "head_dim": args.hidden // args.heads,
-    "vocab_size": args.vocab,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "float32",
-  }
+  return _hf_checkpoint.llama_config(
+    "LlamaForCausalLM",
+    "llama",
+    args,
+    intermediate=args.intermediate,
+    rope_theta=500000.0,
+    max_position=2048,
+    head_dim=args.hidden // args.heads,
+    attention_bias=False,
+    mlp_bias=False,
+    torch_dtype="float32",
+  )
 
 
 def layer_tensors(args: argparse.Namespace, i: int, rng: np.random.Generator) -> dict:
-  d, f, hd = args.hidden, args.intermediate, args.hidden // args.heads
-  kv = args.kv_heads * hd
-
-  def w(rows: int, cols: int) -> np.ndarray:
-    return (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(np.float32)
-
+  d, f, w = args.hidden, args.intermediate, _hf_checkpoint.normal(rng)
   p = f"model.layers.{i}."
-  return {
-    p + "input_layernorm.weight": np.ones(d, np.float32),
-    p + "post_attention_layernorm.weight": np.ones(d, np.float32),
-    p + "self_attn.q_proj.weight": w(d, d),
-    p + "self_attn.k_proj.weight": w(kv, d),
-    p + "self_attn.v_proj.weight": w(kv, d),
-    p + "self_attn.o_proj.weight": w(d, d),
+  return _hf_checkpoint.attention_tensors(args, i, w) | {
     p + "mlp.gate_proj.weight": w(f, d),
     p + "mlp.up_proj.weight": w(f, d),
     p + "mlp.down_proj.weight": w(d, f),
@@ -121,30 +102,29 @@ def write_checkpoint(args: argparse.Namespace, path: str) -> None:
 
   tmp = path + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
   rng = np.random.default_rng(0)
   groups = [list(range(i, min(i + 2, args.layers))) for i in range(0, args.layers, 2)]
   n = len(groups) + 1
-  weight_map = {}
-  for k, layers in enumerate([None, *groups]):
-    if layers is None:  # embeddings, final norm, head
-      tensors = {
-        "model.embed_tokens.weight": rng.standard_normal((args.vocab, args.hidden), np.float32),
-        "model.norm.weight": np.ones(args.hidden, np.float32),
-        "lm_head.weight": rng.standard_normal((args.vocab, args.hidden), np.float32),
-      }
-    else:
-      tensors = {}
-      for i in layers:
-        tensors.update(layer_tensors(args, i, rng))
-    name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-    save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
-    weight_map.update(dict.fromkeys(tensors, name))
-    del tensors
-  with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-    json.dump({"metadata": {}, "weight_map": weight_map}, f)
-  with open(os.path.join(tmp, "config.json"), "w") as f:
-    json.dump(hf_config(args), f, indent=1)
+
+  def shards():
+    for k, layers in enumerate([None, *groups]):
+      if layers is None:  # embeddings, final norm, head
+        tensors = {
+          "model.embed_tokens.weight": rng.standard_normal((args.vocab, args.hidden), np.float32),
+          "model.norm.weight": np.ones(args.hidden, np.float32),
+          "lm_head.weight": rng.standard_normal((args.vocab, args.hidden), np.float32),
+        }
+      else:
+        tensors = {}
+        for i in layers:
+          tensors.update(layer_tensors(args, i, rng))
+      yield f"model-{k + 1:05d}-of-{n:05d}.safetensors", tensors
+      del tensors
+
+  def save(tensors: dict, file: str) -> None:
+    save_file(tensors, file, metadata={"format": "pt"})
+
+  _hf_checkpoint.write(tmp, shards(), hf_config(args), save)
   shutil.rmtree(path, ignore_errors=True)
   os.rename(tmp, path)
 
@@ -295,13 +275,7 @@ def run(args: argparse.Namespace) -> int:
   raw = raw_read_seconds(src)
   drop_page_cache(src)
   here = os.path.dirname(os.path.abspath(__file__))
-  done = _zygote.run(
-    [sys.executable, "-c", CHILD, src, dst, here], capture_output=True, text=True, check=False
-  )
-  if done.returncode != 0:
-    print(done.stdout + done.stderr, file=sys.stderr)
-    return 1
-  r = json.loads(done.stdout.strip().splitlines()[-1])
+  r = _child.run("-c", CHILD, src, dst, here, what="the conversion")
   limit = r["unit_bytes"] + 64 * MiB
   result = _result.stamp("convert", None, args.quick)
   checks: list[dict] = []

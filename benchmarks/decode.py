@@ -168,35 +168,32 @@ import io
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules
 
+import _child  # noqa: E402
 import _measure  # noqa: E402
+import _parity  # noqa: E402
 import _result  # noqa: E402
-import _zygote  # noqa: E402
+import _torch_peer  # noqa: E402
+from _decoding import REGIMES, gpt_step, greedy  # noqa: E402
 from _measure import (  # noqa: E402
   AnonPeak,
+  Peaks,
   drop_page_cache,
   files_under,
+  fmt_bytes,
+  io_bytes,
   mapped_bytes,
+  parallel_read,
   plain_jitted,
   rss_anon_bytes,
   rss_bytes,
 )
-from dense_stream import _parallel_read  # noqa: E402
-from peers import (  # noqa: E402
-  LN_EPS,
-  PARITY_RTOL,
-  Peaks,
-  fmt_bytes,
-  io_bytes,
-  parity_of,
-  peer_versions,
-)
+from _parity import PARITY_RTOL, parity_of  # noqa: E402
 
 ACCELERATE_VERSION = "1.16.0"
 DECODE_OVER_ACCELERATE = 3.0  # target: page-cache decode tokens/s >= 3x Accelerate's
@@ -224,9 +221,6 @@ TIER_LABELS = {
 }
 JR_ROWS = tuple(f"jr-{tier}" for tier in TIERS)  # the float32 DenseDiskStream rows
 PC_FLOOR_ROWS = ("jr-host0", "jr-host2")  # page-cache step held to the floor
-#: "page-cache": the store read into the page cache first, no drops; "disk": its
-#: pages dropped before the prefill and before every decode step (outside the timing).
-REGIMES = ("page-cache", "disk")
 #: Accelerate loaded as documented (its offload files written at the load) and reusing
 #: the folder that load wrote; targets compare with the leaner of the two.
 ACCELERATE_ROWS = ("accelerate", "accelerate-reuse")
@@ -333,72 +327,6 @@ def load_run(args: argparse.Namespace, name: str) -> dict:
     return {k: run[k] for k in run.files}
 
 
-# ---------------------------------------------------------------------------- greedy loops
-
-
-def greedy(step, prompt, steps: int, force=None, before=None) -> dict:
-  """A prefill over ``prompt``, then ``steps`` one-token steps, each timed on its own.
-
-  Args:
-    step: ``step(tokens, cache, pos) -> (last-position logits as numpy, cache)``
-      with ``tokens`` a numpy ``(1, t)`` int array and ``cache`` ``None`` for
-      the prefill; it returns once the logits are computed.
-    prompt: ``(1, t)`` token ids.
-    steps: decode steps after the prefill.
-    force: feed these tokens instead of the argmax (teacher forcing), so the
-      logits can be compared step by step with another model's.
-    before: called before the prefill and before every decode step, outside
-      the timed region (the disk regime drops the weights' pages here).
-
-  Returns:
-    ``tokens`` ``(1 + steps,)`` (each step's argmax), ``logits``
-    ``(1 + steps, vocab)``, ``prefill_s`` and ``step_s`` (one time per decode
-    step), ``prefill_read_bytes`` and ``step_read_bytes`` (``/proc/self/io``
-    read_bytes during the prefill and during each step).
-  """
-  import numpy as np
-
-  def timed(tokens, cache, pos):
-    if before is not None:
-      before()
-    io0 = io_bytes()[0]
-    start = time.perf_counter()
-    logits, cache = step(tokens, cache, pos)
-    elapsed = time.perf_counter() - start
-    return logits, cache, elapsed, io_bytes()[0] - io0
-
-  logits, cache, prefill_s, prefill_read = timed(prompt, None, 0)
-  all_logits, step_s, step_read = [logits], [], []
-  for i in range(steps):
-    token = int(np.argmax(all_logits[-1])) if force is None else int(force[i])
-    logits, cache, elapsed, read = timed(np.array([[token]], np.int32), cache, prompt.shape[1] + i)
-    step_s.append(elapsed)
-    step_read.append(read)
-    all_logits.append(logits)
-  stacked = np.stack(all_logits)
-  return {
-    "tokens": np.argmax(stacked, axis=-1).astype(np.int32),
-    "logits": stacked,
-    "prefill_s": prefill_s,
-    "step_s": np.array(step_s),
-    "prefill_read_bytes": prefill_read,
-    "step_read_bytes": np.array(step_read),
-  }
-
-
-def jax_step(forward):
-  """A :func:`greedy` step for a plain (jitted) or placed GPT ``forward(tokens, cache, pos)``."""
-  import jax.numpy as jnp
-  import numpy as np
-
-  def step(tokens, cache, pos):
-    # pos as an int32 array: every decode step shares one compiled program.
-    logits, cache = forward(jnp.asarray(tokens), cache, jnp.asarray(pos, jnp.int32))
-    return np.asarray(logits[0, -1]), cache
-
-  return step
-
-
 # ---------------------------------------------------------------------------- the torch port
 
 
@@ -414,31 +342,7 @@ def torch_gpt(cfg):
   import torch.nn.functional as F
   from torch import nn
 
-  class Block(nn.Module):
-    def __init__(self) -> None:
-      super().__init__()
-      d = cfg.d_model
-      self.heads = cfg.n_heads
-      self.norm1 = nn.LayerNorm(d, eps=LN_EPS)
-      self.qkv = nn.Linear(d, 3 * d)
-      self.proj = nn.Linear(d, d)
-      self.norm2 = nn.LayerNorm(d, eps=LN_EPS)
-      self.up = nn.Linear(d, cfg.d_ff)
-      self.down = nn.Linear(cfg.d_ff, d)
-
-    def forward(self, x, k_cache, v_cache, pos: int):
-      b, t, d = x.shape
-      q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-      q, k, v = (a.view(b, t, self.heads, d // self.heads).transpose(1, 2) for a in (q, k, v))
-      k, v = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)
-      # Query at position pos+i sees keys at positions <= pos+i (all of them when t == 1).
-      mask = None
-      if t > 1:
-        mask = torch.arange(pos + t)[None, :] <= (pos + torch.arange(t))[:, None]
-      att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-      x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-      x = x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
-      return x, k, v
+  Block = _torch_peer.block(cfg, proj="proj")
 
   class GPT(nn.Module):
     def __init__(self) -> None:
@@ -446,7 +350,7 @@ def torch_gpt(cfg):
       self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
       self.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model)
       self.layers = nn.ModuleList(Block() for _ in range(cfg.n_layers))
-      self.norm = nn.LayerNorm(cfg.d_model, eps=LN_EPS)
+      self.norm = nn.LayerNorm(cfg.d_model, eps=_torch_peer.LN_EPS)
       if not cfg.tie_head:
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
 
@@ -476,35 +380,6 @@ def torch_step(model):
     return logits[0, -1].numpy(), cache
 
   return step
-
-
-def torch_state_dict(params: dict, cfg) -> dict:
-  """NNX parameters (a nested dict of arrays) -> the torch port's state dict, as numpy."""
-  import numpy as np
-
-  def linear(p: dict, prefix: str, i: int | None = None) -> dict:
-    kernel, bias = (p["kernel"], p["bias"]) if i is None else (p["kernel"][i], p["bias"][i])
-    # nnx.Linear keeps (in, out); torch.nn.Linear keeps (out, in).
-    return {f"{prefix}.weight": np.asarray(kernel).T, f"{prefix}.bias": np.asarray(bias)}
-
-  def norm(p: dict, prefix: str, i: int | None = None) -> dict:
-    scale, bias = (p["scale"], p["bias"]) if i is None else (p["scale"][i], p["bias"][i])
-    return {f"{prefix}.weight": np.asarray(scale), f"{prefix}.bias": np.asarray(bias)}
-
-  out = {
-    "embed.weight": np.asarray(params["embed"]["embedding"]),
-    "pos_embed.weight": np.asarray(params["pos_embed"]["embedding"]),
-  }
-  layers = params["layers"]
-  for i in range(cfg.n_layers):
-    for name in ("norm1", "norm2"):
-      out |= norm(layers[name], f"layers.{i}.{name}", i)
-    for name in ("qkv", "proj", "up", "down"):
-      out |= linear(layers[name], f"layers.{i}.{name}", i)
-  out |= norm(params["norm"], "norm")
-  if not cfg.tie_head:
-    out |= linear(params["head"], "head")
-  return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
 # ---------------------------------------------------------------------------- children
@@ -537,7 +412,7 @@ def build(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, cfg.vocab_size, (1, args.prompt_len), dtype=np.int32)
     warmup = rng.integers(0, cfg.vocab_size, (1, args.prompt_len), dtype=np.int32)
-    run = greedy(jax_step(plain_jitted(model)), prompt, args.steps)
+    run = greedy(gpt_step(plain_jitted(model)), prompt, args.steps)
     np.savez(
       p["reference"] + ".tmp.npz",
       prompt=prompt,
@@ -565,13 +440,9 @@ def build(args: argparse.Namespace) -> dict:
       )
     os.replace(info_path + ".tmp", info_path)
   if args.with_checkpoint and not os.path.exists(p["checkpoint"]):
-    from safetensors.numpy import save_file
-
-    state = torch_state_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg)
+    state = _torch_peer.state_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg.n_layers)
     del model
-    os.makedirs(os.path.dirname(p["checkpoint"]), exist_ok=True)
-    save_file(state, p["checkpoint"] + ".tmp", metadata={"format": "pt"})
-    os.replace(p["checkpoint"] + ".tmp", p["checkpoint"])
+    _torch_peer.save_checkpoint(state, p["checkpoint"])
   return {}
 
 
@@ -634,7 +505,7 @@ def regimes(args: argparse.Namespace, name: str, step, files, peaks, clear, repo
 
   def page_cache() -> None:
     clear()
-    _parallel_read([f for path in files for f in files_under(path)], threads=4)
+    parallel_read([f for path in files for f in files_under(path)], threads=4)
 
   def drop() -> None:
     drop_page_cache(*files)
@@ -658,19 +529,13 @@ def regimes(args: argparse.Namespace, name: str, step, files, peaks, clear, repo
 def timed_load(load, peaks: Peaks) -> tuple:
   """``load()``'s result and the load figures every row reports: its time and the bytes it
   read, and the RSS before it (the baseline), at its peak and after it."""
-  baseline = rss_bytes()
-  peaks.reset()
-  io0 = io_bytes()
-  start = time.perf_counter()
-  loaded = load()
-  return loaded, {
-    "load_s": time.perf_counter() - start,
-    "load_read_bytes": io_bytes()[0] - io0[0],
-    "baseline_rss_bytes": baseline,
-    "load_peak_rss_bytes": peaks.read(),
-    "rss_after_load_bytes": rss_bytes(),
-    "anon_after_load_bytes": rss_anon_bytes(),
-  }
+  loaded, out = _measure.timed_load(load, peaks)
+  return loaded, out | after_load()
+
+
+def after_load() -> dict:
+  """RSS and anonymous RSS once a row's model is loaded."""
+  return {"rss_after_load_bytes": rss_bytes(), "anon_after_load_bytes": rss_anon_bytes()}
 
 
 def jr_child(args: argparse.Namespace) -> dict:
@@ -717,7 +582,7 @@ def jr_child(args: argparse.Namespace) -> dict:
     out["host_budget_bytes"] = policy.options.host_budget_bytes
     out["device_budget_bytes"] = policy.options.device_budget_bytes
   with placed:
-    step = jax_step(placed)
+    step = gpt_step(placed)
     out |= warm_up(args, step)
     out["regimes"] = regimes(
       args, args.child, step, [store], peaks, placed.clear_caches, placed.report
@@ -741,7 +606,7 @@ def plain_child(args: argparse.Namespace) -> dict:
   peaks = Peaks()
   forward, out = timed_load(lambda: plain_jitted(models.init_gpt(cfg, seed=0)), peaks)
   out |= {"unit_bytes": size["unit_bytes"], "static_bytes": size["static_bytes"]}
-  step = jax_step(forward)
+  step = gpt_step(forward)
   out |= warm_up(args, step)
   out["regimes"] = regimes(args, args.child, step, [store], peaks, lambda: None)
   out["peak_rss_bytes"] = peaks.process
@@ -750,30 +615,13 @@ def plain_child(args: argparse.Namespace) -> dict:
 
 def accelerate_child(args: argparse.Namespace) -> dict:
   """Accelerate's documented disk offload: meta model, ``load_checkpoint_and_dispatch``."""
-  import logging
-
-  from accelerate import init_empty_weights, load_checkpoint_and_dispatch
-
-  logging.getLogger("accelerate").setLevel(logging.ERROR)
   p = paths(args)
   cfg = gpt_config(args)
-  shutil.rmtree(p["offload"], ignore_errors=True)
-  with init_empty_weights():
-    model = torch_gpt(cfg)()
-  device_map = accelerate_device_map(cfg)
   peaks = Peaks()
-  baseline = rss_bytes()
-  drop_page_cache(p["checkpoint"])
-  peaks.reset()
-  return accelerate_row(
-    args,
-    "accelerate",
-    lambda: load_checkpoint_and_dispatch(
-      model, p["checkpoint"], device_map=device_map, offload_folder=p["offload"]
-    ),
-    peaks,
-    baseline,
+  loaded = _torch_peer.disk_offload(
+    torch_gpt(cfg), p["checkpoint"], accelerate_device_map(cfg), p["offload"], peaks
   )
+  return accelerate_row(args, "accelerate", loaded, peaks)
 
 
 def accelerate_reuse_child(args: argparse.Namespace) -> dict:
@@ -794,9 +642,7 @@ def accelerate_reuse_child(args: argparse.Namespace) -> dict:
   with init_empty_weights():
     model = torch_gpt(cfg)()
   peaks = Peaks()
-  baseline = rss_bytes()
   drop_page_cache(p["checkpoint"])
-  peaks.reset()
 
   def load():
     with safe_open(p["checkpoint"], framework="pt") as f:
@@ -805,29 +651,19 @@ def accelerate_reuse_child(args: argparse.Namespace) -> dict:
           set_module_tensor_to_device(model, key, "cpu", value=f.get_tensor(key))
     return dispatch_model(model, device_map=accelerate_device_map(cfg), offload_dir=p["offload"])
 
-  return accelerate_row(args, "accelerate-reuse", load, peaks, baseline)
+  loaded = _torch_peer.accelerate_load(load, peaks)
+  return accelerate_row(args, "accelerate-reuse", loaded, peaks)
 
 
-def accelerate_row(args: argparse.Namespace, name: str, load, peaks: Peaks, baseline: int) -> dict:
-  """One Accelerate row from ``load()`` on: the load timed and measured, the warm-up, both
-  regimes (the offload folder's block files and the checkpoint are its weights' files)."""
+def accelerate_row(args: argparse.Namespace, name: str, loaded: tuple, peaks: Peaks) -> dict:
+  """One Accelerate row from its load on (``loaded``: the model and the load's figures):
+  the warm-up, both regimes (the offload folder's block files and the checkpoint are its
+  weights' files)."""
   import torch
 
   p = paths(args)
-  io0 = io_bytes()
-  start = time.perf_counter()
-  model = load()
-  load_s = time.perf_counter() - start
-  io1 = io_bytes()
-  model.eval()
-  out: dict = {
-    "load_s": load_s,
-    "load_read_bytes": io1[0] - io0[0],
-    "load_written_bytes": io1[1] - io0[1],
-    "baseline_rss_bytes": baseline,
-    "load_peak_rss_bytes": peaks.read(),
-    "rss_after_load_bytes": rss_bytes(),
-    "anon_after_load_bytes": rss_anon_bytes(),
+  model, out = loaded
+  out |= after_load() | {
     "threads": torch.get_num_threads(),
     "offload_bytes": sum(os.path.getsize(f) for f in files_under(p["offload"])),
   }
@@ -872,11 +708,11 @@ def torch_child(args: argparse.Namespace) -> dict:
 def bandwidth_child(args: argparse.Namespace) -> dict:
   """The store's files read while they are in the page cache, with several thread counts."""
   files = files_under(paths(args)["store"])
-  _parallel_read(files, threads=4)  # into the page cache
+  parallel_read(files, threads=4)  # into the page cache
   out: dict = {"threads": {}}
   for threads in READ_THREADS:
     start = time.perf_counter()
-    n = _parallel_read(files, threads=threads)
+    n = parallel_read(files, threads=threads)
     out["threads"][str(threads)] = n / (time.perf_counter() - start)
   out["bytes"] = n
   out["best_threads"] = max(out["threads"], key=out["threads"].get)
@@ -884,7 +720,7 @@ def bandwidth_child(args: argparse.Namespace) -> dict:
   # From disk: the store's pages dropped, then read once by 4 threads.
   drop_page_cache(paths(args)["store"])
   start = time.perf_counter()
-  n = _parallel_read(files, threads=COLD_READ_THREADS)
+  n = parallel_read(files, threads=COLD_READ_THREADS)
   out["cold_bytes_per_s"] = n / (time.perf_counter() - start)
   return out
 
@@ -904,26 +740,19 @@ CHILDREN = {
 # ---------------------------------------------------------------------------- parent
 
 
+#: The options a child takes from the run: the model, the generation, how the stores are written.
+CHILD_ARGS = (
+  *("layers", "d_model", "d_ff", "vocab", "heads", "prompt_len", "steps"),
+  *("tie_head", "no_checksums"),
+)
+
+
 def run_child(
   args: argparse.Namespace, which: str, *, may_fail: bool = False, extra: tuple[str, ...] = ()
 ) -> dict:
   """One child's JSON; on failure, exits (or with ``may_fail``, returns ``{"error": ...}``)."""
-  cmd = [sys.executable, __file__, "--child", which, "--dir", args.dir, *extra]
-  cmd += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--d-ff", str(args.d_ff)]
-  cmd += ["--vocab", str(args.vocab), "--heads", str(args.heads)]
-  cmd += ["--prompt-len", str(args.prompt_len), "--steps", str(args.steps)]
-  cmd += ["--tie-head"] if args.tie_head else []
-  cmd += ["--no-checksums"] if args.no_checksums else []
-  # stderr (Accelerate's progress bars, warnings) is shown only if the child fails.
-  done = _zygote.run(cmd, capture_output=True, text=True)
-  if done.returncode:
-    sys.stderr.write(done.stderr)
-    if may_fail:
-      tail = done.stderr.strip().splitlines()[-1:] or [""]
-      return {"error": f"exit {done.returncode}: {tail[0]}"}
-    raise SystemExit(f"{which} failed (exit {done.returncode})")
-  out = done.stdout.strip()
-  return json.loads(out.splitlines()[-1]) if out else {}
+  argv = ["--child", which, "--dir", args.dir, *extra, *_child.flags(args, CHILD_ARGS)]
+  return _child.run(__file__, *argv, what=which, may_fail=may_fail)
 
 
 def common_prefix(a, b) -> int:
@@ -981,22 +810,6 @@ def check_parity(args: argparse.Namespace, names: list[str], peers: bool) -> dic
   return out
 
 
-def merge_parity(pars: list[dict]) -> dict:
-  """Several runs' :func:`check_parity` as one: each difference's max, each match's all."""
-  out = dict(pars[-1])
-  out["max_abs_diff"] = {
-    k: max(p["max_abs_diff"][k] for p in pars) for k in pars[0]["max_abs_diff"]
-  }
-  out["tokens_match_jax"] = {
-    k: all(p["tokens_match_jax"][k] for p in pars) for k in pars[0]["tokens_match_jax"]
-  }
-  for k in out:
-    if k.endswith("_tokens_match_torch") or k == "ok":
-      out[k] = all(p[k] for p in pars)
-  out["steps_compared"] = min(p["steps_compared"] for p in pars)
-  return out
-
-
 def parity_checks(checks: list[dict], par: dict) -> None:
   """The parity gates of :func:`check_parity`'s result, one per row: its logits (both
   regimes) within ``PARITY_RTOL`` of the logit scale, and a jax_residency row's greedy
@@ -1014,13 +827,7 @@ def parity_checks(checks: list[dict], par: dict) -> None:
       f"max |diff| {forced:.2e}; limit {forced_limit:.2e}",
       _result.PARITY,
     )
-  rows: dict[str, dict[str, float]] = {}
-  for key, diff in diffs.items():
-    run, _, against = key.rpartition(" vs ")
-    row = run.partition("@")[0]
-    rows.setdefault(row, {})
-    rows[row][against] = max(diff, rows[row].get(against, 0.0))
-  for row, worst in rows.items():
+  for row, worst in _parity.by_run(diffs, lambda run: run.partition("@")[0]).items():
     who = " and the torch port's" if "torch" in worst else ""
     where = "" if row == "torch" else ", both regimes"
     _result.check(
@@ -1677,8 +1484,7 @@ def main() -> int:
   args = parser.parse_args()
   if args.child:
     args.dir = os.path.abspath(args.dir)
-    print(json.dumps(CHILDREN[args.child](args)))
-    return 0
+    return _child.answer(CHILDREN[args.child](args))
   if args.no_checksums and not args.quick and args.result is None:
     # Its own file: a run without checksums does not replace the default run's result.
     args.result = str(_result.RESULTS / "decode-no-checksums.json")
@@ -1688,7 +1494,7 @@ def main() -> int:
 
 def bench(args: argparse.Namespace) -> int:
   started = time.perf_counter()
-  versions, why = peer_versions(ACCELERATE_VERSION)
+  versions, why = _torch_peer.peer_versions(ACCELERATE_VERSION)
   peers = versions is not None
   if not peers:
     print(f"accelerate and torch rows skipped: {why}", file=sys.stderr)
@@ -1733,7 +1539,7 @@ def bench(args: argparse.Namespace) -> int:
     runs.append(run)
     if not pars[-1]["ok"]:
       break  # no timings of outputs that differ: the gates below fail the run
-  result["parity"] = merge_parity(pars)
+  result["parity"] = _parity.merge(pars)
   parity_checks(checks, result["parity"])
   for name in q_rows:
     errors = [run[name]["error"] for run in runs if "error" in run[name]]

@@ -47,16 +47,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
+import _child
 import _result
-import _zygote
 from _measure import (  # benchmarks/ is on sys.path when a script here runs
   BUDGET,
   MiB,
@@ -65,9 +63,12 @@ from _measure import (  # benchmarks/ is on sys.path when a script here runs
   dense_policy,
   drop_page_cache,
   files_under,
+  parallel_read,
   peak_rss_bytes,
+  read_files,
   reset_peak_rss,
   rss_bytes,
+  status_bytes,
   toy_model,
   toy_tokens,
 )
@@ -81,29 +82,6 @@ QUICK_SWEEP_HOST_UNITS = 2
 #: on CPU float32 rounding (eager steps against one jitted program, docs/parity.md), off
 #: it the backend's own tolerance.
 CPU_RTOL, ACCELERATOR_RTOL = 1e-5, 1e-3
-
-
-def _parallel_read(files: list[str], *, threads: int) -> int:
-  """Reads every file in 16 MiB ranges with ``threads`` readers; returns bytes read."""
-  from concurrent.futures import ThreadPoolExecutor
-
-  chunk = 16 * MiB
-  ranges = [(name, off) for name in files for off in range(0, max(os.path.getsize(name), 1), chunk)]
-  local = threading.local()
-
-  def read(item: tuple[str, int]) -> int:
-    name, off = item
-    buf = getattr(local, "buf", None)
-    if buf is None:
-      buf = local.buf = bytearray(chunk)
-    fd = os.open(name, os.O_RDONLY)
-    try:
-      return os.preadv(fd, [buf], off)
-    finally:
-      os.close(fd)
-
-  with ThreadPoolExecutor(threads) as pool:
-    return sum(pool.map(read, ranges))
 
 
 def _keep_output(out, path: str | None, tag: str) -> dict:
@@ -124,17 +102,13 @@ def _keep_output(out, path: str | None, tag: str) -> dict:
 def _raw(store: str) -> dict:
   drop_page_cache(store)
   buf = bytearray(16 * MiB)
-  view = memoryview(buf)
-  total, start = 0, time.perf_counter()
-  for name in files_under(store):
-    with open(name, "rb", buffering=0) as f:
-      while n := f.readinto(view):
-        total += n
+  start = time.perf_counter()
+  total = read_files(store, buffer=buf)
   raw = {"raw_read_s": time.perf_counter() - start, "raw_bytes": total}
   # Context: the same bytes read by 4 threads at once (what a parallel reader can get).
   drop_page_cache(store)
   start = time.perf_counter()
-  _parallel_read(files_under(store), threads=4)
+  parallel_read(files_under(store), threads=4)
   raw["raw_parallel_read_s"] = time.perf_counter() - start
   return raw
 
@@ -206,16 +180,6 @@ SWEEP_SLACK = 64 * MiB
 _SAMPLE_S = 0.002
 
 
-def _status_kib(*keys: str) -> dict[str, int]:
-  out = {}
-  with open("/proc/self/status") as f:
-    for line in f:
-      name, _, rest = line.partition(":")
-      if name in keys:
-        out[name] = int(rest.split()[0]) * 1024
-  return out
-
-
 def sweep_child(args: argparse.Namespace) -> dict:
   """One memory-sweep measurement: place, compile, cold pass, warm pass."""
   import jax
@@ -228,13 +192,13 @@ def sweep_child(args: argparse.Namespace) -> dict:
   abstract = toy_model(config(args), abstract=True)
   unit = config(args).unit_bytes()
   jax.numpy.zeros(()).block_until_ready()  # backend initialised
-  baseline = _status_kib("VmRSS", "RssAnon", "RssFile")
+  baseline = status_bytes("VmRSS", "RssAnon", "RssFile")
   peak_anon = [baseline["RssAnon"]]
   stop = threading.Event()
 
   def sample() -> None:
     while not stop.is_set():
-      peak_anon[0] = max(peak_anon[0], _status_kib("RssAnon")["RssAnon"])
+      peak_anon[0] = max(peak_anon[0], status_bytes("RssAnon")["RssAnon"])
       time.sleep(_SAMPLE_S)
 
   sampler = threading.Thread(target=sample, daemon=True)
@@ -354,11 +318,9 @@ def sweep(args: argparse.Namespace, checks: list[dict]) -> list[dict]:
 
 
 def run_child(args: argparse.Namespace, which: str, *extra: str) -> dict:
-  cmd = [sys.executable, __file__, "--child", which, "--store", args.store]
-  cmd += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--d-ff", str(args.d_ff)]
-  cmd += ["--tokens", str(args.tokens), *extra]
-  out = _zygote.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
-  return json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+  argv = ["--child", which, "--store", args.store]
+  argv += _child.flags(args, ("layers", "d_model", "d_ff", "tokens"))
+  return _child.run(__file__, *argv, *extra, what=which)
 
 
 def output_parity(result: dict, outputs: dict[str, str], checks: list[dict]) -> None:
@@ -572,8 +534,7 @@ def main() -> int:
   parser.add_argument("--output", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(sweep_child(args) if args.child == "sweep" else child(args)))
-    return 0
+    return _child.answer(sweep_child(args) if args.child == "sweep" else child(args))
   _result.quick_sizes(args, parser, QUICK_SIZES)
   result = _result.stamp("dense_stream", None, args.quick)
   checks: list[dict] = []

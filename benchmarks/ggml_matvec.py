@@ -28,12 +28,12 @@ float32 bytes), and <= 0.5x XLA's fused one. The script exits 1 when a gate fail
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
+import _child
+import _ggml_blocks
 import _result
-import _zygote
 
 #: The matrices timed: each type the native kernel takes, and Q4_K_M's mix.
 TYPES = (
@@ -63,10 +63,12 @@ def random_rows(types: list[str], rows: int, n: int, seed: int):
     raw[:, : ggml.row_bytes(t, n)] = rng.standard_normal((rows, n)).astype(dtype).view(np.uint8)
     return raw
   blocks = rng.integers(0, 256, (rows, n // t.block_size, t.block_bytes), dtype=np.uint8)
-  fields = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2)}
-  for at in {**fields, "Q5_K": (0, 2), "Q6_K": (208,)}.get(t.name, (0,)):
-    d = rng.choice([-1.0, 1.0], blocks.shape[:2]) * np.exp2(rng.uniform(-8, -4, blocks.shape[:2]))
-    blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+
+  def draw():
+    shape = blocks.shape[:2]
+    return rng.choice([-1.0, 1.0], shape) * np.exp2(rng.uniform(-8, -4, shape))
+
+  _ggml_blocks.set_scales(blocks, t.name, draw)
   raw[:, : ggml.row_bytes(t, n)] = blocks.reshape(rows, -1)
   return raw
 
@@ -152,21 +154,12 @@ def main() -> int:
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(child(args)))
-    return 0
+    return _child.answer(child(args))
   _result.quick_sizes(args, parser, QUICK)
   if args.n % 256 or args.rows % 2:
     parser.error("--n must be a multiple of 256 and --rows even")
-  flags = ["--n", str(args.n), "--rows", str(args.rows), "--iters", str(args.iters)]
-  runs = []
-  for _ in range(args.repeat):
-    done = _zygote.run(
-      [sys.executable, __file__, *flags, "--child"], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-      print(done.stdout + done.stderr, file=sys.stderr)
-      return 1
-    runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+  flags = _child.flags(args, ("n", "rows", "iters"))
+  runs = [_child.run(__file__, *flags, "--child", what="child") for _ in range(args.repeat)]
   result = _result.stamp("ggml_matvec", None, args.quick)
   result.update({name: getattr(args, name) for name in ("n", "rows", "iters", "repeat")})
   types = {}

@@ -42,16 +42,15 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
-import _measure
+import _child
+import _decoding
+import _ggml_blocks
 import _result
-import _zygote
 
 ROWS = ("f32", "q8_0", "q4_k_m")
-REGIMES = ("page-cache", "disk")
 #: (page-cache, disk) targets: a row's decode step <= this x the f32 row's.
 TARGETS = {"q8_0": (0.6, 0.35), "q4_k_m": (0.45, 0.25)}
 MODEL_ARGS = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "prompt_len", "steps")
@@ -109,12 +108,10 @@ def random_blocks(rng, name: str, rows: int, cols: int, std: float):
   qtype = gguf.GGMLQuantizationType[name]
   block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
   raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
-  fields = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[name]
 
   def set_scales(scale: float) -> None:
     d = (scale * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)
-    for at in fields:
-      raw[..., at : at + 2] = d[..., None].view(np.uint8)
+    _ggml_blocks.set_scales(raw, name, lambda: d)  # one draw: d and dmin alike
 
   set_scales(1e-3)
   sample = gguf.quants.dequantize(raw[:16].reshape(16, -1), qtype)
@@ -209,10 +206,6 @@ def build(args: argparse.Namespace) -> dict:
 def row_child(args: argparse.Namespace, row: str) -> dict:
   """One row in this process: per regime, the tokens, the prefill, the median step, the
   bytes read a decode token."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
   import jax_residency as jr
   from jax_residency import models
 
@@ -221,39 +214,23 @@ def row_child(args: argparse.Namespace, row: str) -> dict:
   cfg = model.config
   length = args.prompt_len + args.steps + 1
   placed = jr.place(model, jr.DenseDiskStream(host_budget_bytes=0), store=store)
+  step = _decoding.llama_step(placed, cfg, length)
 
-  def greedy(prompt, steps: int, before) -> dict:
-    cache = models.LlamaCache.zeros(cfg, 1, length)
-    times, tokens, ids = [], [], prompt
-    for i in range(steps + 1):
-      before()
-      start = time.perf_counter()
-      mask = jnp.ones(ids.shape, jnp.int32)
-      pos = jnp.asarray(0 if i == 0 else args.prompt_len + i - 1, jnp.int32)
-      logits, cache = placed(jnp.asarray(ids), mask, cache, pos)
-      tokens.append(int(np.argmax(jax.block_until_ready(logits)[0, -1])))
-      times.append(time.perf_counter() - start)
-      ids = np.array([[tokens[-1]]], np.int32)
-    return {"tokens": tokens, "times": times}
+  def greedy(prompt, steps: int, before=None) -> dict:
+    cache = models.LlamaCache.zeros(cfg, 1, length)  # made outside the timing
+    return _decoding.greedy(step, prompt, steps, cache=cache, before=before)
 
   prompt, warm = prompts(args)
-  greedy(warm, 1, lambda: None)
+  greedy(warm, 1)
   out: dict = {"unit_nbytes": placed.metadata.stacks[0].unit_bytes, "regimes": {}}
-  for regime in REGIMES:
+  for regime in _decoding.REGIMES:
     placed.clear_caches()
-    if regime == "page-cache":
-      for name in _measure.files_under(store):
-        with open(name, "rb") as f:
-          while f.read(1 << 24):
-            pass
-    before = (lambda: _measure.drop_page_cache(store)) if regime == "disk" else (lambda: None)
+    before = _decoding.prepare_regime(regime, store)
     first = len(placed.report().passes)
     run = greedy(prompt, args.steps, before)
     decode = [q for q in placed.report().passes[first:] if q.phase == "decode"]
     out["regimes"][regime] = {
-      "tokens": run["tokens"],
-      "prefill_s": run["times"][0],
-      "step_s": statistics.median(run["times"][1:]),
+      **_decoding.summary(run),
       "bytes_per_token": statistics.mean(q.bytes_read for q in decode),
     }
   placed.close()
@@ -302,26 +279,17 @@ def main() -> int:
   parser.add_argument("--child", choices=ROWS, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(row_child(args, args.child)))
-    return 0
+    return _child.answer(row_child(args, args.child))
   _result.quick_sizes(args, parser, QUICK)
   with _result.work_dir(args, "jr_gguf_decode"):
     print(f"building under {paths(args)['base']} (once) ...", file=sys.stderr)
     reference = build(args)
-    flags = ["--dir", args.dir]
-    for name in MODEL_ARGS:
-      flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    flags = ["--dir", args.dir, *_child.flags(args, MODEL_ARGS)]
     runs: dict[str, list[dict]] = {row: [] for row in ROWS}
     for k in range(args.repeat):
       print(f"run {k + 1}/{args.repeat} ...", file=sys.stderr)
       for row in ROWS:
-        done = _zygote.run(
-          [sys.executable, __file__, *flags, "--child", row], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-          print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
-          return 1
-        runs[row].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        runs[row].append(_child.run(__file__, *flags, "--child", row, what=f"row {row}"))
   result = _result.stamp("gguf_decode", None, args.quick)
   result.update({name: getattr(args, name) for name in (*MODEL_ARGS, "repeat")})
   rows: dict[str, dict] = {}
@@ -329,7 +297,7 @@ def main() -> int:
   for row in ROWS:
     want = reference["q8_0" if row == "q8_0" else "q4_k_m"]
     rows[row] = {"unit_nbytes": runs[row][0]["unit_nbytes"]}
-    for regime in REGIMES:
+    for regime in _decoding.REGIMES:
       per = [r["regimes"][regime] for r in runs[row]]
       rows[row][regime] = {
         key: statistics.median(x[key] for x in per)

@@ -92,7 +92,6 @@ import argparse
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import os
 import pathlib
 import statistics
@@ -102,9 +101,9 @@ import time
 import warnings
 import zipfile
 
+import _child
 import _measure
 import _result
-import _zygote
 import gguf_decode
 
 SMOLLM2 = "smollm2"
@@ -423,10 +422,7 @@ def jr_child(args: argparse.Namespace) -> dict:
       continue
     kind, activations = PLACED[engine]
     if kind == "direct":  # its store into the page cache
-      for name in _measure.files_under(args.store):
-        with open(name, "rb") as f:
-          while f.read(1 << 24):
-            pass
+      _measure.read_files(args.store)
       policy = jr.DenseDiskStream(host_budget_bytes=0)
     else:
       policy = jr.FullyResident()
@@ -436,13 +432,9 @@ def jr_child(args: argparse.Namespace) -> dict:
   return out
 
 
-def _child(args: argparse.Namespace, kind: str, *flags: str) -> dict:
-  cmd = [sys.executable, __file__, "--child", kind, "--threads", str(args.threads)]
-  cmd += ["--steps", str(args.steps), *flags]
-  done = _zygote.run(cmd, capture_output=True, text=True)
-  if done.returncode != 0:
-    raise SystemExit(f"child {kind} {flags} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])
+def run_child(args: argparse.Namespace, kind: str, *flags: str) -> dict:
+  argv = ["--child", kind, *_child.flags(args, ("threads", "steps")), *flags]
+  return _child.run(__file__, *argv, what=f"child {kind} {flags}")
 
 
 def measure(args: argparse.Namespace, files: dict, peer: bool) -> dict:
@@ -456,13 +448,13 @@ def measure(args: argparse.Namespace, files: dict, peer: bool) -> dict:
       if name == SMOLLM2_F32:  # the plain model and FullyResident, no llama.cpp
         flags = ("--gguf", f["gguf"], "--source", f["source"], "--store", f["store"])
         for engine in ("plain", "resident"):
-          found |= _child(args, "jr", *flags, "--engines", engine)
+          found |= run_child(args, "jr", *flags, "--engines", engine)
       else:
         if peer:
-          found |= _child(args, "llama", "--gguf", f["gguf"])
+          found |= run_child(args, "llama", "--gguf", f["gguf"])
         engines = (",".join(PLACED),) if args.quick else tuple(PLACED)
         for engine in engines:
-          found |= _child(args, "jr", "--store", f["store"], "--engines", engine)
+          found |= run_child(args, "jr", "--store", f["store"], "--engines", engine)
       for engine, run in found.items():
         runs[name].setdefault(engine, []).append(run)
   return runs
@@ -513,8 +505,7 @@ def main() -> int:
   parser.add_argument("--engines", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps({"llama": llama_child, "jr": jr_child}[args.child](args)))
-    return 0
+    return _child.answer({"llama": llama_child, "jr": jr_child}[args.child](args))
   _result.quick_sizes(args, parser, QUICK)
   version = llama_cpp_version()
   if version is None:

@@ -66,11 +66,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
+import _child
+import _hf_checkpoint
 import _result
-import _zygote
-from _measure import drop_page_cache, files_under, peak_rss_bytes, reset_peak_rss
+import _torch_peer
+from _decoding import REGIMES, greedy, llama_step, prepare_regime, summary
+from _measure import peak_rss_bytes, reset_peak_rss
 
 ROWS = ("experts", "experts-speculative", "dense", "accelerate")
 LABELS = {
@@ -79,7 +81,6 @@ LABELS = {
   "dense": "dense stream (every expert read)",
   "accelerate": "accelerate disk offload",
 }
-REGIMES = ("page-cache", "disk")
 BYTES_TARGET = 1.1
 DISK_SPEEDUP_TARGET = 2.5
 
@@ -137,28 +138,19 @@ QUICK = {
 
 
 def hf_config(args: argparse.Namespace) -> dict:
-  return {
-    "architectures": ["MixtralForCausalLM"],
-    "model_type": "mixtral",
-    "hidden_size": args.hidden,
-    "intermediate_size": args.expert_width,
-    "num_hidden_layers": args.layers,
-    "num_attention_heads": args.heads,
-    "num_key_value_heads": args.kv_heads,
-    "num_local_experts": args.experts,
-    "num_experts_per_tok": args.top_k,
-    "vocab_size": args.vocab,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 1e6,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "sliding_window": None,
-    "router_jitter_noise": 0.0,
-    "dtype": "float32",
-  }
+  return _hf_checkpoint.llama_config(
+    "MixtralForCausalLM",
+    "mixtral",
+    args,
+    intermediate=args.expert_width,
+    rope_theta=1e6,
+    max_position=4096,
+    num_local_experts=args.experts,
+    num_experts_per_tok=args.top_k,
+    sliding_window=None,
+    router_jitter_noise=0.0,
+    dtype="float32",
+  )
 
 
 def paths(args: argparse.Namespace) -> dict[str, str]:
@@ -198,29 +190,12 @@ def build(args: argparse.Namespace) -> None:
   p = paths(args)
   if os.path.exists(os.path.join(p["store"], "jax_residency.json")):
     return
-  os.makedirs(p["hf"], exist_ok=True)
-  cfg = hf_config(args)
-  with open(os.path.join(p["hf"], "config.json"), "w") as f:
-    json.dump(cfg, f)
-  rng = np.random.default_rng(0)
-  d, f_, hd = args.hidden, args.expert_width, args.hidden // args.heads
-
-  def w(*shape: int, scale: float = 0.02):
-    return (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
-
-  weight_map = {}
+  d, f_, w = args.hidden, args.expert_width, _hf_checkpoint.normal(np.random.default_rng(0))
   shards = [("embed", {"model.embed_tokens.weight": w(args.vocab, d)})]
   for i in range(args.layers):
     pre = f"model.layers.{i}."
-    layer = {
-      pre + "input_layernorm.weight": np.ones(d, np.float32),
-      pre + "post_attention_layernorm.weight": np.ones(d, np.float32),
-      pre + "self_attn.q_proj.weight": w(args.heads * hd, d),
-      pre + "self_attn.k_proj.weight": w(args.kv_heads * hd, d),
-      pre + "self_attn.v_proj.weight": w(args.kv_heads * hd, d),
-      pre + "self_attn.o_proj.weight": w(d, args.heads * hd),
-      pre + "block_sparse_moe.gate.weight": w(args.experts, d, scale=0.1),
-    }
+    layer = _hf_checkpoint.attention_tensors(args, i, w)
+    layer[pre + "block_sparse_moe.gate.weight"] = w(args.experts, d, scale=0.1)
     for e in range(args.experts):
       ex = f"{pre}block_sparse_moe.experts.{e}."
       layer |= {ex + "w1.weight": w(f_, d), ex + "w2.weight": w(d, f_), ex + "w3.weight": w(f_, d)}
@@ -228,12 +203,8 @@ def build(args: argparse.Namespace) -> None:
   shards.append(
     ("head", {"model.norm.weight": np.ones(d, np.float32), "lm_head.weight": w(args.vocab, d)})
   )
-  for name, tensors in shards:
-    file = f"model-{name}.safetensors"
-    write_safetensors(os.path.join(p["hf"], file), tensors)
-    weight_map |= dict.fromkeys(tensors, file)
-  with open(os.path.join(p["hf"], "model.safetensors.index.json"), "w") as f:
-    json.dump({"metadata": {}, "weight_map": weight_map}, f)
+  files = ((f"model-{name}.safetensors", tensors) for name, tensors in shards)
+  _hf_checkpoint.write(p["hf"], files, hf_config(args), lambda t, f: write_safetensors(f, t))
   models.convert_hf(p["hf"], p["store"], progress=False)
 
 
@@ -270,34 +241,6 @@ def reference(args: argparse.Namespace) -> dict:
 # --- a row, in its own process -------------------------------------------------------------
 
 
-def io_read_bytes() -> int:
-  with open("/proc/self/io") as f:
-    for line in f:
-      if line.startswith("read_bytes:"):
-        return int(line.split()[1])
-  return 0
-
-
-def greedy(step, prompt, steps: int, before) -> dict:
-  """A prefill, then ``steps`` one-token steps, each timed on its own (``before()`` runs
-  outside the timing, before each)."""
-  import numpy as np
-
-  times, reads, tokens = [], [], []
-  cache, logits = None, None
-  for i in range(steps + 1):
-    ids = prompt if i == 0 else np.array([[tokens[-1]]], np.int32)
-    before()
-    io0, start = io_read_bytes(), time.perf_counter()
-    logits, cache = step(ids, cache, 0 if i == 0 else prompt.shape[1] + i - 1)
-    times.append(time.perf_counter() - start)
-    reads.append(io_read_bytes() - io0)
-    tokens.append(int(np.argmax(logits)))
-    if i == 0:
-      first = logits
-  return {"tokens": tokens, "times": times, "io_reads": reads, "prefill_logits": first}
-
-
 def jr_policy(args: argparse.Namespace, row: str, expert_bytes: int):
   import jax_residency as jr
 
@@ -311,10 +254,6 @@ def jr_policy(args: argparse.Namespace, row: str, expert_bytes: int):
 
 
 def jr_row(args: argparse.Namespace, row: str) -> dict:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
   import jax_residency as jr
   from jax_residency import models
 
@@ -327,44 +266,30 @@ def jr_row(args: argparse.Namespace, row: str) -> dict:
   prompt, warm = prompts(args)
   length = args.prompt_len + args.steps
   placed = jr.place(model, jr_policy(args, row, expert_bytes), store=p["store"])
-
-  def step(ids, cache, pos):
-    if cache is None:
-      cache = models.LlamaCache.zeros(cfg, 1, length)
-    mask = jnp.ones(ids.shape, jnp.int32)
-    logits, cache = placed(jnp.asarray(ids), mask, cache, jnp.asarray(pos, jnp.int32))
-    return np.asarray(jax.block_until_ready(logits)[0, -1]), cache
-
-  greedy(step, warm, 1, lambda: None)
+  step = llama_step(placed, cfg, length)
+  greedy(step, warm, 1)
   out = {"planned_process_bytes": placed.metadata.planned_process_bytes, "regimes": {}}
-  for regime in REGIMES:
+  for name in REGIMES:
     placed.clear_caches()
-    if regime == "page-cache":
-      for name in files_under(p["store"]):
-        with open(name, "rb") as f:
-          while f.read(1 << 24):
-            pass
-    before = (lambda: drop_page_cache(p["store"])) if regime == "disk" else (lambda: None)
+    before = prepare_regime(name, p["store"])
     start = len(placed.report().passes)
     reset_peak_rss()
     rss0 = peak_rss_bytes()
-    run = greedy(step, prompt, args.steps, before)
+    run = greedy(step, prompt, args.steps, before=before)
     passes = placed.report().passes[start:]
     decode = [q for q in passes if q.phase == "decode"]
     e = [q.experts for q in decode if q.experts is not None]
-    out["regimes"][regime] = {
-      "tokens": run["tokens"],
-      "prefill_s": run["times"][0],
-      "step_s": statistics.median(run["times"][1:]),
+    out["regimes"][name] = {
+      **summary(run),
       "bytes_per_token": statistics.mean(q.bytes_read for q in decode),
-      "io_per_token": statistics.mean(run["io_reads"][1:]),
+      "io_per_token": statistics.mean(run["step_read_bytes"].tolist()),
       "selected": sum(x.selected for x in e) / len(decode) if e else None,
       "hits": sum(x.hits for x in e) / len(decode) if e else None,
       "precision": (sum(x.predicted_used for x in e) / max(1, sum(x.predicted for x in e)))
       if e
       else None,
       "rss_growth": peak_rss_bytes() - rss0,
-      "prefill_logits": [float(x) for x in run["prefill_logits"]],
+      "prefill_logits": [float(x) for x in run["logits"][0]],
     }
   placed.close()
   return out
@@ -393,53 +318,31 @@ def accelerate_row(args: argparse.Namespace) -> dict:
       out = model(torch.from_numpy(np.asarray(ids)), past_key_values=cache, use_cache=True)
     return out.logits[0, -1].numpy(), out.past_key_values
 
-  greedy(step, warm, 1, lambda: None)
+  greedy(step, warm, 1)
   out = {"regimes": {}}
-  for regime in REGIMES:
-    if regime == "page-cache":
-      for name in files_under(p["offload"]) + files_under(p["hf"]):
-        with open(name, "rb") as f:
-          while f.read(1 << 24):
-            pass
-    before = (
-      (lambda: drop_page_cache(p["offload"], p["hf"])) if regime == "disk" else (lambda: None)
-    )
+  for name in REGIMES:
+    before = prepare_regime(name, p["offload"], p["hf"])
     reset_peak_rss()
     rss0 = peak_rss_bytes()
-    run = greedy(step, prompt, args.steps, before)
-    out["regimes"][regime] = {
-      "tokens": run["tokens"],
-      "prefill_s": run["times"][0],
-      "step_s": statistics.median(run["times"][1:]),
+    run = greedy(step, prompt, args.steps, before=before)
+    out["regimes"][name] = {
+      **summary(run),
       "bytes_per_token": None,
-      "io_per_token": statistics.mean(run["io_reads"][1:]),
+      "io_per_token": statistics.mean(run["step_read_bytes"].tolist()),
       "rss_growth": peak_rss_bytes() - rss0,
-      "prefill_logits": [float(x) for x in run["prefill_logits"]],
+      "prefill_logits": [float(x) for x in run["logits"][0]],
     }
   return out
 
 
 def child(args: argparse.Namespace) -> int:
   run = accelerate_row(args) if args.child == "accelerate" else jr_row(args, args.child)
-  print(json.dumps(run))
-  return 0
+  return _child.answer(run)
 
 
-def peers_missing() -> str | None:
-  import importlib.util
-
-  missing = [
-    m for m in ("torch", "transformers", "accelerate") if importlib.util.find_spec(m) is None
-  ]
-  return ", ".join(missing) if missing else None
-
-
-def run_child(args: argparse.Namespace, row: str, argv: list[str]) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", row, "--dir", args.dir]
-  proc = _zygote.run(cmd, capture_output=True, text=True, timeout=3600)
-  if proc.returncode != 0:
-    raise RuntimeError(f"row {row!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_child(args: argparse.Namespace, row: str) -> dict:
+  argv = [*_child.flags(args, MODEL_ARGS), "--child", row, "--dir", args.dir]
+  return _child.run(os.path.abspath(__file__), *argv, what=f"row {row!r}", timeout=3600)
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -573,16 +476,15 @@ def main() -> int:
     build(args)
     ref = reference(args)
     rows = [r for r in args.rows.split(",") if r]
-    missing = peers_missing()
+    missing = ", ".join(_torch_peer.versions(("torch", "transformers", "accelerate"))[1])
     if "accelerate" in rows and missing:
       print(f"skipping the accelerate row: cannot import {missing}", file=sys.stderr)
       rows.remove("accelerate")
-    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in MODEL_ARGS]
     result = _result.stamp("moe_decode", None, args.quick)
     result["args"] = {k: v for k, v in vars(args).items() if k not in ("child", "result", "json")}
     result["sizes"] = sizes(args)
     result["reference"] = ref
-    result["runs"] = [{row: run_child(args, row, argv) for row in rows} for _ in range(args.repeat)]
+    result["runs"] = [{row: run_child(args, row) for row in rows} for _ in range(args.repeat)]
     result["rows"] = medians(result["runs"])
     result["checks"] = checks_of(args, result)
     return _result.finish(slim(result), args, markdown)

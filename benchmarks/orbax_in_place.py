@@ -50,13 +50,13 @@ gates are not.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
 
+import _child
 import _result
 import _zygote
 from _measure import (
@@ -268,17 +268,10 @@ CHILDREN = {
 
 
 def run_child(args: argparse.Namespace, which: str, store: str, **extra: str) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--store", store]
-  cmd += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--heads", str(args.heads)]
-  cmd += ["--d-ff", str(args.d_ff), "--tokens", str(args.tokens), "--host-units"]
-  cmd += [str(args.host_units)]
-  for k, v in extra.items():
-    cmd += [f"--{k}", v]
-  done = _zygote.run(cmd, capture_output=True, text=True, check=False)
-  if done.returncode:
-    sys.stderr.write(done.stderr)
-    raise SystemExit(f"child {which!r} failed (exit {done.returncode})")
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  argv = ["--child", which, "--store", store]
+  argv += _child.flags(args, ("layers", "d_model", "heads", "d_ff", "tokens", "host_units"))
+  argv += [a for k, v in extra.items() for a in (f"--{k}", v)]
+  return _child.run(os.path.abspath(__file__), *argv, what=f"child {which!r}")
 
 
 def mib(n: float) -> str:
@@ -304,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.child:
-    print(json.dumps(CHILDREN[args.child](args)))
-    return 0
+    return _child.answer(CHILDREN[args.child](args))
   if args.quick:
     args.layers, args.d_model, args.heads = 4, 256, 8
   args.d_ff = args.d_ff or 4 * args.d_model

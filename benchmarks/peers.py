@@ -90,61 +90,36 @@ a shared machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules
 
+import _child
+import _parity  # noqa: E402
 import _result  # noqa: E402
-import _zygote  # noqa: E402
+import _torch_peer  # noqa: E402
 from _measure import (  # noqa: E402
   BUDGET,
   MiB,
+  Peaks,
   add_model_args,
   config,
   dense_policy,
   drop_page_cache,
   files_under,
+  fmt_bytes,
+  io_bytes,
   peak_rss_bytes,
   reset_peak_rss,
   rss_bytes,
+  timed_load,
 )
-
-LN_EPS = 1e-6  # flax's LayerNorm default (torch's is 1e-5)
-PARITY_RTOL = 1e-3  # max |diff| / max |logit| allowed
-
+from _parity import PARITY_RTOL  # noqa: E402
 
 # ---------------------------------------------------------------------------- shared helpers
-
-
-def io_bytes() -> tuple[int, int]:
-  """(read_bytes, write_bytes) this process caused at the storage layer."""
-  fields = {}
-  with open("/proc/self/io") as f:
-    for line in f:
-      key, _, value = line.partition(":")
-      fields[key] = int(value)
-  return fields["read_bytes"], fields["write_bytes"]
-
-
-class Peaks:
-  """Peak RSS over a process whose VmHWM is reset between phases."""
-
-  def __init__(self) -> None:
-    self.process = 0
-
-  def reset(self) -> None:
-    self.process = max(self.process, peak_rss_bytes())
-    reset_peak_rss()
-
-  def read(self) -> int:
-    peak = peak_rss_bytes()
-    self.process = max(self.process, peak)
-    return peak
 
 
 def paths(args: argparse.Namespace) -> dict[str, str]:
@@ -176,69 +151,25 @@ def save_logits(args: argparse.Namespace, name: str, logits) -> None:
 
 def torch_port(cfg):
   """The toy transformer in PyTorch: same math as ``jax_residency.toy.ToyTransformer``."""
-  import torch
-  import torch.nn.functional as F
   from torch import nn
 
-  class Block(nn.Module):
-    def __init__(self) -> None:
-      super().__init__()
-      d = cfg.d_model
-      self.heads = cfg.n_heads
-      self.norm1 = nn.LayerNorm(d, eps=LN_EPS)
-      self.qkv = nn.Linear(d, 3 * d)
-      self.out = nn.Linear(d, d)
-      self.norm2 = nn.LayerNorm(d, eps=LN_EPS)
-      self.up = nn.Linear(d, cfg.d_ff)
-      self.down = nn.Linear(cfg.d_ff, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-      b, t, d = x.shape
-      q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-      q, k, v = (a.view(b, t, self.heads, d // self.heads).transpose(1, 2) for a in (q, k, v))
-      att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-      x = x + self.out(att.transpose(1, 2).reshape(b, t, d))
-      return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
+  Block = _torch_peer.block(cfg, proj="out")
 
   class Toy(nn.Module):
     def __init__(self) -> None:
       super().__init__()
       self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
       self.layers = nn.ModuleList(Block() for _ in range(cfg.n_layers))
-      self.norm = nn.LayerNorm(cfg.d_model, eps=LN_EPS)
+      self.norm = nn.LayerNorm(cfg.d_model, eps=_torch_peer.LN_EPS)
       self.head = nn.Linear(cfg.d_model, cfg.vocab)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens):
       x = self.embed(tokens)
       for block in self.layers:
-        x = block(x)
+        x = block(x)[0]
       return self.head(self.norm(x))
 
   return Toy
-
-
-def torch_state_dict(params: dict, n_layers: int) -> dict:
-  """NNX parameters (nested dict of arrays) -> the torch port's state dict, as numpy."""
-  import numpy as np
-
-  def linear(p: dict, prefix: str, i: int | None = None) -> dict:
-    kernel, bias = (p["kernel"], p["bias"]) if i is None else (p["kernel"][i], p["bias"][i])
-    # nnx.Linear keeps (in, out); torch.nn.Linear keeps (out, in).
-    return {f"{prefix}.weight": np.asarray(kernel).T, f"{prefix}.bias": np.asarray(bias)}
-
-  def norm(p: dict, prefix: str, i: int | None = None) -> dict:
-    scale, bias = (p["scale"], p["bias"]) if i is None else (p["scale"][i], p["bias"][i])
-    return {f"{prefix}.weight": np.asarray(scale), f"{prefix}.bias": np.asarray(bias)}
-
-  out = {"embed.weight": np.asarray(params["embed"]["embedding"])}
-  layers = params["layers"]
-  for i in range(n_layers):
-    for name in ("norm1", "norm2"):
-      out |= norm(layers[name], f"layers.{i}.{name}", i)
-    for name in ("qkv", "out", "up", "down"):
-      out |= linear(layers[name], f"layers.{i}.{name}", i)
-  out |= norm(params["norm"], "norm") | linear(params["head"], "head")
-  return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
 # ---------------------------------------------------------------------------- children
@@ -266,13 +197,9 @@ def build(args: argparse.Namespace) -> dict:
   if not os.path.exists(p["store"]):
     jr.save(model, p["store"], progress=False, overwrite=True)
   if args.with_checkpoint and not os.path.exists(p["checkpoint"]):
-    from safetensors.numpy import save_file
-
-    state = torch_state_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg.n_layers)
+    state = _torch_peer.state_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg.n_layers)
     del model
-    os.makedirs(os.path.dirname(p["checkpoint"]), exist_ok=True)
-    save_file(state, p["checkpoint"] + ".tmp", metadata={"format": "pt"})
-    os.replace(p["checkpoint"] + ".tmp", p["checkpoint"])
+    _torch_peer.save_checkpoint(state, p["checkpoint"])
   return {}
 
 
@@ -297,41 +224,18 @@ def torch_resident(args: argparse.Namespace) -> dict:
 
 def accelerate_offload(args: argparse.Namespace) -> dict:
   """Accelerate's documented disk offload: meta model, load_checkpoint_and_dispatch."""
-  import logging
-
   import torch
-  from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
-  logging.getLogger("accelerate").setLevel(logging.ERROR)
   p = paths(args)
   cfg = config(args)
   tokens, _ = reference(args)
   x = torch.from_numpy(tokens).long()
-  shutil.rmtree(p["offload"], ignore_errors=True)
-  with init_empty_weights():
-    model = torch_port(cfg)()
   device_map = {"embed": "cpu", "norm": "cpu", "head": "cpu"}
   device_map |= {f"layers.{i}": "disk" for i in range(cfg.n_layers)}
   peaks = Peaks()
-  baseline = rss_bytes()
-  drop_page_cache(p["checkpoint"])
-  peaks.reset()
-  io0 = io_bytes()
-  start = time.perf_counter()
-  model = load_checkpoint_and_dispatch(
-    model, p["checkpoint"], device_map=device_map, offload_folder=p["offload"]
+  model, out = _torch_peer.disk_offload(
+    torch_port(cfg), p["checkpoint"], device_map, p["offload"], peaks
   )
-  load_s = time.perf_counter() - start
-  io1 = io_bytes()
-  load_peak = peaks.read()
-  model.eval()
-  out: dict = {
-    "load_s": load_s,
-    "baseline_rss_bytes": baseline,
-    "load_peak_rss_bytes": load_peak,
-    "load_read_bytes": io1[0] - io0[0],
-    "load_written_bytes": io1[1] - io0[1],
-  }
   with torch.inference_mode():
     start = time.perf_counter()
     model(x)  # first pass: torch warm-up (weights mostly in the page cache from the load)
@@ -378,20 +282,9 @@ def jr_cold(args: argparse.Namespace) -> dict:
   x = jax.numpy.asarray(tokens)
   x.block_until_ready()  # backend initialised
   peaks = Peaks()
-  baseline = rss_bytes()
   drop_page_cache(p["store"])
-  peaks.reset()
-  io0 = io_bytes()
-  start = time.perf_counter()
-  placed = jr_place(args, dense_policy(BUDGET))
-  load_s = time.perf_counter() - start
-  out: dict = {
-    "load_s": load_s,
-    "baseline_rss_bytes": baseline,
-    "load_peak_rss_bytes": peaks.read(),
-    "load_read_bytes": io_bytes()[0] - io0[0],
-    "load_written_bytes": 0,
-  }
+  placed, out = timed_load(lambda: jr_place(args, dense_policy(BUDGET)), peaks)
+  out["load_written_bytes"] = 0
   with placed:
     start = time.perf_counter()
     jax.block_until_ready(placed(x))  # first pass: compiles the step
@@ -473,16 +366,9 @@ CHILDREN = {
 
 
 def run_child(args: argparse.Namespace, which: str, extra: tuple[str, ...] = ()) -> dict:
-  cmd = [sys.executable, __file__, "--child", which, "--dir", args.dir, *extra]
-  cmd += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--d-ff", str(args.d_ff)]
-  cmd += ["--tokens", str(args.tokens)]
-  # stderr (Accelerate's per-tensor progress bar, warnings) is shown only if the child fails.
-  done = _zygote.run(cmd, capture_output=True, text=True)
-  if done.returncode:
-    sys.stderr.write(done.stderr)
-    raise SystemExit(f"{which} failed (exit {done.returncode})")
-  out = done.stdout.strip()
-  return json.loads(out.splitlines()[-1]) if out else {}
+  argv = ["--child", which, "--dir", args.dir, *extra]
+  argv += _child.flags(args, ("layers", "d_model", "d_ff", "tokens"))
+  return _child.run(__file__, *argv, what=which)
 
 
 JR_RUNS = ("jr_cold", "jr_warm", "jr_resident")  # the jax_residency runs whose logits are gated
@@ -523,53 +409,6 @@ def measure(args: argparse.Namespace, peers: bool, torch_run: dict | None = None
   return run
 
 
-def peer_versions(accelerate_version: str = "1.16.0") -> tuple[dict | None, str]:
-  """torch's, accelerate's and safetensors' installed versions; or ``None`` and why the
-  peer rows cannot run (one of them is not installed: none is a jax_residency dependency).
-
-  Only the children that run the peers import them; this process looks them up.
-  """
-  import importlib.metadata
-  import importlib.util
-
-  versions = {}
-  for name in ("torch", "accelerate", "safetensors"):
-    if importlib.util.find_spec(name) is None:
-      return None, (
-        f"{name} cannot be imported (not a jax_residency dependency; to run them: "
-        f"pip install torch==2.13.0 (the CPU-only build), then pip install "
-        f"accelerate=={accelerate_version} safetensors)"
-      )
-    versions[name] = importlib.metadata.version(name)
-  return versions, ""
-
-
-def parity_of(ref, logits, torch=None) -> dict:
-  """The parity gate: max |diff| of each run's logits against ``ref`` and against torch's.
-
-  Args:
-    ref: the plain JAX model's logits.
-    logits: run name -> logits of the same shape.
-    torch: the torch port's logits (run whole), or ``None`` without the peers;
-      every run but one named ``"torch"`` is also compared with them.
-
-  Returns:
-    ``logit_scale`` (max |ref|), ``max_abs_diff`` ("NAME vs jax" / "NAME vs
-    torch" -> float) and ``ok``: every difference is within ``PARITY_RTOL``
-    of the logit scale.
-  """
-  import numpy as np
-
-  scale = float(np.abs(ref).max())
-  out: dict = {"logit_scale": scale, "max_abs_diff": {}}
-  for name, value in logits.items():
-    out["max_abs_diff"][f"{name} vs jax"] = float(np.abs(value - ref).max())
-    if name != "torch" and torch is not None:
-      out["max_abs_diff"][f"{name} vs torch"] = float(np.abs(value - torch).max())
-  out["ok"] = all(d <= PARITY_RTOL * scale for d in out["max_abs_diff"].values())
-  return out
-
-
 def parity(args: argparse.Namespace, names: list[str], torch: bool = True) -> dict:
   """Max |diff| of each named run's logits against the plain JAX model's (and torch's)."""
   import numpy as np
@@ -579,19 +418,9 @@ def parity(args: argparse.Namespace, names: list[str], torch: bool = True) -> di
   def logits(name: str):
     return np.load(os.path.join(paths(args)["base"], f"logits-{name}.npy"))
 
-  return parity_of(
+  return _parity.parity_of(
     ref, {name: logits(name) for name in names}, torch=logits("torch") if torch else None
   )
-
-
-def merge_parity(pars: list[dict]) -> dict:
-  """Several runs' :func:`parity_of` results as one: each difference's max over the runs."""
-  diffs = {k: max(p["max_abs_diff"][k] for p in pars) for k in pars[0]["max_abs_diff"]}
-  return {
-    "logit_scale": pars[0]["logit_scale"],
-    "max_abs_diff": diffs,
-    "ok": all(p["ok"] for p in pars),
-  }
 
 
 RUN_LABELS = {
@@ -607,11 +436,7 @@ def parity_checks(checks: list[dict], par: dict, labels: dict[str, str]) -> None
   """One parity gate per run in ``par`` (:func:`parity_of`): its logits within
   ``PARITY_RTOL`` of the logit scale of the plain JAX model's, and of the torch port's."""
   limit = PARITY_RTOL * par["logit_scale"]
-  runs: dict[str, dict[str, float]] = {}
-  for key, diff in par["max_abs_diff"].items():
-    name, _, against = key.rpartition(" vs ")
-    runs.setdefault(name, {})[against] = diff
-  for name, diffs in runs.items():
+  for name, diffs in _parity.by_run(par["max_abs_diff"]).items():
     who = " and the torch port's" if "torch" in diffs else ""
     _result.check(
       checks,
@@ -621,10 +446,6 @@ def parity_checks(checks: list[dict], par: dict, labels: dict[str, str]) -> None
       ", ".join(f"max |diff| vs {k} {d:.2e}" for k, d in diffs.items()) + f"; limit {limit:.2e}",
       _result.PARITY,
     )
-
-
-def fmt_bytes(n: float) -> str:
-  return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / MiB:,.0f} MiB"
 
 
 #: ``--quick``: a toy size (3 MiB of units) and one run.
@@ -789,15 +610,14 @@ def main() -> int:
   args = parser.parse_args()
   if args.child:
     args.dir = os.path.abspath(args.dir)
-    print(json.dumps(CHILDREN[args.child](args)))
-    return 0
+    return _child.answer(CHILDREN[args.child](args))
   with _result.work_dir(args, "jax_residency_peers"):
     return bench(args)
 
 
 def bench(args: argparse.Namespace) -> int:
   started = time.perf_counter()
-  versions, why = peer_versions()
+  versions, why = _torch_peer.peer_versions()
   peers = versions is not None
   if not peers:
     print(f"accelerate and torch rows skipped: {why}", file=sys.stderr)
@@ -845,7 +665,7 @@ def bench(args: argparse.Namespace) -> int:
     runs.append(run)
     if not pars[-1]["ok"]:
       break  # no timings of outputs that differ: the gates below fail the run
-  result["parity"] = merge_parity(pars)
+  result["parity"] = _parity.merge(pars)
   parity_checks(checks, result["parity"], RUN_LABELS)
   result["runs"] = runs
   result["wall_s"] = time.perf_counter() - started

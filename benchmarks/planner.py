@@ -35,9 +35,9 @@ import statistics
 import sys
 import time
 
+import _child
 import _measure
 import _result
-import _zygote
 
 DEVICE_UNITS, HOST_UNITS = 6, 3  # the budgets: static + 6 units on the device, 3 in host memory
 PREDICTION_TOLERANCE = 0.25  # target: |predicted / measured - 1| <= 25%
@@ -131,16 +131,9 @@ def child_run(args: argparse.Namespace) -> dict:
   return out
 
 
-def _child(args: argparse.Namespace, kind: str, *extra: str) -> dict:
-  flags = ["--dir", args.dir]
-  for name in SIZES:
-    flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-  done = _zygote.run(
-    [sys.executable, __file__, *flags, "--child", kind, *extra], capture_output=True, text=True
-  )
-  if done.returncode != 0:
-    raise SystemExit(f"child {kind} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])
+def run_child(args: argparse.Namespace, kind: str, *extra: str) -> dict:
+  flags = ["--dir", args.dir, *_child.flags(args, SIZES)]
+  return _child.run(__file__, *flags, "--child", kind, *extra, what=f"child {kind}")
 
 
 def ranked(args: argparse.Namespace, measured: dict) -> tuple[list, list, object]:
@@ -188,8 +181,7 @@ def main() -> int:
   parser.add_argument("--policy", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(child_measure(args) if args.child == "measure" else child_run(args)))
-    return 0
+    return _child.answer(child_measure(args) if args.child == "measure" else child_run(args))
   _result.quick_sizes(args, parser, QUICK)
   if args.steps < 3:
     parser.error("--steps must be at least 3 (the first two steps compile)")
@@ -199,14 +191,14 @@ def main() -> int:
 
   with _result.work_dir(args, "jr_planner"):
     os.makedirs(args.dir, exist_ok=True)
-    measured = _child(args, "measure")
+    measured = run_child(args, "measure")
     per_regime, plain_pred, plain = ranked(args, measured)
     policies = {describe(c.policy): c.policy for cands in per_regime for c in cands}
     policies[describe(plain)] = plain
     runs: dict[str, list[dict]] = {name: [] for name in policies}
     for _ in range(args.repeat):
       for name, policy in policies.items():
-        runs[name].append(_child(args, "run", "--policy", json.dumps(policy.to_dict())))
+        runs[name].append(run_child(args, "run", "--policy", json.dumps(policy.to_dict())))
   result = _result.stamp("planner", None, args.quick)
   result.update({name: getattr(args, name) for name in (*SIZES, "repeat", "top")})
   result["measurement"] = measured["measurement"]

@@ -51,6 +51,7 @@ import time
 
 import _result
 import numpy as np
+from _measure import drop_page_cache, files_under, read_files
 
 from jax_residency._src.store import unit_store as st
 from jax_residency._src.store import verify
@@ -74,29 +75,6 @@ class _Stacked:
   def __getitem__(self, i: int) -> np.ndarray:
     rng = np.random.default_rng((self._seed, i))
     return rng.integers(0, 2**16, self.shape[1:], dtype=np.uint16)
-
-
-def _store_files(path: str) -> list[str]:
-  return sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
-
-
-def _drop_page_cache(files: list[str]) -> None:
-  for name in files:
-    fd = os.open(name, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-      os.close(fd)
-
-
-def _raw_read(files: list[str], buffer: memoryview) -> int:
-  total = 0
-  for name in files:
-    with open(name, "rb", buffering=0) as f:
-      while n := f.readinto(buffer):
-        total += n
-  return total
 
 
 def _store_read(store: st.UnitStore, in_flight: int) -> int:
@@ -162,7 +140,7 @@ def _data_check(
   out = {}
   for cache in ("cold", "warm"):
     if cache == "cold":
-      _drop_page_cache(files)
+      drop_page_cache(*files)
     seen, bad, equal = set(), [], 0
     for i, tensors in store.read_units(range(store.unit_count), in_flight=in_flight):
       for key, a in tensors.items():
@@ -207,12 +185,12 @@ def _checksum_cost(args: argparse.Namespace, root: str, checks: list[dict]) -> d
     stored,
     _result.PARITY,
   )
-  files = {on: _store_files(path) for on, path in paths.items()}
+  files = {on: files_under(path) for on, path in paths.items()}
   for _ in range(args.repeats):
     for (on, way), store in stores.items():
       for cache in ("cold", "warm"):
         if cache == "cold":
-          _drop_page_cache(files[on])
+          drop_page_cache(*files[on])
         start = time.perf_counter()
         _store_read(store, args.in_flight)
         seconds.setdefault(f"{way}_{cache}_{'crc' if on else 'plain'}", []).append(
@@ -253,7 +231,7 @@ def _read_vs_raw(args: argparse.Namespace, root: str, checks: list[dict]) -> dic
   start = time.perf_counter()
   _ensure_store(path, args.units, args.unit_mib)
   setup_s = time.perf_counter() - start
-  files = _store_files(path)
+  files = files_under(path)
   buffer = memoryview(bytearray(64 << 20))
   results: dict[str, list[float]] = {
     k: [] for k in ("raw_cold", "store_cold", "raw_warm", "store_warm")
@@ -261,11 +239,11 @@ def _read_vs_raw(args: argparse.Namespace, root: str, checks: list[dict]) -> dic
   with st.UnitStore.open(path) as store:
     _store_read(store, args.in_flight)  # prime the reusable buffers
     for _ in range(args.repeats):
-      _drop_page_cache(files)
-      results["raw_cold"].append(_timed(lambda: _raw_read(files, buffer)))
-      _drop_page_cache(files)
+      drop_page_cache(*files)
+      results["raw_cold"].append(_timed(lambda: read_files(*files, buffer=buffer)))
+      drop_page_cache(*files)
       results["store_cold"].append(_timed(lambda: _store_read(store, args.in_flight)))
-      results["raw_warm"].append(_timed(lambda: _raw_read(files, buffer)))
+      results["raw_warm"].append(_timed(lambda: read_files(*files, buffer=buffer)))
       results["store_warm"].append(_timed(lambda: _store_read(store, args.in_flight)))
     total_gib = store.total_unit_bytes / 2**30
     expected = _expected(args.units, args.unit_mib)

@@ -53,8 +53,8 @@ import statistics
 import sys
 import time
 
+import _child
 import _result
-import _zygote
 from _measure import plain_jitted
 
 POLICIES = ("plain", "resident", "layerwise", "cached", "direct")
@@ -225,8 +225,8 @@ def child_profile(args: argparse.Namespace) -> dict:
 def _breakdown(args: argparse.Namespace) -> int:
   shape = SHAPES["small"]
   store = os.path.join(args.dir, "llama-" + "x".join(map(str, shape)))
-  _child(args, "build", shape, store)
-  found = _child(args, "profile", shape, store, "--policies", ",".join(POLICIES))
+  run_child(args, "build", shape, store)
+  found = run_child(args, "profile", shape, store, "--policies", ",".join(POLICIES))
   print(
     "µs per unit visited (profiled); "
     + "; ".join(
@@ -243,13 +243,10 @@ def _breakdown(args: argparse.Namespace) -> int:
   return 0
 
 
-def _child(args: argparse.Namespace, kind: str, shape: tuple[int, ...], store: str, *extra: str):
-  cmd = [sys.executable, __file__, "--child", kind, "--shape", json.dumps(shape)]
-  cmd += ["--store", store, "--prompt-len", str(args.prompt_len), "--steps", str(args.steps)]
-  done = _zygote.run([*cmd, *extra], capture_output=True, text=True)
-  if done.returncode != 0:
-    raise SystemExit(f"child {kind} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])
+def run_child(args: argparse.Namespace, kind: str, shape: tuple[int, ...], store: str, *extra: str):
+  argv = ["--child", kind, "--shape", json.dumps(shape), "--store", store]
+  argv += _child.flags(args, ("prompt_len", "steps"))
+  return _child.run(__file__, *argv, *extra, what=f"child {kind}")
 
 
 def _measure(args: argparse.Namespace, shapes: dict) -> dict:
@@ -258,16 +255,16 @@ def _measure(args: argparse.Namespace, shapes: dict) -> dict:
   runs: dict = {}
   for tag, shape in shapes.items():
     store = os.path.join(args.dir, "llama-" + "x".join(map(str, shape)))
-    _child(args, "build", shape, store)
+    run_child(args, "build", shape, store)
     per = runs.setdefault(tag, {name: [] for name in POLICIES})
     for _ in range(args.repeat):
       if args.quick:
-        found = _child(args, "run", shape, store, "--policies", ",".join(POLICIES))
+        found = run_child(args, "run", shape, store, "--policies", ",".join(POLICIES))
         for name in POLICIES:
           per[name].append(found[name])
       else:
         for name in POLICIES:
-          per[name].append(_child(args, "run", shape, store, "--policies", name)[name])
+          per[name].append(run_child(args, "run", shape, store, "--policies", name)[name])
   return runs
 
 
@@ -303,8 +300,7 @@ def main() -> int:
   args = parser.parse_args()
   if args.child:
     child = {"build": child_build, "run": child_run, "profile": child_profile}[args.child]
-    print(json.dumps(child(args)))
-    return 0
+    return _child.answer(child(args))
   _result.quick_sizes(args, parser, {"steps": 5, "repeat": 1})
   if args.steps < 3:
     parser.error("--steps must be at least 3 (the first two steps compile)")

@@ -33,7 +33,6 @@ the tree row >= 1.2x the best chain row, disk-bound.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import shutil
@@ -41,9 +40,9 @@ import statistics
 import sys
 import time
 
+import _child
 import _measure
 import _result
-import _zygote
 import gguf_peers
 
 PROMPTS = (
@@ -198,8 +197,7 @@ def main() -> int:
   _result.add_args(parser)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(child(args)))
-    return 0
+    return _child.answer(child(args))
   _result.quick_sizes(args, parser, {"prompts": 2, "tokens": 8, "repeat": 1, "regimes": "cache"})
   regimes = args.regimes.split(",")
   with _result.work_dir(args, "jr_gguf_peers"):
@@ -212,13 +210,10 @@ def main() -> int:
           if row == "tree" and regime not in TREE_REGIMES:
             continue
           print(f"run {r + 1}/{args.repeat}: {regime} {row} ...", file=sys.stderr)
-          cmd = [sys.executable, __file__, "--child", "--target", target, "--draft", draft]
-          cmd += ["--row", row, "--regime", regime, "--prompts", str(args.prompts)]
-          cmd += ["--tokens", str(args.tokens), "--draft-activations", args.draft_activations]
-          done = _zygote.run(cmd, capture_output=True, text=True)
-          if done.returncode != 0:
-            raise SystemExit(f"{regime} {row} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-          out = json.loads(done.stdout.strip().splitlines()[-1])
+          argv = ["--child", "--target", target, "--draft", draft, "--row", row]
+          argv += ["--regime", regime]
+          argv += _child.flags(args, ("prompts", "tokens", "draft_activations"))
+          out = _child.run(__file__, *argv, what=f"{regime} {row}")
           found.setdefault((regime, row), []).append(out)
   result = _result.stamp("speculative", None, args.quick)
   draft_quant = QUICK_DRAFT_QUANT if args.quick else DRAFT_QUANT

@@ -9,7 +9,9 @@ when there is a tokenizer, the tokens per second, and what the placement moved.
 
 CHECKPOINT_DIR may also be a store written by ``jax-residency convert hf`` (it
 carries the checkpoint's config and tokenizer): the model is then placed from
-it abstractly, no weights read into memory first. With ``--store DIR``, the
+it abstractly, no weights read into memory first. A llama.cpp ``.gguf`` file is
+converted once into such a store (``models.as_store``: under the library's cache
+directory, or ``--store DIR``) and reused after that. With ``--store DIR``, the
 checkpoint is converted into a store there once (``models.convert_hf``: one
 tensor at a time) and later runs place from it. The ``dense`` policy always
 streams from a store (a temporary one without ``--store``).
@@ -75,7 +77,11 @@ def load_tokenizer(checkpoint: Path) -> object | None:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  parser.add_argument("checkpoint", type=Path, help="Hugging Face checkpoint directory")
+  parser.add_argument(
+    "checkpoint",
+    type=Path,
+    help="Hugging Face checkpoint directory, a llama.cpp .gguf file, or a store from convert",
+  )
   parser.add_argument("--policy", choices=POLICIES, default="fully_resident")
   parser.add_argument("--device-budget", help="device budget, e.g. 2GiB (default: the policy's)")
   parser.add_argument("--host-budget", help="host budget, e.g. 8GiB (default: the policy's)")
@@ -120,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
 
+  if args.checkpoint.is_file():  # a GGUF file: converted once (cached), then a store
+    start = time.perf_counter()
+    gguf_store = models.as_store(args.checkpoint, store=args.store, progress=None)
+    print(f"store: {gguf_store} (from {args.checkpoint.name}, {time.perf_counter() - start:.2f} s)")
+    args.checkpoint = Path(gguf_store)
   converted = (args.checkpoint / "hf_config.json").is_file()  # a store from `convert hf`
   if converted:
     args.store = args.checkpoint

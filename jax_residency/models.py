@@ -55,6 +55,7 @@ from ._src.models.llama_load import init_llama as init_llama
 from ._src.models.llama_load import llama_params_from_hf as llama_params_from_hf
 from ._src.models.llama_load import load_llama as load_llama
 from ._src.models.llama_load import read_llama_config as read_llama_config
+from ._src.models.model_source import as_store as as_store
 from ._src.models.speculative import SpeculationReport as SpeculationReport
 from ._src.models.t5 import T5 as T5
 from ._src.models.t5 import T5Cache as T5Cache
@@ -101,6 +102,7 @@ __all__ = [
   "DraftTree",
   "choose_draft_tree",
   "Draft",
+  "as_store",
   "draft_from",
   "kv_cache_bytes",
   "expected_tokens",

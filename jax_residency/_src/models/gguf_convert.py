@@ -33,6 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_residency._src.errors import ModelConfigError, StoreError
+from jax_residency._src.models.gguf_file import GGUF_MAGIC
 from jax_residency._src.models.gguf_tokenizer import tokenizer_json
 from jax_residency._src.models.hf_convert import (
   CONVERSION_FILE,
@@ -50,8 +51,6 @@ from jax_residency._src.store.info import StoreInfo
 from jax_residency._src.store.writer import save_store
 from jax_residency._src.typing import ParamPath
 
-#: The first four bytes of every GGUF file.
-GGUF_MAGIC = b"GGUF"
 #: ``general.architecture`` values a conversion accepts.
 ARCHITECTURES = ("llama",)
 #: The types a 1-D tensor (a norm weight) may have: it is stored as floats.

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from jax_residency._src.errors import ModelConfigError
+from jax_residency._src.models.gguf_file import is_gguf_file
 
 
 def read_config(path: str | Path, config_type: str) -> dict[str, Any]:
@@ -22,6 +23,12 @@ def read_config(path: str | Path, config_type: str) -> dict[str, Any]:
   """
   p = Path(path)
   config = (p if p.is_dir() else p.parent) / "config.json"
+  if not config.is_file() and is_gguf_file(p):
+    raise FileNotFoundError(
+      f"{str(path)!r} is a GGUF file, which holds its own config and tokenizer: convert it "
+      f"once with models.as_store({str(path)!r}) (or `jax-residency convert gguf {path} "
+      "STORE`) and load the store with models.load(store)"
+    )
   if not config.is_file():
     raise FileNotFoundError(
       f"no config.json beside {str(path)!r}: pass config={config_type}(...) with the model's sizes"

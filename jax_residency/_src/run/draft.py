@@ -13,25 +13,20 @@ leaves free before anything is placed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jax_residency._src.cache_dir import library_cache_dir
-from jax_residency._src.errors import DeviceBudgetTooSmallError, QuantizationError
-from jax_residency._src.models.gguf_convert import convert_gguf
-from jax_residency._src.models.hf_convert import (
-  CONVERSION_FILE,
-  HF_CONFIG_FILE,
-  convert_hf,
-  load,
-)
+from jax_residency._src.errors import DeviceBudgetTooSmallError
+from jax_residency._src.models.hf_convert import load
 from jax_residency._src.models.llama_config import LlamaConfig
+from jax_residency._src.models.model_source import (
+  cached_store_path,
+  converted_store,
+  is_checkpoint_dir,
+)
 from jax_residency._src.plan.memory import DEVICE_BUDGET, MemoryItem
 from jax_residency._src.policy.sizes import parse_bytes
 from jax_residency._src.policy.types import FullyResident
@@ -62,66 +57,8 @@ def kv_cache_bytes(cfg: LlamaConfig, batch: int, max_len: int) -> int:
 
 def draft_store_path(source: str | os.PathLike[str], quantize: Quantization | None) -> str:
   """Where `draft_from` keeps the draft of ``source`` by default: under the library's
-  cache directory, named by the source's name, its absolute path and modification time,
-  and the quantization (a changed source gets a new draft; None: a GGUF file's own types)."""
-  src = Path(source).resolve()
-  how = None if quantize is None else quantize.to_dict()
-  stamp = f"{src}:{src.stat().st_mtime_ns}:{json.dumps(how, sort_keys=True)}"
-  digest = hashlib.sha256(stamp.encode()).hexdigest()[:10]
-  scheme = "gguf" if quantize is None else quantize.scheme
-  return os.path.join(library_cache_dir(), "drafts", f"{src.stem}-{digest}-{scheme}")
-
-
-def _written(store: str) -> bool:
-  return os.path.isfile(os.path.join(store, "commit_success.txt")) and os.path.isfile(
-    os.path.join(store, HF_CONFIG_FILE)
-  )
-
-
-def _write_draft(
-  source: Path, quantize: Quantization | None, store: str | None, progress: bool | None
-) -> str:
-  """The draft's store for ``source``: written once, then reused."""
-  if source.is_file():
-    if source.suffix != ".gguf":
-      raise FileNotFoundError(
-        f"draft_from({str(source)!r}): not a .gguf file; pass a GGUF file, a Hugging Face "
-        "checkpoint directory or a store written by convert"
-      )
-    if quantize is not None:
-      raise QuantizationError(
-        f"draft_from({str(source)!r}, quantize={quantize.to_dict()!r}): a GGUF file's tensors "
-        "are kept "
-        "in their own GGML types (Q4_1, Q8_0, ...); pass quantize=None, or the model's float "
-        "checkpoint directory to quantize it"
-      )
-    out = store or draft_store_path(source, None)
-    if not _written(out):
-      convert_gguf(source, out, progress=progress, overwrite=True)
-    return out
-  if (source / HF_CONFIG_FILE).is_file():  # a store written by convert
-    if quantize is None:
-      return os.fspath(source)
-    recorded = source / CONVERSION_FILE
-    origin = json.loads(recorded.read_text()).get("source") if recorded.is_file() else None
-    if origin is None or not Path(origin).exists():
-      raise FileNotFoundError(
-        f"draft_from({str(source)!r}, quantize={quantize.to_dict()!r}): the store records no "
-        "source "
-        f"to quantize from ({origin!r} in {CONVERSION_FILE}); pass the checkpoint directory "
-        "or GGUF file it was converted from, or quantize=None to use the store as it is"
-      )
-    return _write_draft(Path(origin), quantize, store, progress)
-  if (source / "config.json").is_file():  # a Hugging Face checkpoint directory
-    quant = Quantization.of(DEFAULT_DRAFT_QUANTIZATION) if quantize is None else quantize
-    out = store or draft_store_path(source, quant)
-    if not _written(out):
-      convert_hf(source, out, quantize=quant, progress=progress, overwrite=True)
-    return out
-  raise FileNotFoundError(
-    f"draft_from({str(source)!r}): neither a GGUF file, a Hugging Face checkpoint directory "
-    f"(no config.json) nor a store written by convert (no {HF_CONFIG_FILE})"
-  )
+  cache directory's ``drafts`` folder (`model_source.cached_store_path`)."""
+  return cached_store_path(source, quantize, "drafts")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -214,7 +151,16 @@ def draft_from(
         "new tokens and twice the widest round; batch: the rows of a generation)"
       )
   wanted = None if quantize is None else Quantization.of(quantize)
-  path = _write_draft(Path(source), wanted, None if store is None else os.fspath(store), progress)
+  if wanted is None and is_checkpoint_dir(source):
+    wanted = Quantization.of(DEFAULT_DRAFT_QUANTIZATION)
+  path = converted_store(
+    source,
+    quantize=wanted,
+    store=None if store is None else os.fspath(store),
+    progress=progress,
+    folder="drafts",
+    caller="draft_from",
+  )
   model = load(path)
   cfg: LlamaConfig = model.config
   kv = kv_cache_bytes(cfg, batch, max_len)

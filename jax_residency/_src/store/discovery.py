@@ -202,7 +202,13 @@ def discover(loc: Location, context: ts.Context, *, sidecar_key: str) -> Discove
   sidecar, and each array's zarr metadata. Without a usable `_METADATA`, the
   arrays are found by listing the OCDBT keys."""
   if loc.local is not None and not os.path.isdir(loc.local):
-    raise errors.StoreNotFoundError(f"No unit store at {loc.path}: not a directory.")
+    hint = ""
+    if loc.local.endswith(".gguf") and os.path.isfile(loc.local):
+      hint = (
+        f" It is a llama.cpp GGUF file: convert it once with `jax-residency convert gguf "
+        f"{loc.path} STORE` (or models.as_store) and pass the store."
+      )
+    raise errors.StoreNotFoundError(f"No unit store at {loc.path}: not a directory.{hint}")
   base = _wait(ts.KvStore.open(loc.base, context=context), loc)
   metadata, sidecar = _read_json(base, ["_METADATA", sidecar_key], loc)
   has_manifest = _wait(base.read("manifest.ocdbt"), loc).state == "value"

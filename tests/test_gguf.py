@@ -332,7 +332,10 @@ def test_cli_convert_gguf(tmp_path, capfd):
   assert cli.main(["verify", dst]) == 0
   capfd.readouterr()
   assert cli.main(["convert", "gguf", str(src), str(tmp_path / "q"), "--quantize", "int8"]) == 2
-  assert "not for gguf" in capfd.readouterr().err
+  assert "unrecognized arguments: --quantize int8" in capfd.readouterr().err
+  assert cli.main(["convert", "gguf", "--help"]) == 0
+  page = capfd.readouterr().out  # its own help page, without hf's options
+  assert "GGML types" in page and "--quantize" not in page.replace("no --quantize", "")
   assert cli.main(["convert", "gguf", str(FIXTURES / "gguf_tiny_tied"), dst + "2"]) == 2
   assert "not a file" in capfd.readouterr().err
   bad = tmp_path / "bad.gguf"

@@ -308,13 +308,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
   from jax_residency._src.models.hf_convert import convert_hf  # noqa: PLC0415
 
   gguf = args.format == "gguf"
-  if gguf:
-    given = [f for f, v in (("--quantize", args.quantize), ("--group-size", args.group_size)) if v]
-    if given:
-      raise CommandError(
-        f"{' and '.join(given)}: not for gguf, whose tensors keep the GGML types the file "
-        "gives them; leave them out"
-      )
+  if gguf:  # its parser takes no --quantize: the file's GGML types are kept
     if not os.path.isfile(args.src):
       raise CommandError(f"{args.src}: not a file (a llama.cpp .gguf file)")
   elif not os.path.isdir(args.src):

@@ -431,31 +431,55 @@ def _add_convert(sub: argparse._SubParsersAction[_Parser]) -> None:
     cmd_convert,
     summary="convert a Hugging Face checkpoint or a GGUF file into a unit store",
     description=(
-      "convert hf SRC DST: reads a Hugging Face checkpoint directory (config.json and\n"
-      "safetensors, sharded or not; Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) one tensor at\n"
-      "a time and writes a unit store every policy can place (host memory: about one tensor).\n"
-      "convert gguf FILE DST: reads a llama.cpp GGUF file of the Llama architecture and\n"
-      "writes a store whose matrices keep their GGML types (F32, F16, BF16, Q8_0, Q4_0,\n"
-      "Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and mixed presets\n"
-      "such as Q4_K_M), decoded where each layer runs, with a config.json and a\n"
-      "tokenizer.json derived from its metadata."
+      "convert hf SRC DST: a Hugging Face checkpoint directory into a unit store.\n"
+      "convert gguf FILE DST: a llama.cpp GGUF file into a unit store.\n"
+      "See `convert hf --help` and `convert gguf --help` for each one's options."
     ),
   )
-  convert.add_argument("format", choices=["hf", "gguf"], help="the checkpoint's format")
-  convert.add_argument("src", help="the checkpoint directory (hf) or .gguf file (gguf)")
-  convert.add_argument("dst", help="where to write the store")
-  convert.add_argument(
-    "--dtype",
-    help="store floating weights in this dtype (e.g. bfloat16); default float32\n"
-    "(gguf: the dtype the model decodes its blocks to and computes in)",
+  formats = convert.add_subparsers(
+    dest="format", metavar="{hf,gguf}", required=True, parser_class=_Parser
+  )
+  hf = formats.add_parser(
+    "hf",
+    help="a Hugging Face checkpoint directory",
+    formatter_class=_FORMAT,
+    description=(
+      "Reads a Hugging Face checkpoint directory (config.json and safetensors, sharded or\n"
+      "not; Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) one tensor at a time and writes a\n"
+      "unit store every policy can place (host memory: about one tensor)."
+    ),
+  )
+  hf.add_argument("src", help="the checkpoint directory")
+  hf.add_argument("dst", help="where to write the store")
+  hf.add_argument(
+    "--dtype", help="store floating weights in this dtype (e.g. bfloat16); default float32"
   )
   _add_quantize(
-    convert,
-    "hf only: store the floating matrices quantized: int8 (a scale per output\n"
-    "channel) or int4 (groups along the input dimension, two values a byte); norms,\n"
-    "biases and small tensors stay as they are",
+    hf,
+    "store the floating matrices quantized: int8 (a scale per output channel) or int4\n"
+    "(groups along the input dimension, two values a byte); norms, biases and small\n"
+    "tensors stay as they are",
   )
-  _add_overwrite(convert)
+  _add_overwrite(hf)
+  gguf = formats.add_parser(
+    "gguf",
+    help="a llama.cpp GGUF file",
+    formatter_class=_FORMAT,
+    description=(
+      "Reads a llama.cpp GGUF file of the Llama architecture and writes a store whose\n"
+      "matrices keep their GGML types (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K,\n"
+      "Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and mixed presets such as Q4_K_M), decoded\n"
+      "where each layer runs, with a config.json and a tokenizer.json derived from its\n"
+      "metadata. Its tensors are not quantized again: there is no --quantize here."
+    ),
+  )
+  gguf.add_argument("src", help="the .gguf file")
+  gguf.add_argument("dst", help="where to write the store")
+  gguf.add_argument(
+    "--dtype", help="the dtype the model decodes its blocks to and computes in (float32)"
+  )
+  gguf.set_defaults(quantize=None, group_size=None)
+  _add_overwrite(gguf)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

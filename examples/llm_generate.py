@@ -13,10 +13,11 @@ it abstractly, no weights read into memory first. A llama.cpp ``.gguf`` file is
 converted once into such a store (``models.as_store``: under the library's cache
 directory, or ``--store DIR``) and reused after that. With ``--store DIR``, the
 checkpoint is converted into a store there once (``models.convert_hf``: one
-tensor at a time) and later runs place from it. The ``dense`` policy always
+tensor at a time) and later runs place from it. The ``dense_disk_stream`` policy
+(``dense`` for short; the policies have the names ``jax-residency run`` takes) always
 streams from a store (a temporary one without ``--store``).
 
-  python examples/llm_generate.py CHECKPOINT_DIR --policy dense --host-budget 1GiB \\
+  python examples/llm_generate.py CHECKPOINT_DIR --policy dense_disk_stream --host-budget 1GiB \\
       --store /tmp/llama-store --prompt "the old cat" -n 32
   python examples/llm_generate.py CHECKPOINT_DIR --policy layerwise_host --ids 1 4 77 55
 
@@ -43,7 +44,9 @@ from flax import nnx
 import jax_residency as jr
 from jax_residency import models
 
-POLICIES = ("fully_resident", "layerwise_host", "dense")
+#: The policies by the names `jax-residency run --policy` takes ("dense" is short for
+#: "dense_disk_stream").
+POLICIES = ("fully_resident", "layerwise_host", "dense_disk_stream", "dense")
 
 
 def make_policy(args: argparse.Namespace) -> jr.LayerWeightResidency:
@@ -52,7 +55,8 @@ def make_policy(args: argparse.Namespace) -> jr.LayerWeightResidency:
   if args.policy == "fully_resident":
     return jr.FullyResident(**device)
   if args.policy == "layerwise_host":
-    return jr.LayerwiseHost(prefetch_depth=args.prefetch_depth, **device, **host)
+    depth = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
+    return jr.LayerwiseHost(**depth, **device, **host)
   return jr.DenseDiskStream(**device, **host)
 
 
@@ -85,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--policy", choices=POLICIES, default="fully_resident")
   parser.add_argument("--device-budget", help="device budget, e.g. 2GiB (default: the policy's)")
   parser.add_argument("--host-budget", help="host budget, e.g. 8GiB (default: the policy's)")
-  parser.add_argument("--prefetch-depth", type=int, default=2, help="layerwise_host window")
+  parser.add_argument(
+    "--prefetch-depth", type=int, help="layerwise_host window (default: the policy's, 1)"
+  )
   parser.add_argument("--store", type=Path, help="unit store: written once, then placed from")
   parser.add_argument(
     "--activations",
@@ -145,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
   tmp = tempfile.TemporaryDirectory()
   store = args.store
-  if store is None and args.policy == "dense":
+  if args.policy == "dense":
+    args.policy = "dense_disk_stream"
+  if store is None and args.policy == "dense_disk_stream":
     store = Path(tmp.name) / "store"
   model: nnx.Module
   if store is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -492,8 +493,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   from jax_residency._src.errors import ResidencyError  # noqa: PLC0415
 
   where = f"{PROG} {args.command}"
+
+  def show_warning(message: Warning | str, category: type[Warning], *_: object, **__: object):
+    """A warning as one line naming the command, not the library's source line."""
+    print(f"{where}: warning: {one_line(str(message))}", file=sys.stderr)
+
   try:
-    return int(args.handler(args))
+    with warnings.catch_warnings():
+      warnings.showwarning = show_warning
+      return int(args.handler(args))
   except (CommandError, ResidencyError) as e:
     print(f"{where}: error: {one_line(str(e))}", file=sys.stderr)
     return 2

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import tqdm
 
 from jax_residency._src.errors import StoreError
 from jax_residency._src.plan.quantized import QuantPlan
 from jax_residency._src.plan.split import SplitModel
+from jax_residency._src.report.progress import progress_bar
 from jax_residency._src.store import (
   checkpoints,
   checks,
@@ -136,14 +136,8 @@ def read_all(
   decode: `transit_bytes`.
   """
   values: list[Any] = [None] * len(split.leaves)
-  bar = tqdm.tqdm(
-    total=sum(leaf.nbytes for leaf in split.leaves),
-    desc="reading weights",
-    unit="B",
-    unit_scale=True,
-    disable=None if progress is None else not progress,  # None: only on a terminal
-    leave=False,
-  )
+  total = sum(leaf.nbytes for leaf in split.leaves)
+  bar = progress_bar(total, desc="reading weights", progress=progress, leave=False)
   with bar:
     for i, leaf in enumerate(split.leaves):
       values[i] = place(i, store.read_array(leaf.path, np.empty(leaf.shape, leaf.dtype)))

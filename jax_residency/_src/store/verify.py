@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-import tqdm
-
 from jax_residency._src import errors
+from jax_residency._src.report.progress import progress_bar
 from jax_residency._src.store.stored_stack import per_expert
 from jax_residency._src.store.unit_reads import read_error
 from jax_residency._src.store.unit_store import UnitStore
@@ -104,15 +102,8 @@ def verify_store(path: str, *, progress: bool | None = None) -> VerifyResult:
   try:
     jobs = _chunk_jobs(store)
     checksummed = checksums(store) == "crc32c"
-    show = sys.stderr.isatty() if progress is None else progress
-    with tqdm.tqdm(
-      total=sum(job[3] for job in jobs),
-      unit="B",
-      unit_scale=True,
-      unit_divisor=1024,
-      desc="verify",
-      disable=not show,
-    ) as bar:
+    total = sum(job[3] for job in jobs)
+    with progress_bar(total, desc="verify", progress=progress) as bar:
       damaged = _read_all(store, jobs, bar)
   finally:
     store.close()

@@ -15,17 +15,16 @@ import itertools
 import json
 import os
 import shutil
-import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
-import tqdm
 
 from jax_residency._src import errors
 from jax_residency._src.plan.quantized import QuantPlan
+from jax_residency._src.report.progress import progress_bar
 from jax_residency._src.store import checks, commit, layout, mapped, pointers, remote, space
 from jax_residency._src.store.discovery import (
   FORMAT_NAME,
@@ -138,10 +137,7 @@ class StoreWriter:
       self.target = dataclasses.replace(self.dest, base=base)
     self.context = store_context()
     self._ocdbt = ocdbt_spec(self.target, write=True)
-    show = sys.stderr.isatty() if progress is None else progress
-    self._bar = tqdm.tqdm(
-      total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not show
-    )
+    self._bar = progress_bar(total, desc=desc, progress=progress)
 
   def _check_destination(self) -> bool:
     """Whether a store is there (to be replaced); raises if it may not be."""

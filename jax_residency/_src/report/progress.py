@@ -1,0 +1,81 @@
+"""Progress of long work (saving, converting, verifying, reading weights) on stderr.
+
+``progress=None`` (the library's default) shows a bar where stderr is a terminal, and
+where it is not (a log file, a CI job, a pipe) a plain line every 10% of the work or
+every `LINE_SECONDS`, whichever comes first, so a multi-GB conversion is never silent;
+``True`` always shows the bar, ``False`` shows nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+import tqdm
+
+#: At least this many seconds apart, a line-progress prints a line anyway.
+LINE_SECONDS = 30.0
+
+
+class LineProgress:
+  """Progress as plain lines: ``desc: 40% (1.2 GiB of 3.0 GiB)``.
+
+  Example:
+    >>> import io
+    >>> out = io.StringIO()
+    >>> with LineProgress(total=100, desc="save", unit="B", file=out) as bar:
+    ...   for _ in range(4):
+    ...     bar.update(25)
+    >>> print(out.getvalue().strip().splitlines()[-1])
+    save: 100% (100 B of 100 B)
+  """
+
+  def __init__(self, total: float, desc: str, unit: str = "B", file: TextIO | None = None):
+    self.total, self.desc, self.unit = total, desc, unit
+    self.n = 0.0
+    self._file = file
+    self._next_tenth = 1
+    self._last = time.monotonic()
+
+  def _size(self, n: float) -> str:
+    if self.unit != "B":
+      return f"{n:,.0f} {self.unit}"
+    from jax_residency._src.report.text import format_bytes  # noqa: PLC0415
+
+    return format_bytes(int(n))
+
+  def _emit(self) -> None:
+    share = 100 * self.n / self.total if self.total else 100.0
+    line = f"{self.desc}: {share:.0f}% ({self._size(self.n)} of {self._size(self.total)})"
+    print(line, file=self._file or sys.stderr, flush=True)
+    self._last = time.monotonic()
+
+  def update(self, n: float = 1) -> None:
+    self.n += n
+    tenth = int(10 * self.n / self.total) if self.total else 10
+    if tenth >= self._next_tenth or time.monotonic() - self._last >= LINE_SECONDS:
+      self._next_tenth = tenth + 1
+      self._emit()
+
+  def close(self) -> None:
+    pass
+
+  def __enter__(self) -> LineProgress:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+
+def progress_bar(
+  total: float, *, desc: str, progress: bool | None, unit: str = "B", leave: bool = True
+) -> Any:
+  """A tqdm bar, a `LineProgress` or a disabled bar, as ``progress`` says (see above);
+  each has ``update(n)``, ``close()`` and works as a context manager."""
+  if progress is None and not sys.stderr.isatty():
+    return LineProgress(total, desc, unit)
+  scale = {"unit_scale": True, "unit_divisor": 1024} if unit == "B" else {}
+  return tqdm.tqdm(
+    total=total, desc=desc, unit=unit, disable=progress is False, leave=leave, **scale
+  )

@@ -13,15 +13,18 @@ from flax import nnx
 
 import jax_residency as jr
 from jax_residency._src.cli import main as cli_main
+from jax_residency._src.report import progress
 
 
 def _model() -> nnx.Module:
   return nnx.Dict(layers=nnx.Dict(w=nnx.Param(jnp.ones((4, 64, 64)))), head=nnx.Param(jnp.ones(3)))
 
 
-def test_a_save_without_a_terminal_prints_plain_progress_lines(tmp_path, capfd):
-  """pytest's captured stderr is no terminal: the default progress is lines, ending at 100%;
+def test_a_save_without_a_terminal_prints_plain_progress_lines(tmp_path, capfd, monkeypatch):
+  """pytest's captured stderr is no terminal: the default progress is lines (here from the
+  start, as a long save's are after its first seconds), ending at 100%;
   ``progress=False`` prints nothing."""
+  monkeypatch.setattr(progress, "LINE_START_SECONDS", 0.0)
   jr.save(_model(), str(tmp_path / "a"), units="layers")
   lines = capfd.readouterr().err.strip().splitlines()
   assert lines and all(re.fullmatch(r"\S.*: \d+% \(.+ of .+\)", line) for line in lines), lines

@@ -343,7 +343,9 @@ def test_save_rejects_bad_inputs(tmp_path) -> None:
   assert os.listdir(tmp_path) == []
 
 
-def test_progress_bar_is_silent_without_a_terminal(tmp_path, capsys) -> None:
+def test_a_short_save_is_silent_without_a_terminal(tmp_path, capsys) -> None:
+  """No bar without a terminal, and no progress lines for work shorter than
+  `progress.LINE_START_SECONDS` (tests/test_progress.py has the lines)."""
   wr.save_store(
     str(tmp_path / "s"), static={}, units={("u",): np.zeros((2, 3))}, unit_prefix=PREFIX
   )

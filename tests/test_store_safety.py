@@ -452,7 +452,7 @@ def test_an_interrupt_while_the_writer_starts_leaves_no_temporary(tmp_path, monk
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(wr.tqdm, "tqdm", interrupted)  # as the writer starts
+  monkeypatch.setattr(wr, "progress_bar", interrupted)  # as the writer starts
   with pytest.raises(KeyboardInterrupt):
     _save(path, seed=1, overwrite=True)
   assert os.listdir(tmp_path) == ["store"] and _version(path) == 0

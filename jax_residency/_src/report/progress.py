@@ -2,8 +2,10 @@
 
 ``progress=None`` (the library's default) shows a bar where stderr is a terminal, and
 where it is not (a log file, a CI job, a pipe) a plain line every 10% of the work or
-every `LINE_SECONDS`, whichever comes first, so a multi-GB conversion is never silent;
-``True`` always shows the bar, ``False`` shows nothing.
+every `LINE_SECONDS`, whichever comes first, once the work has run `LINE_START_SECONDS`
+(short work stays quiet, as a bar that tqdm draws for under a second would), so a
+multi-GB conversion is never silent; ``True`` always shows the bar, ``False`` shows
+nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import tqdm
 
 #: At least this many seconds apart, a line-progress prints a line anyway.
 LINE_SECONDS = 30.0
+#: A line-progress prints nothing before its work has run this long.
+LINE_START_SECONDS = 5.0
 
 
 class LineProgress:
@@ -24,19 +28,27 @@ class LineProgress:
   Example:
     >>> import io
     >>> out = io.StringIO()
-    >>> with LineProgress(total=100, desc="save", unit="B", file=out) as bar:
+    >>> with LineProgress(total=100, desc="save", unit="B", file=out, start_s=0) as bar:
     ...   for _ in range(4):
     ...     bar.update(25)
     >>> print(out.getvalue().strip().splitlines()[-1])
     save: 100% (100 B of 100 B)
   """
 
-  def __init__(self, total: float, desc: str, unit: str = "B", file: TextIO | None = None):
+  def __init__(
+    self,
+    total: float,
+    desc: str,
+    unit: str = "B",
+    file: TextIO | None = None,
+    start_s: float | None = None,
+  ):
     self.total, self.desc, self.unit = total, desc, unit
     self.n = 0.0
     self._file = file
     self._next_tenth = 1
-    self._last = time.monotonic()
+    self._last = self._start = time.monotonic()
+    self._quiet_s = LINE_START_SECONDS if start_s is None else start_s
 
   def _size(self, n: float) -> str:
     if self.unit != "B":
@@ -53,8 +65,11 @@ class LineProgress:
 
   def update(self, n: float = 1) -> None:
     self.n += n
+    now = time.monotonic()
+    if now - self._start < self._quiet_s:
+      return
     tenth = int(10 * self.n / self.total) if self.total else 10
-    if tenth >= self._next_tenth or time.monotonic() - self._last >= LINE_SECONDS:
+    if tenth >= self._next_tenth or now - self._last >= LINE_SECONDS:
       self._next_tenth = tenth + 1
       self._emit()
 

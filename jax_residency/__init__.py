@@ -40,50 +40,10 @@ The public surface (``__all__``):
   options (open checkpoint shard handles kept).
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from . import errors as errors
-from . import linen as linen
-from ._src.loop.picked import picked_experts as picked_experts
-from ._src.loop.unit_loop import scan_units as scan_units
-from ._src.plan.budget import ModelMetadata as ModelMetadata
-from ._src.plan.budget import StackMetadata as StackMetadata
-from ._src.plan.memory import MemoryItem as MemoryItem
-from ._src.policy.experts import ExpertResidency as ExpertResidency
-from ._src.policy.options import DEFAULT_MAX_CACHED_SHARDS as DEFAULT_MAX_CACHED_SHARDS
-from ._src.policy.options import CacheEvictionPolicy as CacheEvictionPolicy
-from ._src.policy.options import DenseDiskStreamLoadOptions as DenseDiskStreamLoadOptions
-from ._src.policy.options import LayerwiseLoadOptions as LayerwiseLoadOptions
-from ._src.policy.options import OffloadConfig as OffloadConfig
-from ._src.policy.sizes import format_bytes as format_bytes
-from ._src.policy.sizes import parse_bytes as parse_bytes
-from ._src.policy.types import DENSE_TRANSFER_WINDOW as DENSE_TRANSFER_WINDOW
-from ._src.policy.types import DenseDiskStream as DenseDiskStream
-from ._src.policy.types import ExecutionResidency as ExecutionResidency
-from ._src.policy.types import FullyResident as FullyResident
-from ._src.policy.types import LayerWeightResidency as LayerWeightResidency
-from ._src.policy.types import LayerwiseHost as LayerwiseHost
-from ._src.policy.types import OrdinaryWeightResidency as OrdinaryWeightResidency
-from ._src.report.metrics import StackPass as StackPass
-from ._src.report.records import PassReport as PassReport
-from ._src.report.records import Report as Report
-from ._src.report.records import TimelinePoint as TimelinePoint
-from ._src.report.records import Totals as Totals
-from ._src.report.speculation import SpeculationTotals as SpeculationTotals
-from ._src.report.stream_metrics import ExpertMetrics as ExpertMetrics
-from ._src.report.stream_metrics import TierMetrics as TierMetrics
-from ._src.report.stream_metrics import WorkerMetrics as WorkerMetrics
-from ._src.run.accelerator import Accelerator as Accelerator
-from ._src.run.measure import Measurement as Measurement
-from ._src.run.measure import measure as measure
-from ._src.run.place import PlacedModel as PlacedModel
-from ._src.run.place import place as place
-from ._src.run.planner import Candidate as Candidate
-from ._src.run.planner import Workload as Workload
-from ._src.run.planner import plan as plan
-from ._src.store.info import StackInfo as StackInfo
-from ._src.store.info import StoreInfo as StoreInfo
-from ._src.store.read_options import ReadOptions as ReadOptions
-from ._src.store.save import save as save
-from ._src.version import __version__ as __version__
 from .errors import AdmissionError as AdmissionError
 from .errors import BudgetTooSmallError as BudgetTooSmallError
 from .errors import CheckpointMismatchError as CheckpointMismatchError
@@ -120,6 +80,116 @@ from .errors import ZeroHostLookaheadError as ZeroHostLookaheadError
 from .errors import ZeroMaxCachedShardsError as ZeroMaxCachedShardsError
 from .errors import ZeroPrefetchDepthError as ZeroPrefetchDepthError
 from .errors import ZeroQueueCapacityError as ZeroQueueCapacityError
+
+if TYPE_CHECKING:  # what the names below are, for type checkers (loaded lazily at run time)
+  from . import linen as linen
+  from ._src.loop.picked import picked_experts as picked_experts
+  from ._src.loop.unit_loop import scan_units as scan_units
+  from ._src.plan.budget import ModelMetadata as ModelMetadata
+  from ._src.plan.budget import StackMetadata as StackMetadata
+  from ._src.plan.memory import MemoryItem as MemoryItem
+  from ._src.policy.experts import ExpertResidency as ExpertResidency
+  from ._src.policy.options import DEFAULT_MAX_CACHED_SHARDS as DEFAULT_MAX_CACHED_SHARDS
+  from ._src.policy.options import CacheEvictionPolicy as CacheEvictionPolicy
+  from ._src.policy.options import DenseDiskStreamLoadOptions as DenseDiskStreamLoadOptions
+  from ._src.policy.options import LayerwiseLoadOptions as LayerwiseLoadOptions
+  from ._src.policy.options import OffloadConfig as OffloadConfig
+  from ._src.policy.sizes import format_bytes as format_bytes
+  from ._src.policy.sizes import parse_bytes as parse_bytes
+  from ._src.policy.types import DENSE_TRANSFER_WINDOW as DENSE_TRANSFER_WINDOW
+  from ._src.policy.types import DenseDiskStream as DenseDiskStream
+  from ._src.policy.types import ExecutionResidency as ExecutionResidency
+  from ._src.policy.types import FullyResident as FullyResident
+  from ._src.policy.types import LayerWeightResidency as LayerWeightResidency
+  from ._src.policy.types import LayerwiseHost as LayerwiseHost
+  from ._src.policy.types import OrdinaryWeightResidency as OrdinaryWeightResidency
+  from ._src.report.metrics import StackPass as StackPass
+  from ._src.report.records import PassReport as PassReport
+  from ._src.report.records import Report as Report
+  from ._src.report.records import TimelinePoint as TimelinePoint
+  from ._src.report.records import Totals as Totals
+  from ._src.report.speculation import SpeculationTotals as SpeculationTotals
+  from ._src.report.stream_metrics import ExpertMetrics as ExpertMetrics
+  from ._src.report.stream_metrics import TierMetrics as TierMetrics
+  from ._src.report.stream_metrics import WorkerMetrics as WorkerMetrics
+  from ._src.run.accelerator import Accelerator as Accelerator
+  from ._src.run.measure import Measurement as Measurement
+  from ._src.run.measure import measure as measure
+  from ._src.run.place import PlacedModel as PlacedModel
+  from ._src.run.place import place as place
+  from ._src.run.planner import Candidate as Candidate
+  from ._src.run.planner import Workload as Workload
+  from ._src.run.planner import plan as plan
+  from ._src.store.info import StackInfo as StackInfo
+  from ._src.store.info import StoreInfo as StoreInfo
+  from ._src.store.read_options import ReadOptions as ReadOptions
+  from ._src.store.save import save as save
+  from ._src.version import __version__ as __version__
+
+#: The public names defined in ``_src``, by the module that defines each: loaded when first
+#: used (PEP 562), so that importing the package, or ``jax-residency --help``, does not
+#: import JAX. ``""``: a submodule of the package.
+_LAZY: dict[str, str] = {
+  "picked_experts": "jax_residency._src.loop.picked",
+  "scan_units": "jax_residency._src.loop.unit_loop",
+  "ModelMetadata": "jax_residency._src.plan.budget",
+  "StackMetadata": "jax_residency._src.plan.budget",
+  "MemoryItem": "jax_residency._src.plan.memory",
+  "ExpertResidency": "jax_residency._src.policy.experts",
+  "DEFAULT_MAX_CACHED_SHARDS": "jax_residency._src.policy.options",
+  "CacheEvictionPolicy": "jax_residency._src.policy.options",
+  "DenseDiskStreamLoadOptions": "jax_residency._src.policy.options",
+  "LayerwiseLoadOptions": "jax_residency._src.policy.options",
+  "OffloadConfig": "jax_residency._src.policy.options",
+  "format_bytes": "jax_residency._src.policy.sizes",
+  "parse_bytes": "jax_residency._src.policy.sizes",
+  "DENSE_TRANSFER_WINDOW": "jax_residency._src.policy.types",
+  "DenseDiskStream": "jax_residency._src.policy.types",
+  "ExecutionResidency": "jax_residency._src.policy.types",
+  "FullyResident": "jax_residency._src.policy.types",
+  "LayerWeightResidency": "jax_residency._src.policy.types",
+  "LayerwiseHost": "jax_residency._src.policy.types",
+  "OrdinaryWeightResidency": "jax_residency._src.policy.types",
+  "StackPass": "jax_residency._src.report.metrics",
+  "PassReport": "jax_residency._src.report.records",
+  "Report": "jax_residency._src.report.records",
+  "TimelinePoint": "jax_residency._src.report.records",
+  "Totals": "jax_residency._src.report.records",
+  "SpeculationTotals": "jax_residency._src.report.speculation",
+  "ExpertMetrics": "jax_residency._src.report.stream_metrics",
+  "TierMetrics": "jax_residency._src.report.stream_metrics",
+  "WorkerMetrics": "jax_residency._src.report.stream_metrics",
+  "Accelerator": "jax_residency._src.run.accelerator",
+  "Measurement": "jax_residency._src.run.measure",
+  "measure": "jax_residency._src.run.measure",
+  "PlacedModel": "jax_residency._src.run.place",
+  "place": "jax_residency._src.run.place",
+  "Candidate": "jax_residency._src.run.planner",
+  "Workload": "jax_residency._src.run.planner",
+  "plan": "jax_residency._src.run.planner",
+  "StackInfo": "jax_residency._src.store.info",
+  "StoreInfo": "jax_residency._src.store.info",
+  "ReadOptions": "jax_residency._src.store.read_options",
+  "save": "jax_residency._src.store.save",
+  "__version__": "jax_residency._src.version",
+  "linen": "",
+}
+
+
+def __getattr__(name: str) -> Any:
+  module = _LAZY.get(name)
+  if module is None:
+    raise AttributeError(f"module 'jax_residency' has no attribute {name!r}")
+  value = importlib.import_module(f"jax_residency.{name}" if module == "" else module)
+  if module != "":
+    value = getattr(value, name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
   # placing

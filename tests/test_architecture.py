@@ -412,8 +412,8 @@ def test_no_module_reaches_into_another_modules_private_names(tmp_path) -> None:
 
 def test_import_graph_sees_relative_and_function_body_imports() -> None:
   graph = import_graph(modules())
-  # `from ._src.store.save import save` in jax_residency/__init__.py.
-  assert "jax_residency._src.store.save" in graph["jax_residency"]
+  # `from ._src.run.draft import draft_from as draft_from` in jax_residency/models.py.
+  assert "jax_residency._src.run.draft" in graph["jax_residency.models"]
   # `open_store` imports the store inside its body.
   assert "jax_residency._src.store.unit_store" in graph["jax_residency._src.cli.stored_models"]
 

@@ -241,3 +241,21 @@ def test_reports_doc_names_every_field(cls):
   ]
   for name in [f.name for f in dataclasses.fields(cls)] + public_properties:
     assert f"`{name}`" in text, f"docs/reports.md does not describe {cls.__name__}.{name}"
+
+
+def test_importing_the_package_or_asking_the_cli_for_help_does_not_import_jax():
+  """The public names load when first used (PEP 562), so `import jax_residency` and
+  ``jax-residency --help`` answer in a fraction of a second; using a name loads its module."""
+  import subprocess
+  import sys
+
+  code = (
+    "import sys, jax_residency as jr\n"
+    "from jax_residency._src.cli.main import build_parser\n"
+    "build_parser().format_help()\n"
+    "print('jax' in sys.modules)\n"
+    "jr.place\n"
+    "print('jax' in sys.modules, sorted(set(jr.__all__) - set(dir(jr))))\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.split("\n")[:2] == ["False", "True []"], out.stdout + out.stderr

@@ -23,7 +23,6 @@ from jax_residency._src.cli.console import (
   quantize_flags,
 )
 from jax_residency._src.cli.inspection import quantization_info
-from jax_residency._src.cli.plan_table import plan_budgets
 from jax_residency._src.cli.stored_models import (
   MODEL_FILE,
   abstract_from_factory,
@@ -121,6 +120,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
       decoded = (
         (0, 0) if quant is None else plan_decoded_bytes(quant, [st.prefix for st in store.stacks])
       )
+  from jax_residency._src.cli.plan_table import plan_budgets  # noqa: PLC0415 - imports JAX
+
   plan = plan_budgets(
     args.path,
     units=n,

@@ -494,3 +494,19 @@ def test_console_script_entry_point():
   if "jax-residency" not in scripts:
     pytest.skip("jax-residency is not installed")
   assert scripts["jax-residency"] == "jax_residency._src.cli.main:main"
+
+
+def test_run_and_measure_take_the_model_a_converted_store_records(tmp_path, capfd):
+  """A store written by ``convert`` records its model: ``run`` places and runs it, and
+  ``measure`` builds it to time a step, with no --model."""
+  from pathlib import Path
+
+  gguf = Path(__file__).parent / "fixtures" / "gguf_tiny_tied" / "model.gguf"
+  store = str(tmp_path / "store")
+  assert cli.main(["convert", "gguf", str(gguf), store]) == 0
+  capfd.readouterr()
+  assert cli.main(["run", store, "--policy", "dense_disk_stream", "--shape", "1,4"]) == 0
+  out = capfd.readouterr().out
+  assert "output" in out and "policy: dense_disk_stream" in out, out
+  assert cli.main(["measure", store]) == 0
+  assert "records no model" not in capfd.readouterr().out

@@ -27,6 +27,7 @@ from jax_residency._src.cli.stored_models import (
   MODEL_FILE,
   abstract_from_factory,
   abstract_toy,
+  converted_model,
   load_concrete,
   model_file,
   open_store,
@@ -212,12 +213,16 @@ def cmd_run(args: argparse.Namespace) -> int:
       if args.vocab is None:
         raise CommandError("--model needs --vocab: token ids are drawn from [0, VOCAB)")
       abstract, vocab = abstract_from_factory(args.model), args.vocab
+    elif (converted := converted_model(args.path)) is not None:
+      abstract, vocab = converted  # a store written by convert records its model
+      vocab = args.vocab or vocab
     else:
       record = read_model_record(args.path)
       if record is None:
         raise CommandError(
-          f"{args.path} has no recorded toy config ({MODEL_FILE}); `run` only runs stores "
-          f"written by `{PROG} demo`, unless you pass --model module:factory"
+          f"{args.path} has no recorded model: `run` runs stores written by `{PROG} "
+          f"demo` ({MODEL_FILE}) or `{PROG} convert`, or any store with --model "
+          "module:factory"
         )
       config = toy_config(record)
       if len(args.shape) != 2:

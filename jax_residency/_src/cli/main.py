@@ -6,7 +6,7 @@ toy transformer of a few hundred MB to a local store under the user cache
 directory (once, with a progress bar), runs it under all three policies, checks
 each output against the plain model and prints one table. The other commands
 work on any store written by :func:`jax_residency.save` (``inspect``, ``verify``,
-``plan``, ``rechunk``) or by this command (``run``, which needs the model's class).
+``plan``, ``rechunk``) or by this command or ``convert`` (``run``, which needs the model).
 
 This module holds the parser and `main`; `commands.py` the commands other than
 ``demo`` (`demo.py`).

@@ -9,6 +9,7 @@ from jax_residency._src.cli.console import CommandError, emit, emit_json, quanti
 from jax_residency._src.cli.stored_models import (
   abstract_from_factory,
   abstract_toy,
+  converted_model,
   open_store,
   read_model_record,
   toy_config,
@@ -27,6 +28,8 @@ def _measured(args: argparse.Namespace, *, refresh: bool) -> tuple[Any, Any]:
   model = None
   if args.model is not None:
     model = abstract_from_factory(args.model)
+  elif (converted := converted_model(args.path)) is not None:
+    model = converted[0]  # a store written by convert records its model
   else:
     record = read_model_record(args.path)
     if record is not None:

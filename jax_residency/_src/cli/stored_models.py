@@ -117,6 +117,17 @@ def abstract_toy(config: Any, seed: int) -> Any:
   return nnx.eval_shape(lambda: ToyTransformer(config, rngs=nnx.Rngs(seed)))
 
 
+def converted_model(path: str) -> tuple[Any, int] | None:
+  """The abstract model of a store written by ``convert`` (it records its checkpoint's
+  config) and its vocabulary size; None for any other store."""
+  from jax_residency._src.models.hf_convert import HF_CONFIG_FILE, load  # noqa: PLC0415
+
+  if "://" in path or not os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
+    return None
+  model = load(path)
+  return model, int(model.config.vocab_size)
+
+
 def abstract_from_factory(spec: str) -> Any:
   from flax import nnx  # noqa: PLC0415
 

@@ -54,10 +54,13 @@ def make_policy(args: argparse.Namespace) -> jr.LayerWeightResidency:
   host = {"host_budget_bytes": args.host_budget} if args.host_budget else {}
   if args.policy == "fully_resident":
     return jr.FullyResident(**device)
+  kept = {"device_resident_units": args.device_resident_units}
   if args.policy == "layerwise_host":
     depth = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
-    return jr.LayerwiseHost(**depth, **device, **host)
-  return jr.DenseDiskStream(**device, **host)
+    return jr.LayerwiseHost(**depth, **device, **host, **kept)
+  if args.host_resident_units:
+    kept["host_resident_units"] = args.host_resident_units
+  return jr.DenseDiskStream(**device, **host, **kept)
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer: object | None) -> list[int]:
@@ -91,6 +94,18 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--host-budget", help="host budget, e.g. 8GiB (default: the policy's)")
   parser.add_argument(
     "--prefetch-depth", type=int, help="layerwise_host window (default: the policy's, 1)"
+  )
+  parser.add_argument(
+    "--device-resident-units",
+    type=int,
+    default=0,
+    help="layerwise_host, dense_disk_stream: the first N units stay on the device",
+  )
+  parser.add_argument(
+    "--host-resident-units",
+    type=int,
+    default=0,
+    help="dense_disk_stream with a host budget: the next N units stay in host memory",
   )
   parser.add_argument("--store", type=Path, help="unit store: written once, then placed from")
   parser.add_argument(

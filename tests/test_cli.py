@@ -427,7 +427,7 @@ def test_run_needs_a_recorded_model_or_a_factory(store, tmp_path, monkeypatch):
   shutil.copytree(store, bare)
   os.remove(os.path.join(bare, records.MODEL_FILE))
   code, _, err = call("run", bare, "--policy", "fully_resident", "--shape", "1,2")
-  assert_one_line_error(code, err, "recorded toy config", "--model")
+  assert_one_line_error(code, err, "has no recorded model", "convert", "--model")
 
   (tmp_path / "my_models.py").write_text(
     textwrap.dedent(
@@ -498,7 +498,7 @@ def test_console_script_entry_point():
 
 def test_run_and_measure_take_the_model_a_converted_store_records(tmp_path, capfd):
   """A store written by ``convert`` records its model: ``run`` places and runs it, and
-  ``measure`` builds it to time a step, with no --model."""
+  ``measure`` builds it to time a step, with no --model; ``run`` takes resident units."""
   from pathlib import Path
 
   gguf = Path(__file__).parent / "fixtures" / "gguf_tiny_tied" / "model.gguf"
@@ -510,3 +510,9 @@ def test_run_and_measure_take_the_model_a_converted_store_records(tmp_path, capf
   assert "output" in out and "policy: dense_disk_stream" in out, out
   assert cli.main(["measure", store]) == 0
   assert "records no model" not in capfd.readouterr().out
+  # `plan --auto`'s advice, as run takes it: units kept on the device beside a direct stream.
+  kept = ["--host-budget", "0", "--device-resident-units", "1"]
+  assert cli.main(["run", store, "--policy", "dense_disk_stream", *kept, "--shape", "1,4"]) == 0
+  assert "1 units read at placement, never moved again" in capfd.readouterr().out
+  assert cli.main(["run", store, "--policy", "fully_resident", *kept[2:], "--shape", "1,4"]) == 2
+  assert "does not apply to --policy fully_resident" in capfd.readouterr().err

@@ -161,11 +161,21 @@ def _policy_from_args(args: argparse.Namespace) -> Any:
     "--lookahead": args.lookahead is not None,
     "--queue": args.queue is not None,
     "--prefetch-depth": args.prefetch_depth is not None,
+    "--device-resident-units": bool(args.device_resident_units),
+    "--host-resident-units": bool(args.host_resident_units),
   }
+  kept = {"--device-resident-units"}
   allowed = {
     "fully_resident": set(),
-    "layerwise_host": {"--device-budget", "--host-budget", "--prefetch-depth"},
-    "dense_disk_stream": {"--device-budget", "--host-budget", "--lookahead", "--queue"},
+    "layerwise_host": {"--device-budget", "--host-budget", "--prefetch-depth", *kept},
+    "dense_disk_stream": {
+      "--device-budget",
+      "--host-budget",
+      "--lookahead",
+      "--queue",
+      "--host-resident-units",
+      *kept,
+    },
   }[args.policy]
   extra = sorted(flag for flag, set_ in given.items() if set_ and flag not in allowed)
   if extra:
@@ -180,6 +190,7 @@ def _policy_from_args(args: argparse.Namespace) -> Any:
           host_budget_bytes=args.host_budget if given["--host-budget"] else None,
           prefetch_depth=args.prefetch_depth or 1,
         ),
+        device_resident_units=args.device_resident_units or 0,
         sample_process_memory=True,
         sample_backend_memory=True,
       )
@@ -194,6 +205,8 @@ def _policy_from_args(args: argparse.Namespace) -> Any:
       host_budget_bytes=host,
       host_lookahead=args.lookahead if args.lookahead is not None else (0 if direct else 2),
       background_queue_capacity=args.queue if args.queue is not None else (0 if direct else 2),
+      device_resident_units=args.device_resident_units or 0,
+      host_resident_units=args.host_resident_units or 0,
       sample_process_memory=True,
       sample_backend_memory=True,
     )

@@ -360,6 +360,19 @@ def _add_run(sub: argparse._SubParsersAction[_Parser]) -> None:
   run.add_argument(
     "--prefetch-depth", metavar="N", type=_count(1), help="layerwise prefetch_depth (default 1)"
   )
+  run.add_argument(
+    "--device-resident-units",
+    metavar="N",
+    type=_count(0),
+    help="layerwise and dense: the first N units of each stack stay on the device "
+    "(as `plan --auto` may advise)",
+  )
+  run.add_argument(
+    "--host-resident-units",
+    metavar="N",
+    type=_count(0),
+    help="dense with a host budget: the next N units stay in host memory",
+  )
   run.add_argument("--model", metavar="MODULE:FACTORY", help="build the model with this factory")
   run.add_argument(
     "--vocab", metavar="N", type=_count(1), help="token ids are drawn from [0, N) (default: toy's)"

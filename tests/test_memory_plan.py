@@ -102,6 +102,14 @@ def test_planned_bytes_add_up_the_items(policy, device, host):
   }
   table = meta.memory_table()
   assert all(m.name in table for m in meta.memory) and "total (this process)" in table
+  # The total splits into what each budget pays and what none does (the overheads).
+  for name, nbytes in (
+    ("in the device budget", meta.planned_device_bytes),
+    ("in the host budget", meta.planned_host_bytes),
+    ("outside the budgets", meta.overhead_bytes),
+  ):
+    row = table.split(name, 1)[1].split("\n")[0]
+    assert jr.format_bytes(nbytes) in row, (name, row)
   assert meta.to_dict()["planned_process_bytes"] == meta.planned_process_bytes
 
 

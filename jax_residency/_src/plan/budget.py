@@ -166,6 +166,13 @@ class ModelMetadata:
   def memory_table(self) -> str:
     """The memory items as a table: item, memory, bytes, paid by, note."""
     rows = [(m.name, m.memory, format_bytes(m.nbytes), m.counted_in, m.note) for m in self.memory]
+    # What each budget pays, and what no budget does: the checks against the budgets count
+    # the first two; the total adds the overheads.
+    rows += [
+      ("in the device budget", "device", format_bytes(self.planned_device_bytes), "", ""),
+      ("in the host budget", "host", format_bytes(self.planned_host_bytes), "", ""),
+      ("outside the budgets", "host", format_bytes(self.overhead_bytes), OVERHEAD, ""),
+    ]
     rows.append(
       (
         "total (this process)",

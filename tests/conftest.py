@@ -89,6 +89,7 @@ from jax_residency.toy import LinenToyTransformer, ToyConfig, ToyTransformer  # 
 # ``--import-mode=importlib``, which does not put ``tests/`` on ``sys.path`` itself.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from benchmark_runs import run_quick  # noqa: E402
 from hlo import Mlir  # noqa: E402
 from store_files import store_digest  # noqa: E402 - after the sys.path entry above
 from user_env import user_zygote  # noqa: E402
@@ -276,7 +277,8 @@ def build_linen(model: nn.Module, *args: Any, seed: int = 0) -> Any:
 # keep pytest's order. Seconds: the file alone (pytest tests/FILE) on a quiet two-core
 # machine; about twice that beside the other worker.
 SLOWEST_FIRST = (
-  "tests/test_benchmarks.py",  # 75 s: every benchmark's --quick, forks of one zygote
+  "tests/test_benchmarks.py",  # 45 s: the streaming benchmarks' --quick, forks of one zygote
+  "tests/test_benchmarks_quantized.py",  # 45 s: the quantized benchmarks' --quick
   "tests/test_llama.py",  # 75 s
   "tests/test_notebooks.py",  # 60 s: five notebook kernels
   "tests/test_quantized_stores.py",  # 45 s: every policy, scheme and mesh
@@ -322,6 +324,20 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
   test first asks; the environment of a user (`user_env.user_env`) naming it."""
   with user_zygote(tmp_path_factory.mktemp("zygote")) as env:
     yield env
+
+
+@pytest.fixture(scope="module")
+def quick(
+  tmp_path_factory: pytest.TempPathFactory, zygote: dict[str, str]
+) -> Callable[[str], tuple[Any, dict]]:
+  """Runs a benchmark's ``--quick --json`` once (`benchmark_runs.run_quick`; ``--dist
+  loadfile`` keeps a module on one worker), forked from the session's zygote (a fork skips
+  the 2 s of imports each fresh ``python`` pays); returns the process and the result
+  file's object. A module's runs share one user's cache directory, as one user's runs of
+  the benchmarks would: what one compiled, the next loads (compile_time.py times its cold
+  and warm processes in caches of its own)."""
+  user = tmp_path_factory.mktemp("quick-user")
+  return lambda name: run_quick(name, zygote, user, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

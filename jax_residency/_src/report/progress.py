@@ -16,6 +16,8 @@ from typing import Any, TextIO
 
 import tqdm
 
+from jax_residency._src.policy.sizes import format_bytes
+
 #: At least this many seconds apart, a line-progress prints a line anyway.
 LINE_SECONDS = 30.0
 #: A line-progress prints nothing before its work has run this long.
@@ -51,11 +53,7 @@ class LineProgress:
     self._quiet_s = LINE_START_SECONDS if start_s is None else start_s
 
   def _size(self, n: float) -> str:
-    if self.unit != "B":
-      return f"{n:,.0f} {self.unit}"
-    from jax_residency._src.report.text import format_bytes  # noqa: PLC0415
-
-    return format_bytes(int(n))
+    return format_bytes(int(n)) if self.unit == "B" else f"{n:,.0f} {self.unit}"
 
   def _emit(self) -> None:
     share = 100 * self.n / self.total if self.total else 100.0

@@ -776,7 +776,7 @@ def watched():
 
 commit.terminations_raise = watched
 save(0, scratch or dest)  # the store being replaced
-for _ in range(2):  # the first pays for more than the later ones
+for _ in range(3):  # the first pays for more than the later ones
   save(7, dest + "-timed")
 took = min(state["took"][1:])
 
@@ -796,8 +796,7 @@ def beside(path):  # a temporary, or a generation the pointer does not name
   pointer = json.loads(kv.read(pointers.POINTER_KEY).result().value)["generation"]
   return sorted(keys - {pointers.POINTER_KEY, pointer})
 
-results = []
-for name, fraction in cases:
+def attempt(name, fraction):  # one save of version 7 over version 0, signalled at a moment
   if scratch:
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(scratch, dest)
@@ -806,7 +805,7 @@ for name, fraction in cases:
   sent = []
   entered.clear()
 
-  def fire(name=name, delay=fraction * took):
+  def fire(delay=fraction * took):
     entered.wait()
     time.sleep(delay)
     with lock:  # only while the write runs: SIGTERM's default action ends a process
@@ -824,10 +823,20 @@ for name, fraction in cases:
   except SystemExit as e:
     got = f"SystemExit({e.code})"
   thread.join()
-  results.append({
+  return {
     "case": [name, fraction], "got": got, "sent": bool(sent), "holds": holds(dest),
     "beside": beside(dest),
-  })
+  }
+
+# A save that outran its signal (a busy machine timed the write slower than it ran) is
+# tried again with the moment re-timed from that save, at most twice; every try is checked.
+results = []
+for name, fraction in cases:
+  for _ in range(3):
+    results.append(attempt(name, fraction))
+    if results[-1]["sent"]:
+      break
+    took = min(took, state["took"][-1])
 print(json.dumps({"took": took, "results": results}))
 """
 
@@ -843,7 +852,7 @@ def check_spread(done) -> None:
   """What `_SPREAD` reported: a save that got the signal stopped, and one that did not
   (the signal would have come after it) finished; the path holds the old store (or, for
   a signal that came as the store went in place, the new one), whole, and nothing is
-  left beside it; most signals came during their save."""
+  left beside it; most cases' signals came during a try of their save."""
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads(done.stdout.splitlines()[-1])["results"]
   for r in results:
@@ -852,7 +861,8 @@ def check_spread(done) -> None:
     assert r["got"] == (stopped if r["sent"] else "finished"), r
     assert r["holds"] in ([0], [7]) if r["sent"] else r["holds"] == [7], r
     assert r["beside"] == [], r
-  assert sum(r["sent"] for r in results) >= len(results) - 2, results
+  sent = {tuple(r["case"]) for r in results if r["sent"]}
+  assert len(sent) >= len({tuple(r["case"]) for r in results}) - 2, results
 
 
 def test_sigint_or_sigterm_at_a_spread_of_moments_leaves_one_store_and_no_temporary(

@@ -16,12 +16,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 #: One decode step: ``(last tokens (batch,), step index, cache) -> (logits, cache)``.
 Step = Callable[[jax.Array, int, Any], tuple[jax.Array, Any]]
 #: The token of each row from the logits of a step: ``(logits, step index) -> (batch,)``.
 Pick = Callable[[jax.Array, int], jax.Array]
+#: Told each step's tokens as they are produced: ``(batch,)`` int32, one per row.
+OnToken = Callable[[np.ndarray], None]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -132,6 +135,7 @@ def decode(
   stops: Sequence[int],
   pad: Any,
   timer: Timer | None = None,
+  on_token: OnToken | None = None,
 ) -> jax.Array:
   """The tokens after a prefill.
 
@@ -139,7 +143,9 @@ def decode(
   ``step(previous token, i, cache)``. A row that emits one of ``stops`` is
   finished: its later tokens are ``pad`` (fed back as such); once every row has
   finished the rest is ``pad`` without running a step. A ``timer`` reports when
-  done.
+  done. ``on_token`` is called with each step's tokens (a NumPy ``(batch,)`` array,
+  a finished row's ``pad``) once they are ready, before the next step runs; the
+  steps left out after every row has finished are not told.
 
   Returns:
     The tokens, ``(batch, max_new_tokens)`` int32, ready.
@@ -157,6 +163,8 @@ def decode(
     out.append(token)
     if timer is not None:
       timer.mark(token, i)
+    if on_token is not None:
+      on_token(np.asarray(token))
     if stops and bool(done.all()):
       out += [jnp.full(done.shape, pad, jnp.int32)] * (max_new_tokens - 1 - i)
       break

@@ -8,8 +8,9 @@ Every matrix keeps the file's bytes, row for row (a uint8 ``blocks`` part, of th
 `quant.ggml` types), decoded at the top of the step that uses it, so nothing is
 widened to floats on the host; norm weights are stored as floats. The store carries
 a Hugging Face ``config.json`` derived from the ``llama.*`` metadata
-(`HF_CONFIG_FILE`, which `hf_convert.load` reads) and a ``tokenizer.json`` built
-from the ``tokenizer.ggml.*`` metadata (`gguf_tokenizer`).
+(`HF_CONFIG_FILE`, which `hf_convert.load` reads), a ``tokenizer.json`` built
+from the ``tokenizer.ggml.*`` metadata (`gguf_tokenizer`), and, where the file has a
+chat template, a ``tokenizer_config.json`` holding it (`chat_template`).
 
 llama.cpp's converter reorders the rows of ``attn_q`` and ``attn_k`` within each
 head (Hugging Face's rotary layout, a head's two halves, becomes GGML's adjacent
@@ -33,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_residency._src.errors import ModelConfigError, StoreError
+from jax_residency._src.models.chat_template import TOKENIZER_CONFIG_FILE, gguf_tokenizer_config
 from jax_residency._src.models.gguf_file import GGUF_MAGIC
 from jax_residency._src.models.gguf_tokenizer import tokenizer_json
 from jax_residency._src.models.hf_convert import (
@@ -431,7 +433,8 @@ def convert_gguf(
   a byte naming their type, and its encoding names the types (``"Q4_K+Q6_K"``).
   The store carries a Hugging Face ``config.json`` derived from the metadata, so
   ``models.load(store)`` gives the model, and a ``tokenizer.json`` when the file
-  describes its tokenizer.
+  describes its tokenizer (and a ``tokenizer_config.json`` of its chat template, where
+  it has one).
 
   Args:
     path: the ``.gguf`` file (one file; split files are not read).
@@ -478,6 +481,8 @@ def convert_gguf(
   }
   if tokenizer is not None:
     extra["tokenizer.json"] = json.dumps(tokenizer, ensure_ascii=False)
+  if (tokenizer_config := gguf_tokenizer_config(f.meta)) is not None:
+    extra[TOKENIZER_CONFIG_FILE] = json.dumps(tokenizer_config, ensure_ascii=False, indent=1)
   return save_store(
     os.fspath(store),
     static=static,

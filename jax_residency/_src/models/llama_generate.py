@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jax_residency._src.errors import SpeculationError
 from jax_residency._src.models.decoding import (
+  OnToken,
   Pick,
   Timer,
   check_max_new_tokens,
@@ -70,6 +71,7 @@ def generate_llm(
   draft_config: LlamaConfig | None = None,
   draft_tokens: int | str = 4,
   draft_tree: Sequence[int] | None = None,
+  on_token: OnToken | None = None,
 ) -> jax.Array:
   """Generates ``max_new_tokens`` tokens after a prompt, as transformers' ``generate`` does.
 
@@ -109,13 +111,17 @@ def generate_llm(
     draft_tree: branches per depth, ``(b1, b2, ...)``: each round the draft expands a
       token tree (``b1`` children of the last token, ``b2`` of each of those, ...) and
       the target checks every node in one pass (in place of ``draft_tokens``).
+    on_token: called with each step's new tokens as they are produced, a NumPy
+      ``(batch,)`` int32 array (a finished row's pad token), before the next step runs;
+      not told the pad columns filled in once every row has finished. It changes no
+      token: the output is the same with it or without it. Not with a ``draft``.
 
   Returns:
     The generated tokens, ``(batch, max_new_tokens)`` int32 (the prompt not included).
 
   Raises:
-    ValueError: ``max_new_tokens < 1``, a negative ``temperature``, or no
-      ``config`` for a placed model.
+    ValueError: ``max_new_tokens < 1``, a negative ``temperature``, no ``config``
+      for a placed model, or ``on_token`` with a ``draft``.
     SpeculationError: a draft with another vocabulary, ``draft_tokens`` neither a
       positive int nor ``"auto"``, or a ``draft_tree`` that is empty, has a depth of no
       branches or too many nodes (before any pass runs).
@@ -132,6 +138,8 @@ def generate_llm(
     True
   """
   if draft is not None:
+    if on_token is not None:
+      raise ValueError("on_token is not called with a draft: pass one or the other")
     tokens, report = speculate(
       model,
       input_ids,
@@ -164,7 +172,9 @@ def generate_llm(
     return forward(token[:, None], ones, cache, jnp.asarray(length + i - 1, jnp.int32))
 
   pick = _picker(temperature, top_k, top_p, seed)
-  return decode(logits, cache, step, pick, max_new_tokens, stops=stops, pad=pad, timer=timer)
+  return decode(
+    logits, cache, step, pick, max_new_tokens, stops=stops, pad=pad, timer=timer, on_token=on_token
+  )
 
 
 def speculate(

@@ -30,6 +30,9 @@ rest kept in host memory. For each it predicts a prefill pass and a decode step 
   layers' time.
 
 Ranked by the workload's time: one prefill pass and ``decode_steps`` decode steps.
+
+`default_placement` chooses without a measurement, by the budgets alone: what
+``jax-residency generate`` and ``chat`` place when no policy is named.
 """
 
 from __future__ import annotations
@@ -262,6 +265,72 @@ def plan(
       )
     raise PlacementError(why)
   return sorted(found, key=lambda c: (c.total_seconds, c.decode_seconds))
+
+
+def default_placement(
+  store: str,
+  *,
+  device_budget_bytes: int | None,
+  host_budget_bytes: int | None,
+  device_is_host: bool,
+) -> LayerWeightResidency:
+  """The placement of ``store`` chosen by the budgets alone, without a measurement to rank
+  by (measuring reads the store with its pages dropped and times each stack's step):
+
+  1. `FullyResident`, where the device budget holds the whole model;
+  2. else `DenseDiskStream` through the host budget, keeping on the device the most units
+     of each stack the device budget has room for, then in host memory the most the host
+     budget has room for;
+  3. else `DenseDiskStream` straight from disk (``host_budget_bytes=0``), keeping on the
+     device the most units the device budget has room for.
+
+  Units kept on the device or in host memory are never slower than units read each pass,
+  so among the placements that fit, these move the fewest bytes a pass. `plan` ranks
+  every placement with a measurement instead.
+
+  Raises:
+    PlacementError: no placement fits (the message gives the smallest device budget one
+      fits).
+
+  Example:
+    >>> import os, tempfile
+    >>> from flax import nnx
+    >>> import jax_residency as jr
+    >>> from jax_residency.toy import ToyConfig, ToyTransformer
+    >>> model = ToyTransformer(ToyConfig(n_layers=4), rngs=nnx.Rngs(0))
+    >>> store = jr.save(model, os.path.join(tempfile.mkdtemp(), "toy"), progress=False).path
+    >>> for device in (None, 600_000):  # the whole model is 668 KB
+    ...   policy = default_placement(store, device_budget_bytes=device, host_budget_bytes=0,
+    ...                              device_is_host=True)
+    ...   print(describe(policy))
+    FullyResident()
+    DenseDiskStream(host_budget_bytes=0 B, device_resident_units=1, host_resident_units=0)
+  """
+  sizes = sizes_of(store)
+  device, host = device_budget_bytes, host_budget_bytes
+  shortest = min(n for _, n, _ in sizes.stacks)
+
+  def fits(policy: LayerWeightResidency) -> bool:
+    try:
+      _check(policy, sizes, device_is_host=device_is_host)
+    except (BudgetTooSmallError, PlacementError):
+      return False
+    return True
+
+  if fits(whole := FullyResident(device_budget_bytes=device)):
+    return whole
+  for cache in dict.fromkeys((host, 0)):
+    for kept in range(shortest, -1, -1):
+      for held in range(0 if cache == 0 else shortest - kept, -1, -1):
+        chosen = DenseDiskStream(
+          host_budget_bytes=cache,
+          device_budget_bytes=device,
+          device_resident_units=kept,
+          host_resident_units=held,
+        )
+        if fits(chosen):
+          return chosen
+  raise PlacementError(_nothing_fits(sizes, device, host))
 
 
 def _beside_draft(budget: int | str | None, draft: int) -> int | None:

@@ -8,8 +8,9 @@ time. The test suite therefore starts one zygote per module
 initializes a JAX backend, and answers each request on its Unix socket with a fork that
 runs the requested script as ``python SCRIPT ARGS`` would (``runpy``, ``__name__ ==
 "__main__"``, its ``sys.argv``, working directory and environment, the caller's stdout
-and stderr). `run` sends a command there when the environment names a zygote
-(`ZYGOTE_ENV`), so the benchmark a fork runs sends its own children there too.
+and stderr, and a pipe of the caller's ``input`` as stdin). `run` sends a command there
+when the environment names a zygote (`ZYGOTE_ENV`), so the benchmark a fork runs sends
+its own children there too.
 
 `run` starts a fresh interpreter as `subprocess.run` does (it then is `subprocess.run`)
 without a zygote, for a command that is not ``python SCRIPT ...`` / ``python -m MODULE
@@ -61,15 +62,17 @@ def run(
   env: dict[str, str] | None = None,
   cwd: str | os.PathLike | None = None,
   timeout: float | None = None,
+  input: str | None = None,  # noqa: A002 - subprocess.run's name
 ) -> subprocess.CompletedProcess:
-  """`subprocess.run` for ``cmd``, through the zygote that `ZYGOTE_ENV` names if any."""
+  """`subprocess.run` for ``cmd``, through the zygote that `ZYGOTE_ENV` names if any;
+  ``input`` (text, at most a pipe's buffer through the zygote) is its stdin, a pipe."""
   env = dict(os.environ if env is None else env)
   path = env.get(ZYGOTE_ENV)
 
   def fresh() -> subprocess.CompletedProcess:
     return subprocess.run(
       list(cmd), capture_output=capture_output, stdout=stdout, text=text, check=check,
-      env=env, cwd=cwd, timeout=timeout,
+      env=env, cwd=cwd, timeout=timeout, input=input,
     )  # fmt: skip
 
   if not path or len(cmd) < 2 or cmd[0] != sys.executable:
@@ -79,6 +82,12 @@ def run(
     files = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(2)]
     fds = [f.fileno() if c else own for f, c, own in zip(files, captured, (1, 2), strict=True)]
     request = {"argv": list(cmd[1:]), "cwd": os.fspath(cwd or os.getcwd()), "env": env}
+    if input is not None:  # the runner's stdin: a pipe holding all of it, closed after
+      read, write = os.pipe()
+      stack.callback(os.close, read)
+      with os.fdopen(write, "wb") as f:
+        f.write(input.encode())
+      fds.append(read)
     code = _ask(path, request, fds, timeout, cmd)
     if code is None:  # the zygote's import-time environment differs: a fresh process
       return fresh()
@@ -146,7 +155,7 @@ def serve(path: str) -> None:
 def _supervise(conn: socket.socket, baseline: dict[str, str]) -> int:
   """In a fork: reads a request, forks its runner, reports the runner's pid then status."""
   try:
-    msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
     while not msg.endswith(b"\n"):  # the rest of a long request
       more = conn.recv(1 << 16)
       if not more:
@@ -176,9 +185,9 @@ def _supervise(conn: socket.socket, baseline: dict[str, str]) -> int:
 def _runner(request: dict, fds: list[int]) -> int:
   """In the runner: the requested ``python ARGV`` in this process; its exit status."""
   os.setpgid(0, 0)
-  null = os.open(os.devnull, os.O_RDONLY)
-  os.dup2(null, 0)
-  for fd, target in zip(fds, (1, 2), strict=True):
+  stdin = fds[2] if len(fds) > 2 else os.open(os.devnull, os.O_RDONLY)
+  os.dup2(stdin, 0)
+  for fd, target in zip(fds[:2], (1, 2), strict=True):
     os.dup2(fd, target)
     os.close(fd)
   os.chdir(request["cwd"])

@@ -22,7 +22,7 @@ from jax_residency._src.models.toy import ToyConfig
 #: A tiny demo model, so the demo runs in seconds.
 TINY = ["--layers", "2", "--d-model", "32", "--d-ff", "64", "--vocab", "64", "--heads", "4"]
 TINY_CONFIG = ToyConfig(vocab=64, d_model=32, n_heads=4, d_ff=64, n_layers=2)
-SUBCOMMANDS = ("demo", "inspect", "plan", "run", "rechunk")
+SUBCOMMANDS = ("demo", "inspect", "plan", "run", "rechunk", "generate", "chat")
 
 
 def assert_one_line_error(code: int, err: str, *fragments: str) -> None:

@@ -147,7 +147,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # --- run ---------------------------------------------------------------------
 
 
-def _policy_from_args(args: argparse.Namespace) -> Any:
+def policy_from_args(args: argparse.Namespace) -> Any:
+  """The policy ``--policy`` names, shaped by the flags that apply to it (``run``,
+  ``generate``, ``chat``); a flag that does not apply is a one-line error."""
   from jax_residency._src.policy.options import (  # noqa: PLC0415
     DenseDiskStreamLoadOptions,
     LayerwiseLoadOptions,
@@ -219,7 +221,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
   from jax_residency._src.run.place import place  # noqa: PLC0415
 
-  policy = _policy_from_args(args)
+  policy = policy_from_args(args)
   store = open_store(args.path, streamable=args.policy == "dense_disk_stream")
   with store:
     if args.model is not None:

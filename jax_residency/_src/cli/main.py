@@ -1,5 +1,5 @@
 """The ``jax-residency`` command: ``demo``, ``inspect``, ``verify``, ``plan``, ``run``,
-``rechunk``, ``convert``.
+``rechunk``, ``convert``, ``generate``, ``chat``.
 
 ``jax-residency demo`` is the main job: with no configuration it writes a seeded
 toy transformer of a few hundred MB to a local store under the user cache
@@ -9,7 +9,8 @@ work on any store written by :func:`jax_residency.save` (``inspect``, ``verify``
 ``plan``, ``rechunk``) or by this command or ``convert`` (``run``, which needs the model).
 
 This module holds the parser and `main`; `commands.py` the commands other than
-``demo`` (`demo.py`).
+``demo`` (`demo.py`), ``generate`` and ``chat`` (`generating.py`, parsed by
+`generation_args.py`).
 
 Exit codes: 0 success; 1 a check failed (demo parity, nothing fits in ``plan``,
 or ``verify`` found damage); 2 a usage or library error (a missing, unreadable or
@@ -21,9 +22,13 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from collections.abc import Callable, Sequence
-from typing import NoReturn
+from collections.abc import Sequence
 
+from jax_residency._src.cli.arguments import FORMAT as _FORMAT
+from jax_residency._src.cli.arguments import Parser as _Parser
+from jax_residency._src.cli.arguments import add_budgets as _add_budgets
+from jax_residency._src.cli.arguments import command as _command
+from jax_residency._src.cli.arguments import count as _count
 from jax_residency._src.cli.commands import (
   UNSET,
   cmd_convert,
@@ -34,25 +39,10 @@ from jax_residency._src.cli.commands import (
 )
 from jax_residency._src.cli.console import PROG, CommandError, one_line
 from jax_residency._src.cli.demo import DEMO_CONFIG, DEMO_TOKENS, POLICY_NAMES, cmd_demo
+from jax_residency._src.cli.generation_args import add_chat, add_generate
 from jax_residency._src.cli.inspection import cmd_inspect
 from jax_residency._src.cli.measuring import cmd_measure
 from jax_residency._src.version import __version__
-
-
-class _Parser(argparse.ArgumentParser):
-  """An argument parser whose errors are one line on stderr (exit code 2)."""
-
-  def error(self, message: str) -> NoReturn:
-    self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
-
-
-def _budget(text: str) -> int | None:
-  from jax_residency._src.policy.sizes import parse_bytes  # noqa: PLC0415
-
-  try:
-    return parse_bytes(text)
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(one_line(str(e))) from e
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -65,22 +55,8 @@ def _shape(text: str) -> tuple[int, ...]:
   return dims
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-  def parse(text: str) -> int:
-    try:
-      n = int(text)
-    except ValueError:
-      n = minimum - 1
-    if n < minimum:
-      raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
-    return n
-
-  return parse
-
-
 # --- parser ------------------------------------------------------------------
 
-_FORMAT = argparse.RawDescriptionHelpFormatter
 _STORE_HELP = "store directory or TensorStore kvstore URL"
 
 
@@ -104,26 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run,
     _add_rechunk,
     _add_convert,
+    add_generate,
+    add_chat,
   ):
     add(sub)
   return parser
-
-
-def _command(
-  sub: argparse._SubParsersAction[_Parser],
-  name: str,
-  handler: Callable[[argparse.Namespace], int],
-  *,
-  summary: str,
-  description: str,
-  epilog: str | None = None,
-) -> argparse.ArgumentParser:
-  """Adds subcommand ``name`` (``summary`` is its line in ``--help``), run by ``handler``."""
-  command = sub.add_parser(
-    name, help=summary, description=description, epilog=epilog, formatter_class=_FORMAT
-  )
-  command.set_defaults(handler=handler)
-  return command
 
 
 # Argument groups more than one subcommand takes.
@@ -143,14 +104,6 @@ def _add_json(command: argparse.ArgumentParser, text: str = "print JSON") -> Non
 
 def _add_overwrite(command: argparse.ArgumentParser) -> None:
   command.add_argument("--overwrite", action="store_true", help="replace an existing DST")
-
-
-def _add_budgets(
-  command: argparse.ArgumentParser, *, default: object, device_help: str, host_help: str
-) -> None:
-  """``--device-budget`` and ``--host-budget``: bytes, a size such as 2GiB, or 'unbounded'."""
-  for flag, text in (("--device-budget", device_help), ("--host-budget", host_help)):
-    command.add_argument(flag, metavar="BYTES", type=_budget, default=default, help=text)
 
 
 def _add_lookahead(

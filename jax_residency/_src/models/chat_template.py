@@ -79,8 +79,7 @@ class ChatTemplate:
       )
     except jinja2.TemplateError as e:
       raise ModelConfigError(
-        f"{self.where}: the chat template cannot render this conversation: "
-        f"{type(e).__name__}: {e}"
+        f"{self.where}: the chat template cannot render this conversation: {type(e).__name__}: {e}"
       ) from e
 
 

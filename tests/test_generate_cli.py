@@ -11,7 +11,9 @@ in-process: one line on stderr, exit 2, no traceback.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -88,18 +90,18 @@ def gguf_plain(tmp_path_factory):
 
 
 def test_generate_prints_the_greedy_text_of_the_plain_model_gguf(zygote, user, gguf_plain):
-  """A .gguf file, converted once into the user's cache, streamed from disk."""
+  """A .gguf file, converted once into the user's cache."""
   prompt = "The old cat sat by the river and"
   plain, tokenizer = gguf_plain
   want = greedy_text(plain, tokenizer, tokenizer.encode(prompt).ids, NEW_TOKENS)
   done = jr_command(
-    zygote, user, "generate", str(GGUF), "--prompt", prompt, "-n", str(NEW_TOKENS),
-    "--policy", "dense", "--quiet",
-  )  # fmt: skip
+    zygote, user, "generate", str(GGUF), "--prompt", prompt, "-n", str(NEW_TOKENS), "--quiet"
+  )
   assert done.returncode == 0, done.stderr
   assert done.stdout == want + "\n"
   last = done.stderr.strip().splitlines()[-1]
-  assert "tokens/s" in last and "from disk" in last and "DenseDiskStream" in last, last
+  assert f"{NEW_TOKENS} tokens in" in last and "tokens/s" in last, last
+  assert "from disk" in last and "placement FullyResident()" in last, last
   assert "Traceback" not in done.stderr
 
 
@@ -244,12 +246,17 @@ def test_bad_input_is_one_line_naming_the_value_and_the_fix(tmp_path, monkeypatc
 
 
 def test_ctrl_c_while_generating_is_one_line_and_exit_130(tmp_path, monkeypatch):
+  """A real SIGINT, sent once the first token's text is out: the text's line is ended,
+  and stderr's last line says the command was interrupted (exit 130, no traceback)."""
   monkeypatch.setenv("JAX_RESIDENCY_CACHE_DIR", str(tmp_path / "cache"))
+  push = text_stream.TextStream.push
 
-  def interrupted(self, token):
-    raise KeyboardInterrupt
+  def interrupting(self, token):
+    push(self, token)
+    os.kill(os.getpid(), signal.SIGINT)
 
-  monkeypatch.setattr(text_stream.TextStream, "push", interrupted)
-  code, out, err = call("generate", str(HF), "--prompt", "the old cat", "--quiet")
-  assert code == 130 and out == "" and "Traceback" not in err
+  monkeypatch.setattr(text_stream.TextStream, "push", interrupting)
+  code, out, err = call("generate", str(HF), "--prompt", "the old cat", "-n", "20")
+  assert code == 130 and "Traceback" not in err
+  assert out.endswith("\n") and len(out.split()) < 20
   assert err.strip().splitlines()[-1] == "jax-residency generate: interrupted"

@@ -260,17 +260,21 @@ def generate_text(
       stream.push(token)
 
   start = time.perf_counter()
-  generate_llm(
-    model.placed,
-    [list(ids)],
-    n,
-    config=model.config,
-    temperature=args.temperature,
-    top_k=args.top_k,
-    top_p=args.top_p,
-    seed=args.seed,
-    on_token=on_token,
-  )
+  try:
+    generate_llm(
+      model.placed,
+      [list(ids)],
+      n,
+      config=model.config,
+      temperature=args.temperature,
+      top_k=args.top_k,
+      top_p=args.top_p,
+      seed=args.seed,
+      on_token=on_token,
+    )
+  except KeyboardInterrupt:  # Ctrl-C: end the line of text; `main` says it was interrupted
+    _write("\n")
+    raise
   totals.seconds += time.perf_counter() - start
   totals.tokens += int(produced[0])
   return stream.finish()

@@ -285,11 +285,11 @@ SLOWEST_FIRST = (
   "tests/test_faults.py",  # 40 s: broken stores, a reader as nobody, interrupted writes
   "tests/test_placement.py",  # 30 s
   "tests/test_gguf.py",  # 30 s
+  "tests/test_generate_cli.py",  # 30 s: generate and chat, each a process on a fixture
   "tests/test_t5.py",  # 30 s
   "tests/test_stream.py",  # 25 s
   "tests/test_gpt.py",  # 25 s
   "tests/test_examples.py",  # 25 s
-  "tests/test_generate_cli.py",  # 30 s: generate and chat, each a process on a fixture
   "tests/test_remote.py",  # 20 s, mostly waiting on time-outs
   "tests/test_s3.py",  # 19 s: moto's server, three writers killed mid-save
   "tests/test_testing.py",  # 20 s: a pytest subprocess

@@ -10,6 +10,7 @@ in-process: one line on stderr, exit 2, no traceback.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -243,6 +244,16 @@ def test_bad_input_is_one_line_naming_the_value_and_the_fix(tmp_path, monkeypatc
   assert_one_line_error(code, err, "the prompt is 7", "context is 64", "shorten it")
   code, _, err = call("generate", str(HF), "--prompt", "x", "--lookahead", "1")
   assert_one_line_error(code, err, "--lookahead", "--policy")
+
+  # a chat whose conversation outgrows the context: after the placement's line, one error
+  monkeypatch.setattr(sys, "stdin", io.StringIO(long + "\n"))
+  code, out, err = call("chat", str(HF), "--raw", "--quiet")
+  assert code == 2 and out == "" and "Traceback" not in err
+  assert (
+    err.strip()
+    .splitlines()[-1]
+    .endswith("context is 64: start a new chat (each turn renders the whole conversation)")
+  )
 
 
 def test_ctrl_c_while_generating_is_one_line_and_exit_130(tmp_path, monkeypatch):

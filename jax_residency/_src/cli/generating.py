@@ -221,8 +221,12 @@ def fitted_tokens(model: Model, ids: Sequence[int], wanted: int | None, what: st
   context = int(model.config.max_position_embeddings)
   if len(ids) >= context:
     raise CommandError(
-      f"{what} is {len(ids)} tokens, and the model's context is {context}: shorten it to "
-      f"fewer than {context} tokens"
+      f"{what} is {len(ids)} tokens, and the model's context is {context}: "
+      + (
+        f"shorten it to fewer than {context} tokens"
+        if what == "the prompt"
+        else "start a new chat (each turn renders the whole conversation)"
+      )
     )
   if wanted is None:
     return min(DEFAULT_NEW_TOKENS, context - len(ids))

@@ -27,6 +27,7 @@ from user_env import run_script, user_env
 
 from jax_residency import models
 from jax_residency._src.cli import text_stream
+from jax_residency._src.models import llama_chat
 from jax_residency._src.models.chat_template import ChatTemplate, chat_template_of
 from jax_residency._src.models.gguf_reference import dequantized_model
 
@@ -178,15 +179,45 @@ def test_on_token_sees_every_token_as_made_and_changes_none():
     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, eos_token_ids=(3,),
   )  # fmt: skip
-  model = models.init_llama(cfg)
-  for kwargs in ({}, {"temperature": 0.9, "top_k": 8, "seed": 3}):
-    seen: list[np.ndarray] = []
-    plain = np.asarray(models.generate_llm(model, [[5, 6, 7], [8, 9, 10]], 8, **kwargs))
-    told = models.generate_llm(model, [[5, 6, 7], [8, 9, 10]], 8, on_token=seen.append, **kwargs)
-    np.testing.assert_array_equal(np.asarray(told), plain)
-    np.testing.assert_array_equal(np.stack(seen, axis=1), plain[:, : len(seen)])
+  model = models.init_llama(cfg)  # greedy, two rows (sampled: the conversation's test)
+  seen: list[np.ndarray] = []
+  plain = np.asarray(models.generate_llm(model, [[5, 6, 7], [8, 9, 10]], 8))
+  told = models.generate_llm(model, [[5, 6, 7], [8, 9, 10]], 8, on_token=seen.append)
+  np.testing.assert_array_equal(np.asarray(told), plain)
+  np.testing.assert_array_equal(np.stack(seen, axis=1), plain[:, : len(seen)])
   with pytest.raises(ValueError, match="on_token"):
     models.generate_llm(model, [5, 6], 2, draft=model, on_token=print)
+
+
+def test_a_conversation_keeps_its_cache_and_replies_as_generate_llm(monkeypatch):
+  """The second turn prefills only what follows the prefix its prompt shares with the
+  cache (the first prompt and the reply tokens fed back, up to the reply's last token,
+  which the next prompt writes otherwise), in a cache grown between the turns, and each
+  turn replies what `generate_llm` gives for its whole prompt (sampled; the chat test
+  above checks greedy replies)."""
+  monkeypatch.setattr(llama_chat, "GROWTH", 8)
+  cfg = models.LlamaConfig(
+    vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, eos_token_ids=(3,),
+  )  # fmt: skip
+  model, sampling = models.init_llama(cfg), {"temperature": 0.9, "top_p": 0.9, "seed": 4}
+  chat, prompt = llama_chat.Conversation(model), [1, 5, 6, 7]
+  for turn in range(2):
+    want = np.asarray(models.generate_llm(model, prompt, 5, **sampling))
+    told: list[np.ndarray] = []
+    got = np.asarray(chat.reply(prompt, 5, on_token=told.append, **sampling))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.stack(told, axis=1), want[:, : len(told)])
+    reply = want[0].tolist()
+    if turn == 0:
+      assert chat.reused == 0 and chat.cached_tokens == 4 + len(told) - 1  # last pick unfed
+      stop = reply.index(3) if 3 in reply else 5
+      assert stop >= 2, reply  # (the seed gives a reply to rewrite)
+      kept = 4 + stop - 1
+      prompt = prompt + reply[: stop - 1] + [(reply[stop - 1] + 1) % 32, 2, 9, 10]
+    else:
+      assert chat.reused == kept
+      assert chat.cached_tokens == len(prompt) + len(told) - 1
 
 
 def test_streamed_text_is_the_final_decode(gguf_plain):

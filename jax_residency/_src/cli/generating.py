@@ -16,11 +16,10 @@ and the placement.
 
 ``chat`` reads one user turn a line from stdin until its end or ``/exit``, keeps the
 conversation, and renders it with the checkpoint's chat template
-(`models.chat_template`) before each reply. Each turn runs the prefill again over the
-whole rendered conversation: `generate_llm` starts from an empty KV cache (one sized for
-that generation), so the cache of the turn before is not continued. The replies are the
-ones a single generation over the conversation would give; the cost is one prefill of
-the conversation so far per turn, and a compile for each new prompt length.
+(`models.chat_template`) before each reply. The KV cache is kept between turns
+(`models.llama_chat.Conversation`): each turn prefills only the tokens after the longest
+prefix the rendered conversation shares with what the cache holds, so a reply is the one
+a generation over the whole conversation gives, without its prefill of the turns before.
 """
 
 from __future__ import annotations
@@ -240,10 +239,16 @@ def fitted_tokens(model: Model, ids: Sequence[int], wanted: int | None, what: st
 
 
 def generate_text(
-  model: Model, ids: Sequence[int], n: int, args: argparse.Namespace, totals: Totals
+  model: Model,
+  ids: Sequence[int],
+  n: int,
+  args: argparse.Namespace,
+  totals: Totals,
+  conversation: Any = None,
 ) -> str:
-  """Generates up to ``n`` tokens after ``ids``, writing the text to stdout as it comes;
-  returns the text (up to the first stop token)."""
+  """Generates up to ``n`` tokens after ``ids`` (a turn of ``conversation``, where given,
+  its cache kept), writing the text to stdout as it comes; returns the text (up to the
+  first stop token)."""
   from jax_residency._src.models.llama_generate import generate_llm  # noqa: PLC0415
 
   decode: Callable[[Sequence[int]], str] = lambda t: model.tokenizer.decode(  # noqa: E731
@@ -263,19 +268,14 @@ def generate_text(
     else:
       stream.push(token)
 
+  sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+  sampling |= {"seed": args.seed, "on_token": on_token}
   start = time.perf_counter()
   try:
-    generate_llm(
-      model.placed,
-      [list(ids)],
-      n,
-      config=model.config,
-      temperature=args.temperature,
-      top_k=args.top_k,
-      top_p=args.top_p,
-      seed=args.seed,
-      on_token=on_token,
-    )
+    if conversation is None:
+      generate_llm(model.placed, [list(ids)], n, config=model.config, **sampling)
+    else:
+      conversation.reply(ids, n, **sampling)
   except KeyboardInterrupt:  # Ctrl-C: end the line of text; `main` says it was interrupted
     _write("\n")
     raise
@@ -331,7 +331,10 @@ def _turns(stdin: Any) -> Iterator[str]:
 
 def cmd_chat(args: argparse.Namespace) -> int:
   """A conversation from stdin, a reply printed after each line."""
+  from jax_residency._src.models.llama_chat import Conversation  # noqa: PLC0415
+
   with placing(args, loaded_model(args, chat=True)) as model:
+    conversation = Conversation(model.placed, config=model.config)
     messages: list[dict[str, str]] = []
     transcript, totals = "", Totals()
     for line in _turns(sys.stdin):
@@ -343,7 +346,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         transcript += line + "\n"
         ids = model.tokenizer.encode(transcript).ids
       n = fitted_tokens(model, ids, args.max_new_tokens, "the conversation")
-      reply = generate_text(model, ids, n, args, totals)
+      reply = generate_text(model, ids, n, args, totals, conversation)
       _write("\n")
       messages.append({"role": "assistant", "content": reply})
       transcript += reply + "\n"

@@ -109,8 +109,8 @@ def add_chat(sub: Subcommands) -> None:
     description=(
       "Reads one user turn a line from stdin (a terminal or a pipe) until its end or /exit,\n"
       "and prints the model's reply to each, rendering the whole conversation with the\n"
-      "checkpoint's chat template (refused without one unless --raw). Each turn runs the\n"
-      "prefill again over the conversation so far.\n\n" + _PLACEMENT
+      "checkpoint's chat template (refused without one unless --raw). The KV cache is kept\n"
+      "between turns: each prefills only what the conversation added.\n\n" + _PLACEMENT
     ),
     epilog="Example: printf 'Hi\\nWhat is 2+2?\\n' | jax-residency chat ./model.gguf -n 64",
   )

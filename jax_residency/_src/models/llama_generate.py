@@ -159,7 +159,7 @@ def generate_llm(
     if progress:
       print(report.summary())
     return tokens
-  cfg, forward, stops, pad = _target(model, config, max_new_tokens, temperature, stop_tokens)
+  cfg, forward, stops, pad = checked_target(model, config, max_new_tokens, temperature, stop_tokens)
   ids, mask = prompt(input_ids, attention_mask)
   batch, length = ids.shape
   timer = Timer(batch, length) if progress else None
@@ -171,7 +171,7 @@ def generate_llm(
     # The last token, at slot length + i - 1.
     return forward(token[:, None], ones, cache, jnp.asarray(length + i - 1, jnp.int32))
 
-  pick = _picker(temperature, top_k, top_p, seed)
+  pick = picker(temperature, top_k, top_p, seed)
   return decode(
     logits, cache, step, pick, max_new_tokens, stops=stops, pad=pad, timer=timer, on_token=on_token
   )
@@ -205,7 +205,7 @@ def speculate(
   """
   k = check_draft_tokens(draft_tokens)
   tree = None if draft_tree is None else check_draft_tree(draft_tree)
-  cfg, forward, stops, pad = _target(model, config, max_new_tokens, temperature, stop_tokens)
+  cfg, forward, stops, pad = checked_target(model, config, max_new_tokens, temperature, stop_tokens)
   draft_cfg, draft_forward = plain_or_placed(draft, Llama, draft_config, "LlamaConfig")
   check_vocabularies(cfg, draft_cfg)
   if tree is not None and max(tree.branches) > cfg.vocab_size:
@@ -240,7 +240,7 @@ def speculate(
   return tokens, report
 
 
-def _target(
+def checked_target(
   model: Any,
   config: LlamaConfig | None,
   max_new_tokens: int,
@@ -257,7 +257,7 @@ def _target(
   return cfg, forward, stops, pad
 
 
-def _picker(temperature: float, top_k: int | None, top_p: float | None, seed: int) -> Pick:
+def picker(temperature: float, top_k: int | None, top_p: float | None, seed: int) -> Pick:
   """The next token from a step's logits: the argmax, or a sample with a key of
   ``seed`` and the step."""
   key = jax.random.key(seed)

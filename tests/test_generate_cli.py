@@ -174,6 +174,26 @@ def test_the_chat_template_renders_as_transformers_does(tmp_path):
     failing.render(messages)
 
 
+def test_a_gguf_files_chat_template_comes_with_its_store(tmp_path):
+  """``tokenizer.chat_template`` (added here with gguf-py's own metadata copier) is
+  carried in the converted store's tokenizer_config.json, with the BOS and EOS tokens'
+  text, and renders from there."""
+  from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+  reader = gguf.GGUFReader(GGUF)
+  writer = gguf.GGUFWriter(tmp_path / "chat.gguf", "llama", endianess=reader.endianess)
+  template = MetadataDetails(gguf.GGUFValueType.STRING, SHORT_TEMPLATE)
+  copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.CHAT_TEMPLATE: template}, [])
+  models.convert_gguf(tmp_path / "chat.gguf", tmp_path / "store", progress=False)
+  found = chat_template_of(tmp_path / "store")
+  assert found.source == SHORT_TEMPLATE
+  assert dict(found.special_tokens) == {
+    "bos_token": "<|begin_of_text|>",
+    "eos_token": "<|end_of_text|>",
+  }
+  assert found.render([{"role": "user", "content": "hi"}]) == "<|begin_of_text|>user hi assistant"
+
+
 def test_on_token_sees_every_token_as_made_and_changes_none():
   cfg = models.LlamaConfig(
     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

@@ -8,10 +8,10 @@ batch x prompt x vocabulary, outweigh a layer), written once as a store under ``
 and placed ``DenseDiskStream(host_budget_bytes=0)``: every pass streams the layers from
 the store (the abstract model: no weights in memory).
 
-Rows: ``models.generate_batch`` of ``--batch`` prompts at once (``--batches``: 1, 8, 32,
-64), greedy, ``--prompt`` random ids each (seeded: prompt ``i`` is the same in every row)
-and ``--tokens`` new tokens; batch 1 generates the first ``--alone`` prompts one at a
-time. Two regimes: ``cache`` (the store's files read into the page cache first) and
+Rows: ``models.generate_batch`` of B prompts in one batch, for each B of ``--batches``
+(1, 8, 32, 64), greedy, ``--prompt`` random ids a prompt (seeded: prompt ``i`` is the
+same in every row) and ``--tokens`` new tokens; batch 1 generates the first ``--alone``
+prompts one at a time. Two regimes: ``cache`` (the store's files read into the page cache first) and
 ``disk`` (the store's pages dropped before every pass, outside the pass's time, as a
 model larger than memory reads them). Each row runs in a fresh process, ``--repeat``
 times; its figures are medians. From the placed model's report, compile time taken

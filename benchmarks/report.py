@@ -45,6 +45,7 @@ DOCUMENTS = (
   "docs/placement.md",
   "docs/moe.md",
   "docs/speculative.md",
+  "docs/throughput.md",
 )
 SECTION = re.compile(r"(<!-- report: ([\w-]+)( brief)? -->\n)(.*?)(<!-- /report -->)", re.S)
 

@@ -54,6 +54,7 @@ from .errors import HostBudgetTooSmallError as HostBudgetTooSmallError
 from .errors import HostDisabledControlsError as HostDisabledControlsError
 from .errors import InvalidBudgetError as InvalidBudgetError
 from .errors import InvalidPolicyValueError as InvalidPolicyValueError
+from .errors import InvalidPromptsError as InvalidPromptsError
 from .errors import MeasurementMismatchError as MeasurementMismatchError
 from .errors import MissingCheckpointParametersError as MissingCheckpointParametersError
 from .errors import ModelConfigError as ModelConfigError

@@ -37,6 +37,7 @@ The hierarchy (a builtin in parentheses is a second base class)::
               UnexpectedCheckpointParametersError
       ModelConfigError (ValueError)
       SpeculationError (ValueError)
+      InvalidPromptsError (ValueError)
       ResidencyRuntimeError (RuntimeError)
           AdmissionError
           PrefetchError
@@ -72,6 +73,7 @@ from jax_residency._src.errors import HostBudgetTooSmallError as HostBudgetTooSm
 from jax_residency._src.errors import HostDisabledControlsError as HostDisabledControlsError
 from jax_residency._src.errors import InvalidBudgetError as InvalidBudgetError
 from jax_residency._src.errors import InvalidPolicyValueError as InvalidPolicyValueError
+from jax_residency._src.errors import InvalidPromptsError as InvalidPromptsError
 from jax_residency._src.errors import MeasurementMismatchError as MeasurementMismatchError
 from jax_residency._src.errors import (
   MissingCheckpointParametersError as MissingCheckpointParametersError,
@@ -115,6 +117,7 @@ __all__ = [
   "HostDisabledControlsError",
   "InvalidBudgetError",
   "InvalidPolicyValueError",
+  "InvalidPromptsError",
   "MissingCheckpointParametersError",
   "ModelConfigError",
   "PlacementError",

@@ -10,7 +10,8 @@ Hugging Face ``T5ForConditionalGeneration`` checkpoint, with greedy
 :func:`generate_t5` over a decoder cache. ``Llama`` is a Llama / Mistral /
 Qwen2 / Mixtral / Qwen2-MoE decoder (one stack, ``layers``) that :func:`load_llama` fills from a
 Hugging Face checkpoint (:func:`hf_tensor_map` names the tensor of every
-parameter), with greedy or sampled :func:`generate_llm` over a KV cache;
+parameter), with greedy or sampled :func:`generate_llm` over a KV cache (many prompts, a batch a
+pass: :func:`generate_batch`);
 :func:`convert_hf` writes such a checkpoint into a unit store one tensor at a
 time, :func:`convert_gguf` a llama.cpp GGUF file of a Llama (its tensors kept in
 their GGML types), and :func:`load` gives the model of a store or a checkpoint
@@ -45,6 +46,7 @@ from ._src.models.hf_convert import convert_hf as convert_hf
 from ._src.models.hf_convert import load as load
 from ._src.models.llama import Llama as Llama
 from ._src.models.llama import LlamaCache as LlamaCache
+from ._src.models.llama_batch import generate_batch as generate_batch
 from ._src.models.llama_config import LlamaConfig as LlamaConfig
 from ._src.models.llama_generate import filter_logits as filter_logits
 from ._src.models.llama_generate import generate_llm as generate_llm
@@ -97,6 +99,7 @@ __all__ = [
   "filter_logits",
   "generate",
   "generate_llm",
+  "generate_batch",
   "speculate",
   "SpeculationReport",
   "DraftTree",

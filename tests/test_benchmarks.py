@@ -24,7 +24,8 @@ from benchmark_runs import NAMES, QUANTIZED, check_quick
 
 
 def test_every_benchmark_is_found():
-  assert {"decode", "dense_stream", "quant_error", "orbax_in_place", "peers"} <= set(NAMES)
+  listed = {"decode", "dense_stream", "quant_error", "orbax_in_place", "peers", "throughput"}
+  assert listed <= set(NAMES)
   assert set(QUANTIZED) < set(NAMES)  # each runs in tests/test_benchmarks_quantized.py
 
 

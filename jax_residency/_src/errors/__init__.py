@@ -15,6 +15,7 @@ from jax_residency._src.errors.placement import (
   DeviceBudgetTooSmallError as DeviceBudgetTooSmallError,
 )
 from jax_residency._src.errors.placement import HostBudgetTooSmallError as HostBudgetTooSmallError
+from jax_residency._src.errors.placement import InvalidPromptsError as InvalidPromptsError
 from jax_residency._src.errors.placement import (
   MeasurementMismatchError as MeasurementMismatchError,
 )

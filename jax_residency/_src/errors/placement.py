@@ -183,6 +183,28 @@ class SpeculationError(ResidencyError, ValueError):
   """
 
 
+class InvalidPromptsError(ResidencyError, ValueError):
+  """Prompts a batched generation cannot run.
+
+  Raised by `jax_residency.models.generate_batch` before any pass runs: no prompts, an
+  empty prompt, a ``batch_size`` under 1, or a prompt longer than the model's context
+  (``max_position_embeddings``). The message names the prompt's index, the value and
+  the fix.
+
+  Example:
+    >>> import jax_residency as jr
+    >>> from jax_residency import models
+    >>> cfg = models.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                          num_hidden_layers=1, num_attention_heads=2,
+    ...                          num_key_value_heads=1)
+    >>> try:
+    ...   models.generate_batch(models.init_llama(cfg), [[1, 2], []], 4)
+    ... except jr.errors.InvalidPromptsError as e:
+    ...   print("prompts[1]" in str(e))
+    True
+  """
+
+
 class MeasurementMismatchError(PlacementError):
   """A measurement given for another store or another backend than the one at hand.
 

@@ -490,7 +490,10 @@ class LateWrite:
       self._timer.start()
       raise KeyboardInterrupt("interrupted while waiting for a write")
     self._timer.join()
-    return self._future.result()
+    try:  # landed once its wait returns: the done callback may run later, on another thread
+      return self._future.result()
+    finally:
+      self.landed.set()
 
   def settled(self) -> None:
     """Waits until the write has landed or failed (for the test to look after it)."""

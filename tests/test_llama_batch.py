@@ -29,9 +29,10 @@ CFG = models.LlamaConfig(
   max_position_embeddings=32,
 )
 NEW = 6
-#: The prompts the tests draw from: lengths 1 to 9.
+#: The prompts the tests draw from: 12 prompts of lengths 1, 4 and 9 (ragged batches, and
+#: few shapes to compile: each length and batch width compiles a prefill and a step).
 PROMPTS = [
-  np.random.default_rng(i).integers(3, CFG.vocab_size, 1 + i % 9).tolist() for i in range(12)
+  np.random.default_rng(i).integers(3, CFG.vocab_size, (1, 4, 9)[i % 3]).tolist() for i in range(12)
 ]
 
 

@@ -268,6 +268,38 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
     assert fragment in lines[0], (fragment, lines[0])
 
 
+def test_prompts_file_and_draft_give_the_plain_models_greedy_text(
+  tmp_path, monkeypatch, gguf_plain
+):
+  """``--prompts FILE``: a JSON line a prompt, in the file's order, each the greedy text
+  the plain model gives that prompt alone (batches of 2 over 3 prompts of other lengths,
+  a blank line left out). ``--draft`` (the model as its own draft, 3 tokens a round): the
+  text without a draft, and what speculation did on stderr. In-process, placed
+  FullyResident by the budgets."""
+  monkeypatch.setenv("JAX_RESIDENCY_CACHE_DIR", str(tmp_path / "cache"))
+  plain, tokenizer = gguf_plain
+  prompts = ["The old cat", "A dog ran to the river", "Hello"]
+  (tmp_path / "prompts.txt").write_text(prompts[0] + "\n\n" + "\n".join(prompts[1:]) + "\n")
+  want = [greedy_text(plain, tokenizer, tokenizer.encode(p).ids, NEW_TOKENS) for p in prompts]
+  n = str(NEW_TOKENS)
+  argv = ("generate", str(GGUF), "--prompts", str(tmp_path / "prompts.txt"), "--batch-size", "2")
+  code, out, err = call(*argv, "-n", n, "--quiet")
+  assert code == 0, err
+  records = [json.loads(line) for line in out.splitlines()]
+  assert [r["index"] for r in records] == [0, 1, 2]
+  assert [r["prompt"] for r in records] == prompts
+  assert [r["text"] for r in records] == want
+  assert f"{3 * NEW_TOKENS} tokens in" in err.strip().splitlines()[-1]
+
+  code, out, err = call(
+    "generate", str(GGUF), "--prompt", prompts[1], "-n", n, "--draft", str(GGUF),
+    "--draft-tokens", "3", "--quiet",
+  )  # fmt: skip
+  assert code == 0, err
+  assert out == want[1] + "\n"
+  assert "speculation:" in err and "accepted" in err, err
+
+
 def test_bad_input_is_one_line_naming_the_value_and_the_fix(tmp_path, monkeypatch):
   monkeypatch.setenv("JAX_RESIDENCY_CACHE_DIR", str(tmp_path / "cache"))
   code, _, err = call("generate", str(tmp_path / "absent"), "--prompt", "x")
@@ -295,6 +327,17 @@ def test_bad_input_is_one_line_naming_the_value_and_the_fix(tmp_path, monkeypatc
   assert_one_line_error(code, err, "the prompt is 7", "context is 64", "shorten it")
   code, _, err = call("generate", str(HF), "--prompt", "x", "--lookahead", "1")
   assert_one_line_error(code, err, "--lookahead", "--policy")
+  code, _, err = call("generate", str(HF), "--prompt", "x", "--batch-size", "2")
+  assert_one_line_error(code, err, "--batch-size", "--prompts FILE")
+  code, _, err = call(
+    "generate", str(HF), "--prompt", "x", "--draft", str(HF), "--draft-tokens", "0"
+  )
+  assert_one_line_error(code, err, "--draft-tokens 0", "positive", "auto")
+  (tmp_path / "blank.txt").write_text("\n  \n")
+  code, _, err = call("generate", str(HF), "--prompts", str(tmp_path / "blank.txt"), "--quiet")
+  assert_one_line_error(code, err, "blank.txt", "holds no prompt", "one prompt a line")
+  code, _, err = call("generate", str(HF), "--prompt", "x", "--draft", str(tmp_path / "nope"))
+  assert_one_line_error(code, err, "--draft", "nope", "no such file")
 
   # a chat whose conversation outgrows the context: after the placement's line, one error
   monkeypatch.setattr(sys, "stdin", io.StringIO(long + "\n"))

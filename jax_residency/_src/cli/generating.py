@@ -223,7 +223,7 @@ def fitted_tokens(model: Model, ids: Sequence[int], wanted: int | None, what: st
       f"{what} is {len(ids)} tokens, and the model's context is {context}: "
       + (
         f"shorten it to fewer than {context} tokens"
-        if what == "the prompt"
+        if what.startswith("the prompt")
         else "start a new chat (each turn renders the whole conversation)"
       )
     )
@@ -299,19 +299,150 @@ def report_line(model: Model, totals: Totals) -> None:
   )
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-  """Generates after ``--prompt`` (as a user's turn of a chat with ``--chat``)."""
-  model = loaded_model(args, chat=args.chat)
-  prompt, special = args.prompt, True
+def _prompt_ids(model: Model, args: argparse.Namespace, text: str) -> list[int]:
+  """``text``'s token ids: as a user's turn rendered with the chat template with
+  ``--chat``, else as it is with the tokenizer's special tokens."""
+  special = True
   if args.chat and model.template is not None:
-    prompt = model.template.render([{"role": "user", "content": args.prompt}])
+    text = model.template.render([{"role": "user", "content": text}])
     special = False  # the template writes the special tokens it wants
-  ids = model.tokenizer.encode(prompt, add_special_tokens=special).ids
+  return list(model.tokenizer.encode(text, add_special_tokens=special).ids)
+
+
+def _draft_tokens(value: str) -> int | str:
+  """``--draft-tokens``: a positive int, or ``auto``."""
+  if value == "auto":
+    return value
+  try:
+    k = int(value)
+  except ValueError:
+    k = 0
+  if k < 1:
+    raise CommandError(f"--draft-tokens {value}: pass a positive number of tokens, or auto")
+  return k
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+  """Generates after ``--prompt`` (as a user's turn of a chat with ``--chat``), or after
+  each line of ``--prompts``; with ``--draft``, speculatively."""
+  if args.batch_size is not None and args.prompts is None:
+    raise CommandError("--batch-size goes with --prompts FILE (many prompts, a batch at a time)")
+  if args.draft is not None and args.prompts is not None:
+    raise CommandError("--draft takes one --prompt: speculation and --prompts' batches are apart")
+  k = _draft_tokens(args.draft_tokens)
+  if args.draft is not None and not os.path.exists(args.draft):
+    raise CommandError(
+      f"--draft {args.draft}: no such file or directory; pass a store, a checkpoint "
+      "directory or a .gguf file"
+    )
+  model = loaded_model(args, chat=args.chat)
+  if args.prompts is not None:
+    return _generate_many(model, args)
+  ids = _prompt_ids(model, args, args.prompt)
   n = fitted_tokens(model, ids, args.max_new_tokens, "the prompt")
   with placing(args, model):
     totals = Totals()
-    generate_text(model, ids, n, args, totals)
+    summary = None
+    if args.draft is None:
+      generate_text(model, ids, n, args, totals)
+    else:
+      summary = _generate_drafted(model, ids, n, args, k, totals)
     _write("\n")
+    if summary is not None:
+      _say(model.command, f"draft {args.draft}: {summary}")
+    report_line(model, totals)
+  return 0
+
+
+def _generate_drafted(
+  model: Model, ids: Sequence[int], n: int, args: argparse.Namespace, k: int | str, totals: Totals
+) -> str:
+  """``generate_llm`` with ``--draft`` placed FullyResident beside the model: writes the
+  text once the generation ends; returns what speculation did, in words."""
+  from jax_residency._src.models.llama_generate import speculate  # noqa: PLC0415
+  from jax_residency._src.run.draft import draft_from  # noqa: PLC0415
+
+  try:
+    draft = draft_from(
+      args.draft,
+      target=model.placed,
+      max_len=len(ids) + n + 64,
+      progress=False if args.quiet else None,
+    )
+  except FileNotFoundError as e:
+    raise CommandError(f"--draft {args.draft} is not a model: {e}") from e
+  sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+  with draft:
+    start = time.perf_counter()
+    tokens, report = speculate(
+      model.placed,
+      [list(ids)],
+      n,
+      draft=draft,
+      config=model.config,
+      draft_tokens=k,
+      seed=args.seed,
+      **sampling,
+    )
+    totals.seconds += time.perf_counter() - start
+  out = _until_stop(model, [int(t) for t in tokens[0]])
+  totals.tokens += len(out)
+  _write(model.tokenizer.decode(out, skip_special_tokens=True))
+  return report.summary()
+
+
+def _until_stop(model: Model, tokens: list[int]) -> list[int]:
+  """``tokens`` up to (not including) the first of the model's stop tokens."""
+  stops = set(model.config.eos_token_ids)
+  end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+  return tokens[:end]
+
+
+def _read_prompts(path: str) -> list[str]:
+  """``--prompts``' lines (``-``: stdin), blank ones left out."""
+  try:
+    if path == "-":
+      text = sys.stdin.read()
+    else:
+      with open(path, encoding="utf-8") as f:
+        text = f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise CommandError(f"--prompts {path}: cannot be read as UTF-8 text ({e})") from e
+  prompts = [line for line in text.splitlines() if line.strip()]
+  if not prompts:
+    raise CommandError(f"--prompts {path} holds no prompt: write one prompt a line")
+  return prompts
+
+
+def _generate_many(model: Model, args: argparse.Namespace) -> int:
+  """Each line of ``--prompts`` through `models.generate_batch`, ``--batch-size`` at a
+  time; a JSON line a prompt on stdout once its batch ends."""
+  import json  # noqa: PLC0415
+
+  from jax_residency._src.models.llama_batch import batch_seed, generate_batch  # noqa: PLC0415
+
+  prompts = _read_prompts(args.prompts)
+  ids = [_prompt_ids(model, args, text) for text in prompts]
+  longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+  what = f"the prompt of --prompts' line {longest + 1} (the longest)"
+  n = fitted_tokens(model, ids[longest], args.max_new_tokens, what)
+  size = args.batch_size or len(ids)
+  with placing(args, model):
+    totals, start = Totals(), time.perf_counter()
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    for b, first in enumerate(range(0, len(ids), size)):
+      # one batch a call, printed as it ends; seeds as one generate_batch call draws them
+      seed = batch_seed(args.seed, b)
+      out = generate_batch(
+        model.placed, ids[first : first + size], n, config=model.config, seed=seed, **sampling
+      )
+      for i, tokens in enumerate(out, first):
+        kept = _until_stop(model, tokens)
+        totals.tokens += len(tokens)
+        text = model.tokenizer.decode(kept, skip_special_tokens=True)
+        record = {"index": i, "prompt": prompts[i], "text": text, "tokens": len(kept)}
+        _write(json.dumps(record, ensure_ascii=False) + "\n")
+    totals.seconds = time.perf_counter() - start
     report_line(model, totals)
   return 0
 

@@ -91,12 +91,42 @@ def add_generate(sub: Subcommands) -> None:
       "as they are produced, ending at the model's end-of-sequence token. With --chat the\n"
       "prompt is a user's turn, rendered with the checkpoint's chat template.\n\n" + _PLACEMENT
     ),
-    epilog='Example: jax-residency generate ./model.gguf --prompt "The old cat" -n 32',
+    epilog='Example: jax-residency generate ./model.gguf --prompt "The old cat" -n 32\n'
+    "         jax-residency generate ./model.gguf --prompts prompts.txt --batch-size 32",
   )
   _add_common(generate)
-  generate.add_argument("--prompt", required=True, help="the prompt text")
+  given = generate.add_mutually_exclusive_group(required=True)
+  given.add_argument("--prompt", help="the prompt text")
+  given.add_argument(
+    "--prompts",
+    metavar="FILE",
+    help="many prompts, one a line (- for stdin), generated a batch at a time\n"
+    "(models.generate_batch: each streamed pass serves the whole batch); each result is\n"
+    'printed when its batch ends, as a JSON line {"index", "prompt", "text", "tokens"}',
+  )
+  generate.add_argument(
+    "--batch-size",
+    metavar="N",
+    type=count(1),
+    help="with --prompts: prompts a batch (default: all of them in one batch)",
+  )
   generate.add_argument(
     "--chat", action="store_true", help="render the prompt as a user's turn (chat template)"
+  )
+  generate.add_argument(
+    "--draft",
+    metavar="MODEL",
+    help="speculative decoding: a smaller model with the same vocabulary (a store,\n"
+    "checkpoint directory or .gguf file) placed FullyResident proposes tokens that the\n"
+    "model checks in one pass (docs/speculative.md); greedy tokens are the model's own.\n"
+    "The text is printed when the generation ends",
+  )
+  generate.add_argument(
+    "--draft-tokens",
+    metavar="K",
+    default="auto",
+    help="with --draft: tokens proposed a round, or auto (default: chosen each round from\n"
+    "measured times and hit rates)",
   )
 
 

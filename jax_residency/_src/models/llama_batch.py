@@ -98,7 +98,7 @@ def generate_batch(
       temperature=temperature,
       top_k=top_k,
       top_p=top_p,
-      seed=_batch_seed(seed, b),
+      seed=batch_seed(seed, b),
       stop_tokens=stops,
       progress=progress,
     )
@@ -141,7 +141,7 @@ def _left_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarra
   return ids, mask
 
 
-def _batch_seed(seed: int, batch: int) -> int:
+def batch_seed(seed: int, batch: int) -> int:
   """``seed`` for the first batch; for batch ``b > 0`` a seed drawn from ``(seed, b)``, so
   that batches do not repeat one another's draws."""
   if batch == 0:

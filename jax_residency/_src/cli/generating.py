@@ -71,10 +71,14 @@ class Model:
 
 @dataclasses.dataclass
 class Totals:
-  """Tokens generated and seconds spent generating them, over a run's generations."""
+  """Tokens generated and seconds spent generating them, over a run's generations; of
+  those, the tokens after each generation's second and the seconds they took (the first
+  waits for the prefill, the first two for compiling or loading the compiled programs)."""
 
   tokens: int = 0
   seconds: float = 0.0
+  later_tokens: int = 0
+  later_seconds: float = 0.0
 
 
 def _say(command: str, message: str) -> None:
@@ -257,10 +261,13 @@ def generate_text(
   stream = TextStream(decode, _write)
   stops = set(model.config.eos_token_ids)
   produced = [0, False]  # tokens told, and whether a stop token came
+  came: list[float] = []  # when the first two tokens came
 
   def on_token(tokens: Any) -> None:
     if produced[1]:
       return
+    if len(came) < 2:
+      came.append(time.perf_counter())
     produced[0] += 1
     token = int(tokens[0])
     if token in stops:
@@ -279,8 +286,12 @@ def generate_text(
   except KeyboardInterrupt:  # Ctrl-C: end the line of text; `main` says it was interrupted
     _write("\n")
     raise
-  totals.seconds += time.perf_counter() - start
+  end = time.perf_counter()
+  totals.seconds += end - start
   totals.tokens += int(produced[0])
+  if len(came) == 2:
+    totals.later_tokens += int(produced[0]) - 2
+    totals.later_seconds += end - came[1]
   return stream.finish()
 
 
@@ -291,9 +302,14 @@ def report_line(model: Model, totals: Totals) -> None:
   total = model.placed.report().total
   rate = totals.tokens / totals.seconds if totals.seconds else 0.0
   moved = format_bytes(total.host_to_device_bytes)
+  after = ""
+  if totals.later_tokens > 0 and totals.later_seconds > 0:
+    # the first two wait for the prefill and for compiling (or loading) the programs
+    later = totals.later_tokens / totals.later_seconds
+    after = f", {later:.1f} from the third token on"
   _say(
     model.command,
-    f"{totals.tokens} tokens in {totals.seconds:.2f} s ({rate:.1f} tokens/s); read "
+    f"{totals.tokens} tokens in {totals.seconds:.2f} s ({rate:.1f} tokens/s{after}); read "
     f"{format_bytes(total.bytes_read)} from disk, moved {moved} host to device; placement "
     f"{model.placement}",
   )

@@ -123,3 +123,18 @@ def prepare_regime(name: str, *paths: str) -> Callable[[], None]:
   if name == "disk":
     return lambda: drop_page_cache(*paths)
   raise ValueError(f"regime {name!r}: expected one of {REGIMES}")
+
+
+def llama_config(layers: int, hidden: int, inter: int, heads: int, kv: int, vocab: int, **extra):
+  """A random-weight benchmark's `LlamaConfig` from its shape (``extra``: other fields)."""
+  from jax_residency import models
+
+  return models.LlamaConfig(
+    vocab_size=vocab,
+    hidden_size=hidden,
+    intermediate_size=inter,
+    num_hidden_layers=layers,
+    num_attention_heads=heads,
+    num_key_value_heads=kv,
+    **extra,
+  )

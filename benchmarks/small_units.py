@@ -54,6 +54,7 @@ import sys
 import time
 
 import _child
+import _decoding
 import _result
 from _measure import plain_jitted
 
@@ -78,17 +79,7 @@ PER_UNIT_TARGET_MS = 0.3  # cached: per-unit cost beyond the resident compute
 
 
 def _config(shape: tuple[int, ...]):
-  from jax_residency import models
-
-  layers, hidden, inter, heads, kv, vocab = shape
-  return models.LlamaConfig(
-    vocab_size=vocab,
-    hidden_size=hidden,
-    intermediate_size=inter,
-    num_hidden_layers=layers,
-    num_attention_heads=heads,
-    num_key_value_heads=kv,
-  )
+  return _decoding.llama_config(*shape)
 
 
 def _policy(name: str):

@@ -44,6 +44,7 @@ import sys
 import time
 
 import _child
+import _decoding
 import _measure
 import _result
 
@@ -59,18 +60,7 @@ PROMPT_SEED = 0
 
 
 def config(layers: int, shape: tuple[int, ...]):
-  from jax_residency import models
-
-  hidden, inter, heads, kv, vocab = shape
-  return models.LlamaConfig(
-    vocab_size=vocab,
-    hidden_size=hidden,
-    intermediate_size=inter,
-    num_hidden_layers=layers,
-    num_attention_heads=heads,
-    num_key_value_heads=kv,
-    tie_word_embeddings=True,
-  )
+  return _decoding.llama_config(layers, *shape, tie_word_embeddings=True)
 
 
 def prompts(count: int, length: int, vocab: int) -> list[list[int]]:

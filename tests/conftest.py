@@ -274,33 +274,42 @@ def build_linen(model: nn.Module, *args: Any, seed: int = 0) -> Any:
 # worker takes a whole file (its module fixtures built once, not once per worker) and
 # the files go out in collection order. The slowest files go first, so that the two
 # workers end together instead of one waiting on a long file picked up last; the rest
-# keep pytest's order. Seconds: the file alone (pytest tests/FILE) on a quiet two-core
-# machine; about twice that beside the other worker.
+# keep pytest's order. Seconds: the file's tests summed over a `-n 2` run of the suite
+# (--durations=0, 2026-12-07: beside the other worker); the two newest files estimated from
+# their runs alone. test_speculative.py, test_native_kernels.py and test_stacks.py were
+# missing here: going out late, they could leave one worker running them while the other idled.
 SLOWEST_FIRST = (
-  "tests/test_benchmarks.py",  # 45 s: the streaming benchmarks' --quick, forks of one zygote
-  "tests/test_benchmarks_quantized.py",  # 45 s: the quantized benchmarks' --quick
-  "tests/test_llama.py",  # 75 s
-  "tests/test_notebooks.py",  # 60 s: five notebook kernels
-  "tests/test_quantized_stores.py",  # 45 s: every policy, scheme and mesh
-  "tests/test_faults.py",  # 40 s: broken stores, a reader as nobody, interrupted writes
-  "tests/test_placement.py",  # 30 s
-  "tests/test_gguf.py",  # 30 s
-  "tests/test_generate_cli.py",  # 30 s: generate and chat, each a process on a fixture
-  "tests/test_t5.py",  # 30 s
-  "tests/test_stream.py",  # 25 s
-  "tests/test_gpt.py",  # 25 s
-  "tests/test_examples.py",  # 25 s
-  "tests/test_remote.py",  # 20 s, mostly waiting on time-outs
-  "tests/test_s3.py",  # 19 s: moto's server, three writers killed mid-save
-  "tests/test_testing.py",  # 20 s: a pytest subprocess
-  "tests/test_memory_plan.py",  # 20 s: a fresh process placing under each policy
+  "tests/test_speculative.py",  # 135 s: drafts and trees, a streamed target, chi-square runs
+  "tests/test_benchmarks_quantized.py",  # 126 s: the quantized benchmarks' --quick
+  "tests/test_llama.py",  # 106 s
+  "tests/test_benchmarks.py",  # 105 s: the streaming benchmarks' --quick, forks of one zygote
+  "tests/test_quantized_stores.py",  # 103 s: every policy, scheme and mesh
+  "tests/test_notebooks.py",  # 70 s: five notebook kernels
+  "tests/test_native_kernels.py",  # 69 s
+  "tests/test_gguf.py",  # 59 s
+  "tests/test_generate_cli.py",  # 55 s: generate and chat, a process on each fixture
+  "tests/test_placement.py",  # 51 s
+  "tests/test_t5.py",  # 40 s
+  "tests/test_stacks.py",  # 39 s
+  "tests/test_stream.py",  # 37 s
+  "tests/test_llama_batch.py",  # 35 s
+  "tests/test_s3.py",  # 34 s: moto's server, three writers killed mid-save
+  "tests/test_gpt.py",  # 32 s
+  "tests/test_minilm.py",  # 31 s
+  "tests/test_memory_plan.py",  # 31 s: a fresh process placing under each policy
+  "tests/test_testing.py",  # 29 s: a pytest subprocess
+  "tests/test_draft_from.py",  # 26 s
+  "tests/test_faults.py",  # 25 s: broken stores, a reader as nobody, interrupted writes
+  "tests/test_cli.py",  # 24 s
   "tests/test_lint.py",  # 17 s with mypy's cache cold, as on CI
-  "tests/test_cli.py",  # 16 s
-  "tests/test_minilm.py",  # 16 s
-  "tests/test_expert_residency.py",  # 15 s: the Mixtral fixture, experts read apart
-  "tests/test_quant.py",  # 15 s
-  "tests/test_ggml.py",  # 15 s
-  "tests/test_multiprocess.py",  # 10 s: two processes
+  "tests/test_quantized_structure.py",  # 18 s
+  "tests/test_expert_residency.py",  # 18 s: the Mixtral fixture, experts read apart
+  "tests/test_examples.py",  # 17 s
+  "tests/test_resident_units.py",  # 16 s
+  "tests/test_remote.py",  # 16 s, mostly waiting on time-outs
+  "tests/test_ggml.py",  # 13 s
+  "tests/test_mapped.py",  # 13 s
+  "tests/test_multiprocess.py",  # 11 s: two processes
 )
 
 

@@ -440,7 +440,7 @@ def _generate_many(model: Model, args: argparse.Namespace) -> int:
   prompts = _read_prompts(args.prompts)
   ids = [_prompt_ids(model, args, text) for text in prompts]
   longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-  what = f"the prompt of --prompts' line {longest + 1} (the longest)"
+  what = f"the prompt at index {longest} of --prompts (the longest)"
   n = fitted_tokens(model, ids[longest], args.max_new_tokens, what)
   size = args.batch_size or len(ids)
   with placing(args, model):

@@ -205,6 +205,12 @@ def placing(args: argparse.Namespace, model: Model) -> Iterator[Model]:
 # --- generating --------------------------------------------------------------
 
 
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+  """``--temperature``, ``--top-k`` and ``--top-p`` as `generate_llm`'s keyword arguments
+  (the seed is each caller's: a batch's is drawn from it)."""
+  return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+
+
 def _write(text: str) -> None:
   try:
     sys.stdout.write(text)
@@ -275,8 +281,7 @@ def generate_text(
     else:
       stream.push(token)
 
-  sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-  sampling |= {"seed": args.seed, "on_token": on_token}
+  sampling = _sampling(args) | {"seed": args.seed, "on_token": on_token}
   start = time.perf_counter()
   try:
     if conversation is None:
@@ -387,7 +392,7 @@ def _generate_drafted(
     )
   except FileNotFoundError as e:
     raise CommandError(f"--draft {args.draft} is not a model: {e}") from e
-  sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+  sampling = _sampling(args)
   with draft:
     start = time.perf_counter()
     tokens, report = speculate(
@@ -445,7 +450,7 @@ def _generate_many(model: Model, args: argparse.Namespace) -> int:
   size = args.batch_size or len(ids)
   with placing(args, model):
     totals, start = Totals(), time.perf_counter()
-    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    sampling = _sampling(args)
     for b, first in enumerate(range(0, len(ids), size)):
       # one batch a call, printed as it ends; seeds as one generate_batch call draws them
       seed = batch_seed(args.seed, b)
